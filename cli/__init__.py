@@ -1,0 +1,1 @@
+"""hexq's command line: a thin Typer layer over the library."""

@@ -1,0 +1,116 @@
+"""Uniform integer quantization of weights and activations.
+
+quantize(W, spec) -> (q, QuantMeta) and dequantize(q, meta) are exact inverses up to rounding:
+W ~= (q - zero) * scale, with q in [0, 2^bits - 1] (asymmetric) or [-2^(bits-1), 2^(bits-1) - 1] stored
+offset by 2^(bits-1) (symmetric, zero fixed at the midpoint). Groups run along the input dimension
+(the last axis) in blocks of `group_size` columns; group_size=None means one group per output row
+(per-channel).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How to quantize a weight matrix [out, in]."""
+
+    bits: int
+    group_size: int | None = None  # None: per output channel
+    symmetric: bool = True
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.bits <= 8:
+            raise ValueError(f"bits must be in 1..8, got {self.bits}")
+        if self.group_size is not None and self.group_size < 1:
+            raise ValueError(f"group_size must be positive or None, got {self.group_size}")
+
+    @property
+    def qmax(self) -> int:
+        return 2**self.bits - 1
+
+
+@dataclass(frozen=True)
+class QuantMeta:
+    """Scales and zero points, each [out, n_groups]; `group_size` columns share one (scale, zero)."""
+
+    scale: torch.Tensor
+    zero: torch.Tensor
+    group_size: int
+    bits: int
+
+
+def grid_params(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero point for each row of w [rows, cols], from the row's min/max (RTN grid).
+
+    Symmetric (the GPTQ reference convention): scale = 2*max|w| / qmax, zero at (qmax+1)/2, so the levels run
+    from -(qmax+1)/qmax*max|w| to (qmax-1)/qmax*max|w|; 1-bit symmetric uses the sign levels +-max|w|/2.
+    Asymmetric: the grid spans [min(w,0), max(w,0)] with an integer zero point, so 0 is exact; 1-bit
+    asymmetric uses the two levels {min(w), max(w)}.
+    """
+    if spec.symmetric:
+        amax = w.abs().amax(dim=-1).clamp(min=1e-8)
+        scale = 2 * amax / spec.qmax
+        zero = torch.full_like(scale, float((spec.qmax + 1) // 2))
+        if spec.bits == 1:
+            # Levels (q - zero) in {-1, 0} would lose the sign: centre on +-0.5 instead.
+            zero = torch.full_like(scale, 0.5)
+            scale = 2 * amax / 2
+    elif spec.bits == 1:
+        # Two levels {min, max}: forcing 0 into the range (below) would collapse most weights to 0.
+        wmin, wmax = w.amin(dim=-1), w.amax(dim=-1)
+        scale = (wmax - wmin).clamp(min=1e-8)
+        zero = -wmin / scale
+    else:
+        wmin = w.amin(dim=-1).clamp(max=0)
+        wmax = w.amax(dim=-1).clamp(min=0)
+        scale = ((wmax - wmin) / spec.qmax).clamp(min=1e-8)
+        zero = torch.round(-wmin / scale)
+    return scale, zero
+
+
+def quantize_to_grid(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, qmax: int) -> torch.Tensor:
+    """Integer codes of w on the grid (scale, zero), broadcast along the last axis of w."""
+    return torch.clamp(torch.round(w / scale + zero), 0, qmax)
+
+
+def quantize(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, QuantMeta]:
+    """Round-to-nearest quantization of w [out, in]: integer codes (uint8) and their QuantMeta."""
+    out_features, in_features = w.shape
+    group = in_features if spec.group_size is None else spec.group_size
+    if in_features % group:
+        raise ValueError(f"in_features {in_features} is not a multiple of group_size {group}")
+    grouped = w.float().reshape(out_features, in_features // group, group)
+    scale, zero = grid_params(grouped, spec)
+    codes = quantize_to_grid(grouped, scale[..., None], zero[..., None], spec.qmax)
+    return codes.reshape(out_features, in_features).to(torch.uint8), QuantMeta(scale, zero, group, spec.bits)
+
+
+def dequantize(codes: torch.Tensor, meta: QuantMeta) -> torch.Tensor:
+    """Float weights [out, in] from integer codes and their QuantMeta."""
+    out_features, in_features = codes.shape
+    grouped = codes.float().reshape(out_features, in_features // meta.group_size, meta.group_size)
+    return ((grouped - meta.zero[..., None]) * meta.scale[..., None]).reshape(out_features, in_features)
+
+
+def fake_quantize(w: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """dequantize(quantize(w)) in w's dtype: the weight the quantized model computes with."""
+    return dequantize(*quantize(w, spec)).to(w.dtype)
+
+
+def fake_quantize_activations(x: torch.Tensor, bits: int, per_token: bool = True, symmetric: bool = False,
+                              scale: torch.Tensor | None = None, zero: torch.Tensor | None = None) -> torch.Tensor:
+    """Activation fake quantization along the last axis: dynamic per token (each row its own range), dynamic
+    per tensor, or static when `scale`/`zero` are given (calibrated per-tensor range)."""
+    spec = QuantSpec(bits=bits, symmetric=symmetric)
+    if scale is None:
+        rows = x.reshape(-1, x.shape[-1]) if per_token else x.reshape(1, -1)
+        scale, zero = grid_params(rows.float(), spec)
+        scale, zero = scale[:, None], zero[:, None]
+        codes = quantize_to_grid(rows.float(), scale, zero, spec.qmax)
+        return ((codes - zero) * scale).reshape(x.shape).to(x.dtype)
+    codes = quantize_to_grid(x.float(), scale, zero, spec.qmax)
+    return ((codes - zero) * scale).to(x.dtype)

@@ -1,0 +1,1 @@
+"""Packed, versioned, verifiable artifacts: bit packing, safetensors shards, manifest."""

@@ -1,0 +1,1 @@
+"""Walking a model layer by layer: capture, baselines and (later) calibration passes."""

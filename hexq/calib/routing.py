@@ -1,0 +1,55 @@
+"""Router statistics captured with forward hooks on each layer's router.
+
+The router of every supported family returns (router_logits, router_scores, router_indices); the hooks read
+the chosen expert ids and their scores. Hooks are owned by the context manager and removed in `finally`.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from hexq.adapters import MoEAdapter
+
+
+@dataclass
+class RouterCounts:
+    """Per layer and expert: how many tokens chose the expert, and the sum of their routing scores."""
+
+    counts: torch.Tensor  # [L, E] int64
+    score_sums: torch.Tensor  # [L, E] float64
+
+    @property
+    def load(self) -> torch.Tensor:
+        """Share of each layer's routed (token, slot) pairs that went to each expert; rows sum to 1."""
+        return self.counts.double() / self.counts.sum(dim=1, keepdim=True).clamp(min=1)
+
+
+def moe_routers(model, adapter: MoEAdapter) -> list[torch.nn.Module]:
+    return [getattr(getattr(layer, adapter.moe), adapter.router) for layer in model.model.layers]
+
+
+@contextmanager
+def capture_router_counts(model, adapter: MoEAdapter, num_experts: int):
+    """Within the block, every forward pass adds its routing decisions to the yielded RouterCounts."""
+    routers = moe_routers(model, adapter)
+    stats = RouterCounts(torch.zeros(len(routers), num_experts, dtype=torch.long),
+                         torch.zeros(len(routers), num_experts, dtype=torch.float64))
+
+    def hook_for(layer_index: int):
+        def hook(_module, _inputs, outputs):
+            _logits, scores, indices = outputs
+            flat = indices.reshape(-1).cpu()
+            stats.counts[layer_index] += torch.bincount(flat, minlength=num_experts)
+            stats.score_sums[layer_index].index_add_(0, flat, scores.reshape(-1).double().cpu())
+
+        return hook
+
+    handles = [router.register_forward_hook(hook_for(i)) for i, router in enumerate(routers)]
+    try:
+        yield stats
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -1,0 +1,1 @@
+"""Perplexity evaluation and benchmark helpers."""

@@ -1,0 +1,70 @@
+"""Loading a HuggingFace MoE checkpoint from a local folder, with the checks a user's mistake needs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from hexq.adapters import ADAPTERS, MoEAdapter, adapter_for, supported_types
+from hexq.errors import HexqError
+
+EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def read_model_config(folder: Path) -> dict:
+    """config.json of a model folder; a one-line error for a missing folder, file or broken JSON."""
+    if not folder.is_dir():
+        raise HexqError(f"model folder not found: {folder}")
+    path = folder / "config.json"
+    if not path.is_file():
+        raise HexqError(f"{folder} is not a HuggingFace model folder (no config.json)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise HexqError(f"{path} is not valid JSON: {exc}") from None
+
+
+def check_moe_folder(folder: Path) -> MoEAdapter:
+    """The adapter for the model in `folder`, or a HexqError naming what is wrong."""
+    config = read_model_config(folder)
+    model_type = config.get("model_type")
+    if model_type is None:
+        raise HexqError(f"{folder}/config.json has no model_type")
+    has_experts = any(config.get(key) for key in EXPERT_COUNT_KEYS)
+    if model_type not in ADAPTERS and not has_experts:
+        raise HexqError(f"{folder} holds a dense {model_type} model, not a Mixture-of-Experts model; "
+                        f"hexq supports: {', '.join(supported_types())}")
+    adapter = adapter_for(model_type)
+    if not has_experts:
+        keys = ", ".join(EXPERT_COUNT_KEYS)
+        raise HexqError(f"{folder} is a {model_type} model without routed experts (none of {keys} is set)")
+    return adapter
+
+
+def pick_device(device: str | None = None) -> torch.device:
+    """CUDA when present, else CPU; an explicit choice wins."""
+    if device:
+        return torch.device(device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def load_model(folder: str | Path, device: str | None = None, dtype: torch.dtype = torch.float32):
+    """(model, tokenizer, adapter) from a local folder, offline, in eval mode and `dtype` (fp32 by default:
+    the reference weights are stored in bf16 and every hexq computation runs on their fp32 upcast)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = Path(folder)
+    adapter = check_moe_folder(folder)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=dtype)
+    except OSError as exc:
+        raise HexqError(f"cannot load model from {folder}: {str(exc).splitlines()[0]}") from None
+    model.to(pick_device(device)).eval()
+    return model, tokenizer, adapter
+
+
+def context_length(model) -> int:
+    return int(getattr(model.config, "max_position_embeddings", 0) or 0)

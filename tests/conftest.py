@@ -1,0 +1,67 @@
+"""Shared fixtures: tiny random MoE checkpoints of every supported family, saved as real model folders."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+TOKENIZER_DIR = ROOT / "models" / "tokenizer"
+REFERENCE_MODELS = {
+    "mixtral": ROOT / "models" / "hexq-tiny-mixtral",
+    "qwen3moe": ROOT / "models" / "hexq-tiny-qwen3moe",
+}
+
+# Smallest configs that still exercise each family's MoE block (shared experts, dense first layers, ...).
+TINY_CONFIGS = {
+    "mixtral": dict(hidden_size=32, intermediate_size=16, num_attention_heads=4, num_key_value_heads=2,
+                    num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": dict(hidden_size=32, intermediate_size=32, moe_intermediate_size=16, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2),
+    "qwen2_moe": dict(hidden_size=32, intermediate_size=32, moe_intermediate_size=16,
+                      shared_expert_intermediate_size=24, num_attention_heads=4, num_key_value_heads=2,
+                      num_experts=8, num_experts_per_tok=2),
+    "olmoe": dict(hidden_size=32, intermediate_size=16, num_attention_heads=4, num_key_value_heads=4,
+                  num_experts=8, num_experts_per_tok=2),
+    "deepseek_v2": dict(hidden_size=32, intermediate_size=32, moe_intermediate_size=16, num_attention_heads=4,
+                        num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+                        first_k_dense_replace=0, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+                        qk_nope_head_dim=8, v_head_dim=8, n_group=1, topk_group=1),
+    "deepseek_v3": dict(hidden_size=32, intermediate_size=32, moe_intermediate_size=16, num_attention_heads=4,
+                        num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+                        first_k_dense_replace=0, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+                        qk_nope_head_dim=8, v_head_dim=8, n_group=1, topk_group=1),
+    "phimoe": dict(hidden_size=32, intermediate_size=16, num_attention_heads=4, num_key_value_heads=2,
+                   num_local_experts=4, num_experts_per_tok=2),
+}
+
+
+def build_tiny_model(model_type: str, seed: int = 0, **overrides):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    kwargs = dict(vocab_size=8192, num_hidden_layers=2, max_position_embeddings=128) | TINY_CONFIGS[model_type]
+    config = AutoConfig.for_model(model_type, **(kwargs | overrides))
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def save_tiny_model(folder: Path, model_type: str, seed: int = 0) -> Path:
+    from transformers import AutoTokenizer
+
+    build_tiny_model(model_type, seed).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(TOKENIZER_DIR).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3moe(tmp_path_factory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-qwen3moe"), "qwen3_moe")
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(TOKENIZER_DIR)
