@@ -23,6 +23,8 @@ err_console = Console(stderr=True)
 DEFAULT_EVAL_DATA = ["wikitext2", "austen", "pydocs", "foldoc"]
 
 ModelArg = Annotated[Path, typer.Argument(help="Local HuggingFace MoE model folder.", show_default=False)]
+EvalTargetArg = Annotated[Path, typer.Argument(help="HuggingFace MoE model folder, or a hexq calibration folder "
+                                               "(evaluated as its quantized model).", show_default=False)]
 SeqlenOpt = Annotated[int, typer.Option("--seqlen", "-L", help="Window length in tokens.", min=2)]
 WindowsOpt = Annotated[int | None, typer.Option("--windows", "-n", help="Evaluate at most this many windows "
                                                 "per text (default: all).", min=1)]
@@ -61,10 +63,53 @@ def version() -> None:
     console.print(f"hexq {__version__}")
 
 
+@app.command()
+@handle_errors
+def calibrate(
+    model: ModelArg,
+    recipe: Annotated[str, typer.Option("--recipe", "-r", help="Recipe YAML file or bundled name (haq-w8a8, "
+                                        "experts-mixed, w4a16-g32, rtn-w4a16).")] = "haq-w8a8",
+    data: Annotated[str, typer.Option("--data", "-d", help="Calibration text: bundled, austen, pydocs, foldoc, "
+                                      "a text/jsonl/parquet file, or a hub dataset name.")] = "bundled",
+    out: Annotated[Path, typer.Option("--out", "-o", help="Output folder (resumed if interrupted).")] = Path(
+        "calibration"),
+    samples: Annotated[int | None, typer.Option("--samples", "-n", help="Override the recipe's number of "
+                                                "calibration windows.", min=1)] = None,
+    seqlen: Annotated[int | None, typer.Option("--seqlen", "-L", help="Override the recipe's window length.",
+                                               min=2)] = None,
+    batch_size: BatchOpt = 8,
+    device: DeviceOpt = None,
+) -> None:
+    """Smoothing search, GPTQ, per-expert replica banks and loss tables, layer by layer."""
+    from dataclasses import replace
+
+    from hexq.calib.pipeline import calibrate as run_calibration
+    from hexq.recipe import load_recipe
+
+    chosen = load_recipe(recipe)
+    if samples or seqlen:
+        calibration = replace(chosen.calibration, num_samples=samples or chosen.calibration.num_samples,
+                              seqlen=seqlen or chosen.calibration.seqlen)
+        chosen = replace(chosen, calibration=calibration)
+    with progress_bar() as bar:
+        task = bar.add_task(f"calibrate {model.name} ({chosen.name})", total=None)
+
+        def report(_what: str, done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        summary = run_calibration(model, chosen, data, out, device, batch_size, report)
+    if summary.resumed_from == -1:
+        console.print(f"{out} already holds this calibration (same model, data and recipe); nothing to do")
+        return
+    resumed = f", resumed after layer {summary.resumed_from}" if summary.resumed_from else ""
+    console.print(f"calibrated {summary.layers} layers into {out} in {summary.seconds:.1f}s{resumed}; "
+                  f"{summary.fallback_experts} cold expert(s) used the layer-wide Hessian fallback")
+
+
 @app.command("eval")
 @handle_errors
 def eval_command(
-    model: ModelArg,
+    model: EvalTargetArg,
     data: Annotated[list[str] | None, typer.Option("--data", "-d", help="Corpus name (wikitext2, austen, pydocs, "
                                                   "foldoc: held-out parts) or a text/jsonl/parquet file; "
                                                   "repeat for several.")] = None,
@@ -73,6 +118,8 @@ def eval_command(
     batch_size: BatchOpt = 8,
     device: DeviceOpt = None,
     json_out: JsonOpt = None,
+    expert_bits: Annotated[int | None, typer.Option("--expert-bits", help="For a calibration folder with replica "
+                                                    "banks: which replica the experts use.")] = None,
 ) -> None:
     """Perplexity with the GPTQ protocol (non-overlapping windows, exp of mean token NLL)."""
     from hexq.eval.run import evaluate_model
@@ -87,7 +134,7 @@ def eval_command(
                 tasks[source] = bar.add_task(f"eval {source}", total=total)
             bar.update(tasks[source], completed=done)
 
-        rows = evaluate_model(model, sources, seqlen, windows, batch_size, device, report)
+        rows = evaluate_model(model, sources, seqlen, windows, batch_size, device, report, expert_bits)
     table = Table(title=f"perplexity of {model.name} (window {seqlen})")
     for column in ("data", "perplexity", "windows", "tokens scored"):
         table.add_column(column, justify="left" if column == "data" else "right")

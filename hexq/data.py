@@ -155,7 +155,7 @@ def tokenize(tokenizer, text: str) -> torch.Tensor:
     """Tokenize once, as one stream, without special tokens."""
     if not text.strip():
         raise HexqError("text is empty")
-    ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+    ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
     return torch.tensor(ids, dtype=torch.long)
 
 

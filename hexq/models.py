@@ -54,7 +54,9 @@ def load_model(folder: str | Path, device: str | None = None, dtype: torch.dtype
     """(model, tokenizer, adapter) from a local folder, offline, in eval mode and `dtype` (fp32 by default:
     the reference weights are stored in bf16 and every hexq computation runs on their fp32 upcast)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # the library does not print; callers show their own progress
     folder = Path(folder)
     adapter = check_moe_folder(folder)
     try:

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from hexq.data import eval_text, tokenize
+from hexq.errors import HexqError
 from hexq.eval.perplexity import PerplexityResult, perplexity
 from hexq.models import load_model
 
@@ -20,11 +21,26 @@ class EvalRow:
         return {"data": self.data, **asdict(self.result)}
 
 
+def load_eval_target(path: Path, device: str | None, expert_bits: int | None):
+    """(model, tokenizer) for a HuggingFace model folder or a hexq calibration folder."""
+    if (path / "manifest.json").exists():
+        from hexq.calib.pipeline import load_calibrated
+
+        model, tokenizer, _ = load_calibrated(path, device, expert_bits)
+        return model, tokenizer
+    if expert_bits is not None:
+        raise HexqError("--expert-bits applies to a calibration folder, not to a model folder")
+    model, tokenizer, _ = load_model(path, device)
+    return model, tokenizer
+
+
 def evaluate_model(model_path: str | Path, data: list[str], seqlen: int, max_windows: int | None, batch_size: int,
                    device: str | None = None,
-                   progress: Callable[[str, int, int], None] | None = None) -> list[EvalRow]:
-    """Perplexity of the model folder on each data source (corpus name or file), same protocol for all."""
-    model, tokenizer, _ = load_model(model_path, device)
+                   progress: Callable[[str, int, int], None] | None = None,
+                   expert_bits: int | None = None) -> list[EvalRow]:
+    """Perplexity of a model folder, or of a calibration folder's quantized model, on each data source (corpus
+    name or file), same protocol for all."""
+    model, tokenizer = load_eval_target(Path(model_path), device, expert_bits)
     token_streams = {source: tokenize(tokenizer, eval_text(source)) for source in data}
     rows = []
     for source, ids in token_streams.items():

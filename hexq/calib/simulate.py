@@ -1,0 +1,74 @@
+"""The quantized model as it computes: dequantized weights plus fake-quantized activations.
+
+Activation quantization is attached in two places only: a forward pre-hook on each quantized attention /
+shared-expert linear, and `SimulatedExperts`, the one replacement for a layer's fused routed-experts module,
+which quantizes the expert inputs and the down projection's input (the intermediate) per token or with static
+per-tensor ranges.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hexq.algos.quant import QuantSpec, fake_quantize_activations, grid_params, quantize_to_grid
+
+
+@dataclass(frozen=True)
+class ActQuantizer:
+    """Fake quantization of activations: dynamic per token, or static per tensor from a calibrated range."""
+
+    bits: int
+    symmetric: bool
+    dynamic: bool
+    low: float = 0.0  # static range (calibration minimum / maximum of the input)
+    high: float = 0.0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dynamic:
+            return fake_quantize_activations(x, self.bits, per_token=True, symmetric=self.symmetric)
+        spec = QuantSpec(bits=self.bits, symmetric=self.symmetric)
+        scale, zero = grid_params(torch.tensor([[self.low, self.high]], dtype=torch.float32), spec)
+        scale, zero = scale.to(x.device), zero.to(x.device)
+        return ((quantize_to_grid(x.float(), scale, zero, spec.qmax) - zero) * scale).to(x.dtype)
+
+
+class SimulatedExperts(torch.nn.Module):
+    """Routed experts from given fused weights (gate_up [E, 2I, H], down [E, H, I]), same interface as the
+    transformers 5.x experts module: forward(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k])."""
+
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, act_fn,
+                 input_quant: ActQuantizer | None = None, mid_quant: ActQuantizer | None = None) -> None:
+        super().__init__()
+        self.gate_up_proj = torch.nn.Parameter(gate_up, requires_grad=False)
+        self.down_proj = torch.nn.Parameter(down, requires_grad=False)
+        self.num_experts = gate_up.shape[0]
+        self.act_fn = act_fn
+        self.input_quant = input_quant
+        self.mid_quant = mid_quant
+
+    def expert_forward(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """One expert on its routed tokens x [n, H] -> [n, H], with activation quantization if configured."""
+        if self.input_quant is not None:
+            x = self.input_quant(x)
+        gate, up = torch.nn.functional.linear(x, self.gate_up_proj[expert]).chunk(2, dim=-1)
+        mid = self.act_fn(gate) * up
+        if self.mid_quant is not None:
+            mid = self.mid_quant(mid)
+        return torch.nn.functional.linear(mid, self.down_proj[expert])
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for expert in top_k_index.unique().tolist():
+            if not 0 <= expert < self.num_experts:
+                continue  # some families mark dropped slots with an out-of-range id
+            token, slot = torch.where(top_k_index == expert)
+            y = self.expert_forward(expert, hidden_states[token]) * top_k_weights[token, slot, None]
+            out.index_add_(0, token, y.to(out.dtype))
+        return out
+
+
+def attach_input_quant(module: torch.nn.Module, quantizer: ActQuantizer):
+    """Quantize a linear's input on every call; returns the hook handle (the model owns it from then on)."""
+    return module.register_forward_pre_hook(lambda _m, args: (quantizer(args[0]), *args[1:]))

@@ -1,0 +1,506 @@
+"""Recipes: frozen, typed configs for `hexq calibrate`, read from YAML files that map 1:1 onto them.
+
+A recipe file is one mapping whose keys are the fields of `Recipe`; each section is the mapping of one dataclass:
+
+    name: haq-w8a8
+    version: 1
+    smoothing:   {method: haq, grid_step: 0.05, max_tokens: 2048, groups: [attention, moe]}
+    weights:     {bits: 8, group_size: null, symmetric: false, method: gptq, act_order: none, damp: 0.01}
+    activations: {bits: 8, dynamic: true, symmetric: false}
+    experts:     {mode: uniform, min_tokens: 16, fallback_blend: 0.5}
+    calibration: {num_samples: 128, seqlen: 256, seed: 0}
+
+Rules (one place for each: `_build` for keys and nesting, `_coerce` for types, `__post_init__` for values):
+- a key left out takes the dataclass default (the defaults are the paper's HAQ W8A8 setting);
+- an unknown key fails naming the key and the allowed ones; a duplicated key fails (PyYAML would keep the last);
+- a wrong type fails naming the key and the expected type (an int is accepted where a number is expected);
+- a key used only by another method or mode (e.g. smoothing.alpha with method haq) must stay at its default,
+  so a recipe never carries a setting that is silently ignored.
+
+The recipe stored in calibration outputs is `recipe_to_dict`; `recipe_hash` identifies it (sha256 of canonical JSON).
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import hashlib
+import json
+import os
+import reprlib
+import types
+import typing
+from collections.abc import Hashable, Iterable, Mapping
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hexq.algos.gptq import ACT_ORDERS
+from hexq.algos.quant import QuantSpec
+from hexq.data import PROJECT_ROOT
+from hexq.errors import HexqError
+
+RECIPE_VERSION = 1
+RECIPES_DIR = PROJECT_ROOT / "recipes"
+
+WEIGHT_METHODS = ("gptq", "rtn")
+SMOOTHING_METHODS = ("haq", "smoothquant", "none")
+SMOOTHING_GROUPS = ("attention", "moe")  # input norm -> q,k,v; post-attention norm -> router + experts + shared
+EXPERT_MODES = ("uniform", "replicas")
+
+
+class RecipeError(HexqError):
+    """A problem with a recipe. `key` is the dotted path of the offending key relative to the dataclass that
+    raised it ("" when the message is already complete); the loader prefixes it with the section it was read from."""
+
+    def __init__(self, key: str, problem: str) -> None:
+        self.key, self.problem = key, problem
+        super().__init__(f"{key} {problem}" if key else problem)
+
+    def under(self, section: str) -> RecipeError:
+        if not section or not self.key:
+            return self
+        return RecipeError(f"{section}.{self.key}", self.problem)
+
+
+# --------------------------------------------------------------------------------------------- type checking
+
+
+def _describe(value: Any) -> str:
+    return "null" if value is None else f"{type(value).__name__} {reprlib.repr(value)}"
+
+
+def _expected(hint: Any) -> str:
+    """What a value of type `hint` looks like in YAML, for error messages."""
+    if _is_optional(hint):
+        return f"{_expected(_non_none(hint))} or null"
+    if typing.get_origin(hint) is tuple:
+        return f"a list of {_expected(typing.get_args(hint)[0]).removeprefix('a ').removeprefix('an ')}s"
+    if is_dataclass(hint):
+        return "a mapping"
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    return names[hint]
+
+
+def _is_optional(hint: Any) -> bool:
+    return typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in typing.get_args(hint)
+
+
+def _non_none(hint: Any) -> Any:
+    (inner,) = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+    return inner
+
+
+def _coerce(value: Any, hint: Any) -> tuple[bool, Any]:
+    """(ok, value converted to the canonical Python type): int -> float for numbers, list -> tuple for tuples."""
+    if _is_optional(hint):
+        return (True, None) if value is None else _coerce(value, _non_none(hint))
+    if typing.get_origin(hint) is tuple:
+        if not isinstance(value, list | tuple):
+            return False, value
+        items = [_coerce(item, typing.get_args(hint)[0]) for item in value]
+        return all(ok for ok, _ in items), tuple(item for _, item in items)
+    if is_dataclass(hint):
+        return isinstance(value, hint), value
+    if hint is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        return ok, float(value) if ok else value
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    return isinstance(value, hint), value
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _check_types(obj: Any) -> None:
+    """Type-check every field of a frozen dataclass against its annotation, storing the canonical value."""
+    for f in fields(obj):
+        hint = _hints(type(obj))[f.name]
+        ok, value = _coerce(getattr(obj, f.name), hint)
+        if not ok:
+            raise RecipeError(f.name, f"must be {_expected(hint)}, got {_describe(getattr(obj, f.name))}")
+        object.__setattr__(obj, f.name, value)
+
+
+# ------------------------------------------------------------------------------------------ value checks
+
+
+def _check_bits(key: str, bits: int) -> None:
+    if not 1 <= bits <= 8:
+        raise RecipeError(key, f"must be in 1..8, got {bits}")
+
+
+def _check_choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise RecipeError(key, f"must be one of {', '.join(allowed)}; got {value!r}")
+
+
+def _check_at_least(key: str, value: int, low: int) -> None:
+    if value < low:
+        raise RecipeError(key, f"must be at least {low}, got {value}")
+
+
+def _check_unit(key: str, value: float, *, open_low: bool = False) -> None:
+    if not (0 < value <= 1 if open_low else 0 <= value <= 1):
+        raise RecipeError(key, f"must be in {'(0, 1]' if open_low else '[0, 1]'}, got {value}")
+
+
+def _check_unused_at_default(obj: Any, selector: str, used_by: dict[str, tuple[str, ...]]) -> None:
+    """Fields used only by some values of `selector` (a method or mode) must keep their defaults otherwise."""
+    active = getattr(obj, selector)
+    defaults = {f.name: f.default for f in fields(obj)}
+    for name, users in used_by.items():
+        if active not in users and getattr(obj, name) != defaults[name]:
+            only = " or ".join(repr(user) for user in users)
+            raise RecipeError(name, f"is used only with {selector} {only} ({selector} is {active!r}); remove it")
+
+
+# ------------------------------------------------------------------------------------------ dataclasses
+
+
+@dataclass(frozen=True)
+class WeightQuant:
+    """How weights are quantized (hexq.algos.quant / hexq.algos.gptq).
+
+    act_order, damp and block_size are GPTQ's (`gptq_quantize`); with method "rtn" they must stay at their defaults.
+    """
+
+    bits: int = 8
+    group_size: int | None = None  # None: one grid per output channel
+    symmetric: bool = False  # 003 quantizes weights and activations asymmetrically
+    method: str = "gptq"  # "gptq" | "rtn"
+    act_order: str = "none"  # "none" | "max_activation" | "sum_of_squares"
+    damp: float = 0.01  # fraction of mean(diag H) added to diag H; escalated x10 when Cholesky fails
+    block_size: int = 128  # columns per lazy-update block
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        _check_bits("bits", self.bits)
+        if self.group_size is not None:
+            _check_at_least("group_size", self.group_size, 1)
+        _check_choice("method", self.method, WEIGHT_METHODS)
+        _check_choice("act_order", self.act_order, ACT_ORDERS)
+        _check_unit("damp", self.damp, open_low=True)
+        _check_at_least("block_size", self.block_size, 1)
+        _check_unused_at_default(self, "method", {name: ("gptq",) for name in ("act_order", "damp", "block_size")})
+
+    def spec(self, bits: int | None = None) -> QuantSpec:
+        """The QuantSpec of this setting, at `bits` instead of self.bits when given (one replica of a bank)."""
+        return QuantSpec(bits=self.bits if bits is None else bits, group_size=self.group_size,
+                         symmetric=self.symmetric)
+
+
+@dataclass(frozen=True)
+class ActivationQuant:
+    """How the inputs of quantized linears are quantized; bits None keeps them in full precision ("A16")."""
+
+    bits: int | None = 8
+    dynamic: bool = True  # True: per-token scales computed at run time; False: one static scale per tensor
+    symmetric: bool = False
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        if self.bits is not None:
+            _check_bits("bits", self.bits)
+            return
+        for f in fields(self):
+            if f.name != "bits" and getattr(self, f.name) != f.default:
+                raise RecipeError(f.name, "has no effect when bits is null (activations not quantized); remove it")
+
+    @property
+    def enabled(self) -> bool:
+        return self.bits is not None
+
+
+@dataclass(frozen=True)
+class Smoothing:
+    """Migration of activation outliers into the weights, s folded into the norm before each smoothing group.
+
+    haq: grid search of e in [0, 1] with step grid_step for s = max|X|^e minimising ||Q(W s) Q(X/s) - W X||^2
+    on at most max_tokens captured tokens per group (003 eq. 1-3). smoothquant: s = max|X|^alpha / max|W|^(1-alpha).
+    groups: which smoothing groups are smoothed ("attention": input norm -> q, k, v; "moe": post-attention norm ->
+    router + experts + shared expert); stored in that canonical order.
+    """
+
+    method: str = "haq"  # "haq" | "smoothquant" | "none"
+    alpha: float = 0.5  # smoothquant only
+    grid_step: float = 0.05  # haq only
+    max_tokens: int = 2048  # haq only
+    groups: tuple[str, ...] = SMOOTHING_GROUPS
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        _check_choice("method", self.method, SMOOTHING_METHODS)
+        _check_unit("alpha", self.alpha)
+        _check_unit("grid_step", self.grid_step, open_low=True)
+        _check_at_least("max_tokens", self.max_tokens, 1)
+        self._check_groups()
+        _check_unused_at_default(self, "method", {"alpha": ("smoothquant",), "grid_step": ("haq",),
+                                                  "max_tokens": ("haq",), "groups": ("haq", "smoothquant")})
+
+    def _check_groups(self) -> None:
+        if not self.groups:
+            raise RecipeError("groups", f"is empty; list at least one of {', '.join(SMOOTHING_GROUPS)} "
+                                        "(or use method none)")
+        for group in self.groups:
+            _check_choice("groups", group, SMOOTHING_GROUPS)
+        if len(set(self.groups)) != len(self.groups):
+            raise RecipeError("groups", f"lists a group twice: {list(self.groups)}")
+        object.__setattr__(self, "groups", tuple(g for g in SMOOTHING_GROUPS if g in self.groups))
+
+
+@dataclass(frozen=True)
+class Experts:
+    """How routed experts are quantized.
+
+    uniform: every expert at one setting. replicas: a bank per expert, one GPTQ replica per replica_bits entry from
+    one Hessian and one Cholesky factor, plus a loss table; the next layer's inputs are computed with the
+    propagate_bits replica. weights / activations None: the recipe's top-level weights / activations sections;
+    otherwise a complete WeightQuant / ActivationQuant (keys left out take the dataclass defaults, not the top-level
+    values). In replicas mode weights.bits is unused (each replica has its own bits) and must stay at its default.
+
+    Cold experts: an expert with fewer than min_tokens routed calibration tokens uses
+    H = (1 - fallback_blend) * H_expert + fallback_blend * H_layer (both per-token means; H_layer from every token
+    reaching the MoE block); an expert with no routed token uses H_layer alone. It is quantized either way.
+    """
+
+    mode: str = "uniform"  # "uniform" | "replicas"
+    replica_bits: tuple[int, ...] = (1, 2, 3, 4, 8)  # replicas only
+    propagate_bits: int = 4  # replicas only
+    weights: WeightQuant | None = None
+    activations: ActivationQuant | None = None
+    min_tokens: int = 16
+    fallback_blend: float = 0.5
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        _check_choice("mode", self.mode, EXPERT_MODES)
+        self._check_replica_bits()
+        _check_at_least("min_tokens", self.min_tokens, 1)
+        _check_unit("fallback_blend", self.fallback_blend)
+        _check_unused_at_default(self, "mode", {"replica_bits": ("replicas",), "propagate_bits": ("replicas",)})
+        if self.mode == "replicas" and self.weights is not None and self.weights.bits != WeightQuant.bits:
+            raise RecipeError("weights.bits", f"is not used in mode 'replicas' (each replica takes one of "
+                                              f"replica_bits {list(self.replica_bits)}); remove it")
+
+    def _check_replica_bits(self) -> None:
+        bits = self.replica_bits
+        if not bits:
+            raise RecipeError("replica_bits", "is empty; list the replica widths, e.g. [1, 2, 3, 4, 8]")
+        for b in bits:
+            _check_bits("replica_bits", b)
+        if len(set(bits)) != len(bits):
+            raise RecipeError("replica_bits", f"has duplicates: {list(bits)}")
+        if list(bits) != sorted(bits):
+            raise RecipeError("replica_bits", f"must be in increasing order, got {list(bits)}")
+        if self.propagate_bits not in bits:
+            raise RecipeError("propagate_bits", f"must be one of replica_bits {list(bits)}, got {self.propagate_bits}")
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Calibration windows: num_samples windows of seqlen tokens drawn with seed."""
+
+    num_samples: int = 128
+    seqlen: int = 256
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        _check_at_least("num_samples", self.num_samples, 1)
+        _check_at_least("seqlen", self.seqlen, 1)
+        _check_at_least("seed", self.seed, 0)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Everything `hexq calibrate` needs besides the model and the text. weights / activations apply to attention
+    and the shared expert (and to the routed experts unless `experts` overrides them)."""
+
+    name: str
+    version: int = RECIPE_VERSION
+    smoothing: Smoothing = field(default_factory=Smoothing)
+    weights: WeightQuant = field(default_factory=WeightQuant)
+    activations: ActivationQuant = field(default_factory=ActivationQuant)
+    experts: Experts = field(default_factory=Experts)
+    calibration: Calibration = field(default_factory=Calibration)
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        if not self.name.strip():
+            raise RecipeError("name", "must not be empty")
+        if self.version != RECIPE_VERSION:
+            raise RecipeError("version", f"{self.version} is not supported; this hexq reads recipe version "
+                                         f"{RECIPE_VERSION}")
+
+    @property
+    def expert_weights(self) -> WeightQuant:
+        return self.experts.weights or self.weights
+
+    @property
+    def expert_activations(self) -> ActivationQuant:
+        return self.experts.activations or self.activations
+
+
+# ------------------------------------------------------------------------------------------ model check
+
+
+def validate_for_model(recipe: Recipe, hidden_size: int,
+                       intermediate_sizes: Mapping[str, int] | Iterable[int]) -> None:
+    """Fail unless every group size divides every quantized input width of the model.
+
+    Widths: hidden_size (q/k/v, gate/up of experts and shared expert) and the intermediate sizes (down projections),
+    given as {config attribute: size} for clearer messages, or as plain sizes; other input widths (e.g. o_proj's
+    num_heads * head_dim when it differs from hidden_size) can be passed the same way. Both the top-level and the
+    experts' group size are checked against every width (conservative: the caller need not say which is which).
+    """
+    named = (list(intermediate_sizes.items()) if isinstance(intermediate_sizes, Mapping)
+             else [("intermediate size", size) for size in intermediate_sizes])
+    widths = [("hidden_size", hidden_size), *named]
+    listed = ", ".join(f"{name} {size}" for name, size in widths)
+    for key, quant in (("weights", recipe.weights), ("experts.weights", recipe.expert_weights)):
+        group = quant.group_size
+        for name, size in widths:
+            if group is not None and size % group:
+                raise RecipeError(f"{key}.group_size", f"{group} does not divide {name} {size}; choose a group size "
+                                                       f"dividing every input width ({listed}) or null (per-channel)")
+
+
+# ------------------------------------------------------------------------------------------ dict <-> dataclass
+
+
+def _section_label(path: str) -> str:
+    return path or "recipe"
+
+
+def _unknown_key(key: Any, path: str, allowed: list[str]) -> RecipeError:
+    close = difflib.get_close_matches(str(key), allowed, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return RecipeError("", f"unknown key {key!r} in {_section_label(path)}{hint}; allowed: {', '.join(allowed)}")
+
+
+def _nested_class(hint: Any) -> type | None:
+    inner = _non_none(hint) if _is_optional(hint) else hint
+    return inner if is_dataclass(inner) else None
+
+
+def _build(cls: type, data: Any, path: str) -> Any:
+    """An instance of dataclass `cls` from the mapping `data` read at section `path` ("" for the top level)."""
+    allowed = [f.name for f in fields(cls)]
+    if not isinstance(data, dict):
+        raise RecipeError("", f"{_section_label(path)} must be a mapping with keys {', '.join(allowed)}; "
+                              f"got {_describe(data)}")
+    for key in data:
+        if key not in allowed:
+            raise _unknown_key(key, path, allowed)
+    for f in fields(cls):
+        if f.default is MISSING and f.default_factory is MISSING and f.name not in data:
+            raise RecipeError("", f"missing key {f.name!r} in {_section_label(path)}")
+    kwargs = {}
+    for key, value in data.items():
+        nested = _nested_class(_hints(cls)[key])
+        if nested is not None and isinstance(value, dict):
+            value = _build(nested, value, f"{path}.{key}" if path else key)
+        kwargs[key] = value
+    try:
+        return cls(**kwargs)
+    except RecipeError as err:
+        raise err.under(path) from None
+
+
+def _to_plain(value: Any) -> Any:
+    if is_dataclass(value):
+        return {f.name: _to_plain(getattr(value, f.name)) for f in fields(value)}
+    if isinstance(value, tuple):
+        return [_to_plain(item) for item in value]
+    return value
+
+
+def recipe_from_dict(data: Mapping[str, Any]) -> Recipe:
+    """A Recipe from its dict form (a parsed YAML file or `recipe_to_dict` output), with every check applied."""
+    return _build(Recipe, dict(data) if isinstance(data, Mapping) else data, "")
+
+
+def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
+    """Every field, JSON/YAML-ready (tuples as lists); recipe_from_dict(recipe_to_dict(r)) == r."""
+    return _to_plain(recipe)
+
+
+def recipe_hash(recipe: Recipe) -> str:
+    """sha256 hex digest of the canonical JSON of the recipe (sorted keys, no whitespace)."""
+    canonical = json.dumps(recipe_to_dict(recipe), sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+# ------------------------------------------------------------------------------------------ files
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that rejects a key written twice in one mapping (SafeLoader silently keeps the last)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, Hashable) and key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"found duplicate key {key!r}",
+                                                        key_node.start_mark)
+            if isinstance(key, Hashable):
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def bundled_recipes() -> list[str]:
+    """Names of the recipes shipped in the project's recipes/ folder (file stems)."""
+    return sorted(path.stem for path in RECIPES_DIR.glob("*.yaml")) if RECIPES_DIR.is_dir() else []
+
+
+def _bundled_list() -> str:
+    names = bundled_recipes()
+    return f"bundled recipes: {', '.join(names)}" if names else f"no bundled recipes found in {RECIPES_DIR}"
+
+
+def recipe_path(path_or_name: str | os.PathLike[str]) -> Path:
+    """The file behind a recipe argument: an existing file, else a bundled name (no folder part, no suffix)."""
+    candidate = Path(path_or_name)
+    if candidate.is_file():
+        return candidate
+    if candidate.is_dir():
+        raise RecipeError("", f"recipe {candidate} is a folder, not a .yaml file; {_bundled_list()}")
+    if candidate.suffix in (".yaml", ".yml") or len(candidate.parts) != 1:
+        raise RecipeError("", f"recipe file not found: {candidate}; {_bundled_list()}")
+    bundled = RECIPES_DIR / f"{candidate.name}.yaml"
+    if not bundled.is_file():
+        raise RecipeError("", f"unknown recipe {str(path_or_name)!r}; {_bundled_list()} (or pass a .yaml path)")
+    return bundled
+
+
+def _read_yaml(path: Path) -> Any:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise RecipeError("", f"cannot read recipe {path}: {err}") from None
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader subclass: no arbitrary objects
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise RecipeError("", f"recipe {path} is not valid YAML{where}: {problem}") from None
+
+
+def load_recipe(path_or_name: str | os.PathLike[str]) -> Recipe:
+    """Read a recipe from a YAML file or a bundled recipe name (see `bundled_recipes`)."""
+    path = recipe_path(path_or_name)
+    data = _read_yaml(path)
+    try:
+        return recipe_from_dict(data)
+    except RecipeError as err:
+        raise RecipeError("", f"recipe {path}: {err}") from None

@@ -1,0 +1,152 @@
+"""hexq calibrate end to end on a tiny random Qwen3-MoE: outputs, determinism, resume, errors, loss tables."""
+
+import json
+import math
+import shutil
+from dataclasses import replace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from hexq.calib.pipeline import calibrate, load_calibrated
+from hexq.calib.store import read_json
+from hexq.errors import HexqError
+from hexq.models import load_model
+from hexq.recipe import Calibration, Experts, WeightQuant, load_recipe
+from hexq_cli.main import app
+
+SMALL = Calibration(num_samples=6, seqlen=32, seed=0)
+
+
+def small(name: str, **experts):
+    recipe = replace(load_recipe(name), calibration=SMALL)
+    if experts:
+        recipe = replace(recipe, experts=replace(recipe.experts, **experts))
+    return recipe
+
+
+MIXED = dict(weights=WeightQuant(group_size=16, symmetric=False))
+
+
+def folder_bytes(folder):
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name != "timings.json"}
+
+
+@pytest.fixture(scope="module")
+def mixed_run(tiny_qwen3moe, tmp_path_factory):
+    out = tmp_path_factory.mktemp("cal") / "mixed"
+    summary = calibrate(tiny_qwen3moe, small("experts-mixed", **MIXED), "bundled", out)
+    return out, summary
+
+
+def test_output_folder_layout_and_loss_table(mixed_run):
+    out, summary = mixed_run
+    manifest = read_json(out / "manifest.json")
+    assert manifest["expert_bits"] == [1, 2, 3, 4, 8] and manifest["model"]["layers"] == summary.layers == 2
+    for index in range(2):
+        tensors = load_file(out / f"layer_{index:03d}.safetensors")
+        table = tensors["loss_table"]
+        assert table.shape == (8, 5) and torch.isfinite(table).all()
+        # more bits, less output error, for every expert (1 -> 8 bits)
+        assert (table[:, 0] > table[:, 3]).all() and (table[:, 3] > table[:, 4]).all()
+        for bits in (1, 2, 3, 4, 8):
+            codes = tensors[f"experts.gate_up.b{bits}.codes"]
+            assert codes.shape == (8, 32, 32) and int(codes.max()) <= 2**bits - 1
+        assert int(tensors["router.counts"].sum()) == 6 * 32 * 2  # tokens x top-2
+        assert tensors["router.topk"].shape == (6 * 32, 2)
+        assert torch.equal(tensors["loss_table.tokens"].clamp(max=1), (tensors["experts.tokens"] > 0).long())
+
+
+def test_same_inputs_give_the_same_bytes(tiny_qwen3moe, mixed_run, tmp_path):
+    out, _ = mixed_run
+    again = tmp_path / "again"
+    calibrate(tiny_qwen3moe, small("experts-mixed", **MIXED), "bundled", again)
+    assert folder_bytes(again) == folder_bytes(out)
+
+
+def test_interrupted_run_resumes_from_the_last_finished_layer(tiny_qwen3moe, mixed_run, tmp_path):
+    out, _ = mixed_run
+    partial = tmp_path / "partial"
+    shutil.copytree(out, partial)
+    # as if killed after layer 0: layer 1 and the manifest never written, progress says 1 layer done
+    for name in ("layer_001.safetensors", "layer_001.json", "manifest.json"):
+        (partial / name).unlink()
+    progress = json.loads((partial / "progress.json").read_text())
+    (partial / "progress.json").write_text(json.dumps(progress | {"layers_done": 1}))
+    summary = calibrate(tiny_qwen3moe, small("experts-mixed", **MIXED), "bundled", partial)
+    assert summary.resumed_from == 1
+    assert folder_bytes(partial) == folder_bytes(out)
+    assert calibrate(tiny_qwen3moe, small("experts-mixed", **MIXED), "bundled", partial).resumed_from == -1
+
+
+def test_folder_of_another_calibration_is_refused(tiny_qwen3moe, mixed_run):
+    out, _ = mixed_run
+    with pytest.raises(HexqError, match="different recipe"):
+        calibrate(tiny_qwen3moe, small("haq-w8a8"), "bundled", out)
+
+
+def test_foreign_non_empty_folder_is_refused(tiny_qwen3moe, tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(HexqError, match="holds no hexq calibration"):
+        calibrate(tiny_qwen3moe, small("haq-w8a8"), "bundled", tmp_path)
+
+
+def test_haq_w8a8_stays_close_to_full_precision(tiny_qwen3moe, tmp_path):
+    out = tmp_path / "haq"
+    calibrate(tiny_qwen3moe, small("haq-w8a8"), "bundled", out)
+    manifest = read_json(out / "manifest.json")
+    for layer in manifest["layers"]:
+        for group in ("attn_in", "moe_in"):
+            entry = layer["smoothing"][group]
+            assert 0.0 <= entry["exponent"] <= 1.0
+            assert entry["error"] <= entry["error_without_smoothing"]
+    quantized, _, _ = load_calibrated(out)
+    reference, _, _ = load_model(tiny_qwen3moe)
+    ids = torch.randint(0, 8192, (2, 32), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        a, b = quantized(input_ids=ids).logits, reference(input_ids=ids).logits
+    assert not torch.equal(a, b)
+    assert float((a - b).abs().max()) < 0.05 * float(b.abs().max())
+
+
+def test_cold_experts_use_the_fallback_and_are_still_quantized(tiny_qwen3moe, tmp_path):
+    recipe = small("experts-mixed", **MIXED, min_tokens=10_000)  # every expert counts as cold
+    summary = calibrate(tiny_qwen3moe, recipe, "bundled", tmp_path / "cold")
+    assert summary.fallback_experts == 2 * 8
+    tensors = load_file(tmp_path / "cold" / "layer_000.safetensors")
+    assert torch.isfinite(tensors["experts.down.b4.scale"]).all()
+    assert math.isfinite(float(tensors["loss_table"].sum()))
+
+
+def test_too_short_calibration_text(tiny_qwen3moe, tmp_path):
+    text = tmp_path / "short.txt"
+    text.write_text("only a handful of words")
+    with pytest.raises(HexqError, match="too short"):
+        calibrate(tiny_qwen3moe, small("haq-w8a8"), str(text), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_group_size_not_dividing_a_width(tiny_qwen3moe, tmp_path):
+    recipe = small("experts-mixed", weights=WeightQuant(group_size=24))
+    with pytest.raises(HexqError, match="24"):
+        calibrate(tiny_qwen3moe, recipe, "bundled", tmp_path / "out")
+
+
+def test_cli_calibrate_then_eval(tiny_qwen3moe, tmp_path):
+    runner = CliRunner()
+    out = tmp_path / "cal"
+    result = runner.invoke(app, ["calibrate", str(tiny_qwen3moe), "-r", "haq-w8a8", "-o", str(out), "-n", "4",
+                                 "-L", "32"])
+    assert result.exit_code == 0, result.output
+    assert "calibrated 2 layers" in result.output
+    result = runner.invoke(app, ["eval", str(out), "-d", "austen", "-L", "32", "-n", "2"])
+    assert result.exit_code == 0, result.output
+    bad = runner.invoke(app, ["calibrate", str(tiny_qwen3moe), "-r", "no-such-recipe", "-o", str(tmp_path / "x")])
+    assert bad.exit_code == 1 and "haq-w8a8" in bad.output
+
+
+def test_experts_setting_is_typed():
+    with pytest.raises(HexqError):
+        Experts(mode="replicas", replica_bits=(4, 2))

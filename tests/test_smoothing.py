@@ -1,0 +1,268 @@
+import pytest
+import torch
+
+from hexq.adapters import adapter_for
+from hexq.algos.quant import QuantSpec, fake_quantize
+from hexq.algos.smoothing import (
+    activation_channel_max,
+    exponent_grid,
+    joint_w8a8_error,
+    search_exponent,
+    smoothing_scales,
+    smoothquant_scales,
+    weight_channel_max,
+)
+from hexq.calib.smooth import ATTN_IN, MOE_IN, fold_scales, smoothing_groups
+from tests.conftest import TINY_CONFIGS, build_tiny_model
+
+W8 = QuantSpec(bits=8)
+
+
+def outlier_activations(tokens: int = 64, channels: int = 16, outliers=(3, 11), factor: float = 50.0, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, channels, generator=generator)
+    x[:, list(outliers)] *= factor
+    return x
+
+
+def random_weights(shapes, seed: int = 1):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(*shape, generator=generator) * 0.1 for shape in shapes]
+
+
+def naive_joint_error(weights, x, s, w_spec, a_bits):
+    """Eq. 1 written out: per-token asymmetric min/max activation grid, one weight at a time, in float64."""
+    xs = (x / s).double()
+    lo, hi = xs.amin(dim=1, keepdim=True).clamp(max=0), xs.amax(dim=1, keepdim=True).clamp(min=0)
+    step = ((hi - lo) / (2**a_bits - 1)).clamp(min=1e-8)
+    zero = torch.round(-lo / step)
+    xq = (torch.clamp(torch.round(xs / step + zero), 0, 2**a_bits - 1) - zero) * step
+    total = 0.0
+    for w in weights:
+        wq = fake_quantize((w * s).float(), w_spec).double() if w_spec else (w * s).double()
+        total += float((xq @ wq.T - x.double() @ w.double().T).pow(2).sum())
+    return total
+
+
+# ---- algos.smoothing: pure functions ------------------------------------------------------------------------------
+
+
+def test_exponent_zero_means_no_smoothing():
+    act_max = torch.tensor([0.0, 1e-9, 0.3, 2.0, 75.0])
+    assert torch.equal(smoothing_scales(act_max, None, 0.0), torch.ones(5))
+    weights = random_weights([(8, 5)])
+    x = torch.randn(10, 5)
+    assert joint_w8a8_error(weights, x, smoothing_scales(act_max, None, 0.0), W8, 8) == \
+        joint_w8a8_error(weights, x, torch.ones(5), W8, 8)
+
+
+def test_haq_scales_are_act_max_to_the_e_and_dead_channels_keep_one():
+    act_max = torch.tensor([0.0, 0.5, 2.0, 64.0])
+    s = smoothing_scales(act_max, None, 0.5)
+    assert s[0] == 1.0  # a channel never active in calibration is left alone, not divided by ~0
+    assert torch.allclose(s[1:], act_max[1:].sqrt())
+    assert torch.allclose(smoothing_scales(act_max, None, 1.0)[1:], act_max[1:])
+
+
+def test_smoothquant_alpha_half_balances_activation_and_weight_ranges():
+    x = outlier_activations()
+    weights = random_weights([(24, 16), (8, 16)])
+    act_max, w_max = activation_channel_max(x), weight_channel_max(weights)
+    s = smoothquant_scales(act_max, weights, alpha=0.5)
+    assert torch.allclose(s, (act_max / w_max).sqrt())
+    # alpha = 0.5 leaves max|X/s| = max|W s| = sqrt(max|X| max|W|) on every channel
+    assert torch.allclose(activation_channel_max(x / s), weight_channel_max([w * s for w in weights]), rtol=1e-5)
+    assert torch.allclose(smoothing_scales(act_max, w_max, 0.5), s)
+
+
+def test_scales_reject_bad_input():
+    with pytest.raises(ValueError, match="exponent"):
+        smoothing_scales(torch.ones(3), None, 1.5)
+    with pytest.raises(ValueError, match="act_max"):
+        smoothing_scales(torch.tensor([1.0, -1.0]), None, 0.5)
+    with pytest.raises(ValueError, match="weight_max"):
+        smoothing_scales(torch.ones(3), torch.ones(4), 0.5)
+    with pytest.raises(ValueError, match="divide 1"):
+        exponent_grid(0.3)
+
+
+def test_joint_error_matches_eq1_written_out():
+    x = outlier_activations()
+    weights = random_weights([(24, 16), (8, 16)])
+    s = smoothing_scales(activation_channel_max(x), None, 0.6)
+    for w_spec, a_bits in ((W8, 8), (QuantSpec(bits=4), 4), (None, 6)):
+        fast = joint_w8a8_error(weights, x, s, w_spec, a_bits)
+        assert fast == pytest.approx(naive_joint_error(weights, x, s, w_spec, a_bits), rel=1e-4)
+
+
+def test_joint_error_treats_fused_experts_row_by_row_and_honours_fp_flags():
+    x = outlier_activations()
+    gate_up, router = random_weights([(4, 12, 16), (4, 16)])
+    s = smoothing_scales(activation_channel_max(x), None, 0.5)
+    per_expert = sum(joint_w8a8_error([expert], x, s, W8, 8) for expert in gate_up)
+    assert joint_w8a8_error([gate_up.reshape(-1, 16)], x, s, W8, 8) == pytest.approx(per_expert, rel=1e-6)
+    mixed = joint_w8a8_error([router, gate_up.reshape(-1, 16)], x, s, W8, 8, quantize_weights=[False, True])
+    assert mixed == pytest.approx(joint_w8a8_error([router], x, s, None, 8) + per_expert, rel=1e-6)
+
+
+def test_search_picks_the_grid_minimum_and_migrates_outliers():
+    x = outlier_activations()
+    weights = random_weights([(24, 16), (8, 16)])
+    result = search_exponent(weights, x, grid_step=0.05)
+    act_max = activation_channel_max(x)
+    brute = [joint_w8a8_error(weights, x, smoothing_scales(act_max, None, e), W8, 8) for e in exponent_grid(0.05)]
+    assert result.grid == exponent_grid(0.05) and len(result.grid) == 21
+    assert list(result.errors) == pytest.approx(brute, rel=1e-9)
+    assert result.error == min(brute)
+    assert result.exponent == result.grid[brute.index(min(brute))]
+    assert torch.equal(result.scales, smoothing_scales(act_max, None, result.exponent))
+    assert result.baseline_error == brute[0]
+    assert result.exponent > 0 and result.error < 0.5 * result.baseline_error
+    again = search_exponent(weights, x, grid_step=0.05)  # deterministic
+    assert again.exponent == result.exponent and again.errors == result.errors
+
+
+def test_search_ties_go_to_the_smallest_exponent():
+    x = torch.randn(32, 8, generator=torch.Generator().manual_seed(0))
+    weights = random_weights([(8, 8)])
+    # every channel max is 1, so s = 1^e = 1 for every e: all grid errors are equal
+    result = search_exponent(weights, x, act_max=torch.ones(8), grid_step=0.25)
+    assert len(set(result.errors)) == 1
+    assert result.exponent == 0.0 and torch.equal(result.scales, torch.ones(8))
+
+
+def test_smoothquant_search_reports_the_unsmoothed_baseline():
+    x = outlier_activations()
+    weights = random_weights([(24, 16)])
+    w_max = weight_channel_max(weights)
+    result = search_exponent(weights, x, grid_step=0.25, weight_max=w_max)
+    assert result.baseline_error == joint_w8a8_error(weights, x, torch.ones(16), W8, 8)
+    assert result.errors[2] == joint_w8a8_error(weights, x, smoothquant_scales(activation_channel_max(x), weights),
+                                                W8, 8)
+
+
+# ---- calib.smooth: groups and folding on every family -------------------------------------------------------------
+
+FAMILIES = sorted(TINY_CONFIGS)
+IDS = torch.randint(0, 8192, (2, 12), generator=torch.Generator().manual_seed(0))
+
+
+def randomize_norms(model, seed: int = 0) -> None:
+    """Random init leaves norms at weight 1 / bias 0; make them generic so folding into them is really tested."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "layernorm" in name and param.dim() == 1:
+                param.copy_(torch.empty_like(param).uniform_(0.5, 1.5, generator=generator)
+                            if name.endswith("weight") else 0.1 * torch.randn(param.shape, generator=generator))
+
+
+def run_with_routing(model, adapter):
+    """Logits and each layer's chosen experts (sorted per token) on the fixed input ids."""
+    chosen = []
+    routers = [layer.get_submodule(f"{adapter.moe}.{adapter.router}") for layer in model.model.layers
+               if isinstance(getattr(layer, adapter.moe), torch.nn.Module)
+               and hasattr(getattr(layer, adapter.moe), adapter.router)]
+    handles = [router.register_forward_hook(lambda _m, _i, out: chosen.append(out[2].sort(dim=-1).values))
+               for router in routers]
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=IDS).logits
+    finally:
+        for handle in handles:
+            handle.remove()
+    return logits, chosen
+
+
+def fold_random_scales(model, adapter, seed: int = 0) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    for layer in model.model.layers:
+        for group in smoothing_groups(layer, adapter):
+            fold_scales(group, torch.empty(group.channels).uniform_(-1.5, 1.5, generator=generator).exp())
+
+
+EXPECTED_READERS = {
+    "mixtral": (["q_proj", "k_proj", "v_proj"], ["gate", "experts.gate_up_proj"]),
+    "qwen3_moe": (["q_proj", "k_proj", "v_proj"], ["gate", "experts.gate_up_proj"]),
+    "olmoe": (["q_proj", "k_proj", "v_proj"], ["gate", "experts.gate_up_proj"]),
+    "phimoe": (["q_proj", "k_proj", "v_proj"], ["router", "experts.gate_up_proj"]),
+    "qwen2_moe": (["q_proj", "k_proj", "v_proj"], ["gate", "experts.gate_up_proj", "shared_expert.gate_proj",
+                                                   "shared_expert.up_proj", "shared_expert_gate"]),
+    "deepseek_v2": (["q_proj", "kv_a_proj_with_mqa"], ["gate", "experts.gate_up_proj", "shared_experts.gate_proj",
+                                                        "shared_experts.up_proj"]),
+    "deepseek_v3": (["q_a_proj", "kv_a_proj_with_mqa"], ["gate", "experts.gate_up_proj",
+                                                          "shared_experts.gate_proj", "shared_experts.up_proj"]),
+}
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_groups_name_every_weight_that_reads_each_norm(model_type):
+    model, adapter = build_tiny_model(model_type), adapter_for(model_type)
+    attn_names, moe_names = EXPECTED_READERS[model_type]
+    layer = model.model.layers[0]
+    attn, moe = smoothing_groups(layer, adapter)
+    assert (attn.name, moe.name) == (ATTN_IN, MOE_IN)
+    assert [r.name.removeprefix("self_attn.").removesuffix(".weight") for r in attn.readers] == attn_names
+    assert [r.name.removeprefix("mlp.").removesuffix(".weight") for r in moe.readers] == moe_names
+    assert [r.quantized for r in moe.readers][0] is False  # the router stays in full precision
+
+    # Completeness, traced: every module owning parameters whose input IS a norm's output must be a reader.
+    norm_outputs, inputs = {}, {}
+
+    def record_input(module, args, kwargs) -> None:
+        inputs[module] = args[0] if args else kwargs.get("hidden_states")
+
+    handles = [group.norm.register_forward_hook(lambda _m, _i, out, n=group.name: norm_outputs.update({n: out}))
+               for group in (attn, moe)]
+    for module in layer.modules():
+        if next(module.parameters(recurse=False), None) is not None and module not in (attn.norm, moe.norm):
+            handles.append(module.register_forward_pre_hook(record_input, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            model(input_ids=IDS)
+    finally:
+        for handle in handles:
+            handle.remove()
+    for group in (attn, moe):
+        out = norm_outputs[group.name].reshape(-1, group.channels)
+        readers_seen = {m for m, x in inputs.items() if isinstance(x, torch.Tensor) and x.numel() == out.numel()
+                        and torch.equal(x.reshape(-1, group.channels), out)}
+        assert readers_seen == {reader.module for reader in group.readers}, group.name
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_folding_random_scales_preserves_logits_and_routing(model_type):
+    model, adapter = build_tiny_model(model_type), adapter_for(model_type)
+    randomize_norms(model)
+    logits, routes = run_with_routing(model, adapter)
+    norm_before = model.model.layers[1].post_attention_layernorm.weight.clone()
+    fold_random_scales(model, adapter)
+    assert not torch.allclose(model.model.layers[1].post_attention_layernorm.weight, norm_before)
+    folded_logits, folded_routes = run_with_routing(model, adapter)
+    assert (folded_logits - logits).abs().max() <= 1e-4 * logits.abs().max()
+    assert len(routes) == len(folded_routes) == 2
+    for before, after in zip(routes, folded_routes, strict=True):
+        assert torch.equal(before, after)
+
+
+@pytest.mark.parametrize(("model_type", "dense"), [("deepseek_v2", {"first_k_dense_replace": 1}),
+                                                   ("qwen3_moe", {"mlp_only_layers": [0]})])
+def test_dense_layers_fold_into_their_mlp(model_type, dense):
+    model, adapter = build_tiny_model(model_type, **dense), adapter_for(model_type)
+    _attn, moe = smoothing_groups(model.model.layers[0], adapter)
+    assert [r.name for r in moe.readers] == ["mlp.gate_proj.weight", "mlp.up_proj.weight"]
+    logits, _ = run_with_routing(model, adapter)
+    fold_random_scales(model, adapter)
+    folded, _ = run_with_routing(model, adapter)
+    assert (folded - logits).abs().max() <= 1e-4 * logits.abs().max()
+
+
+def test_fold_keeps_dtypes_and_rejects_bad_scales():
+    model, adapter = build_tiny_model("phimoe").to(torch.bfloat16), adapter_for("phimoe")
+    attn, moe = smoothing_groups(model.model.layers[0], adapter)
+    fold_scales(moe, torch.full((moe.channels,), 2.0))
+    assert moe.norm.weight.dtype == moe.norm.bias.dtype == torch.bfloat16
+    assert all(reader.tensor.dtype == torch.bfloat16 for reader in moe.readers)
+    for bad in (torch.zeros(attn.channels), torch.full((attn.channels,), float("inf")), torch.ones(3)):
+        with pytest.raises(ValueError):
+            fold_scales(attn, bad)
