@@ -20,7 +20,7 @@ demo: setup
 	$(BIN)/hexq eval $(MODEL)
 
 lint: setup
-	$(BIN)/ruff check hexq cli tests scripts
+	$(BIN)/ruff check hexq cli tests scripts benchmarks
 
 test: lint
 	$(BIN)/python -m pytest -q

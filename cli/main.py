@@ -40,7 +40,7 @@ def handle_errors(command):
     def wrapper(*args, **kwargs):
         try:
             return command(*args, **kwargs)
-        except (HexqError, ValueError, FileNotFoundError) as exc:
+        except (HexqError, ValueError, OSError) as exc:  # OSError: disk full, permissions, missing files
             if os.environ.get("HEXQ_DEBUG"):
                 raise
             err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)

@@ -1,0 +1,170 @@
+"""Perplexity table for `hexq calibrate`: hexq's methods against llmcompressor's oneshot, one run.
+
+    python benchmarks/calibrate_table.py                       # both reference models, all settings
+    python benchmarks/calibrate_table.py --models qwen3moe --settings w8a8-dyn w4a4 --no-peer
+
+For each reference model (and its outlier-injected variant: a function-preserving transform that multiplies 4
+channels of every norm by 50 and divides the matching input columns of its readers by 50), every setting and
+every method is calibrated on the same windows of the bundled calibration text (fixed seed) and evaluated on
+the same first N windows (length 256) of WikiText-2 and of the held-out austen text.
+
+Methods with quantized activations: RTN; SmoothQuant(0.5)+RTN; GPTQ only; HAQ (search + GPTQ); llmcompressor
+SmoothQuantModifier(0.5)+GPTQModifier. Weight-only settings: hexq GPTQ vs llmcompressor GPTQModifier.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hexq.calib.outliers import inject_outliers
+from hexq.calib.pipeline import calibrate, load_calibrated
+from hexq.data import calibration_windows, eval_text, tokenize
+from hexq.eval.perplexity import perplexity
+from hexq.io import write_json_atomic
+from hexq.models import load_model
+from hexq.recipe import ActivationQuant, Calibration, Experts, Recipe, Smoothing, WeightQuant
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = {"mixtral": ROOT / "models" / "hexq-tiny-mixtral", "qwen3moe": ROOT / "models" / "hexq-tiny-qwen3moe"}
+EVAL_DATA = ("wikitext2", "austen")
+SEQLEN = 256
+
+
+@dataclass(frozen=True)
+class Setting:
+    weight_bits: int
+    group_size: int | None
+    weight_symmetric: bool
+    act_bits: int | None
+    act_dynamic: bool = True
+
+
+SETTINGS = {
+    "w8a8-dyn": Setting(8, None, False, 8),
+    "w8a8-static": Setting(8, None, False, 8, act_dynamic=False),
+    "w6a6": Setting(6, None, False, 6),
+    "w4a8": Setting(4, None, False, 8),
+    "w4a4": Setting(4, None, False, 4),
+    "w4a16-g32": Setting(4, 32, True, None),
+    "w4a16": Setting(4, None, True, None),
+    "w3a16": Setting(3, None, True, None),
+    "w2a16": Setting(2, None, True, None),
+}
+ACTIVATION_METHODS = ("rtn", "sq+rtn", "gptq", "haq")
+WEIGHT_ONLY_METHODS = ("rtn", "gptq")
+
+
+def make_recipe(name: str, setting: Setting, method: str, samples: int) -> Recipe:
+    weights = WeightQuant(bits=setting.weight_bits, group_size=setting.group_size,
+                          symmetric=setting.weight_symmetric, method="rtn" if method.endswith("rtn") else "gptq")
+    activations = (ActivationQuant(bits=None) if setting.act_bits is None
+                   else ActivationQuant(bits=setting.act_bits, dynamic=setting.act_dynamic))
+    smoothing = {"sq+rtn": Smoothing(method="smoothquant", alpha=0.5), "haq": Smoothing(method="haq")}.get(
+        method, Smoothing(method="none"))
+    return Recipe(name=f"{name}-{method}", smoothing=smoothing, weights=weights, activations=activations,
+                  experts=Experts(mode="uniform"), calibration=Calibration(num_samples=samples, seqlen=SEQLEN))
+
+
+def eval_streams(tokenizer) -> dict[str, torch.Tensor]:
+    return {name: tokenize(tokenizer, eval_text(name)) for name in EVAL_DATA}
+
+
+def ppl(model, streams, windows: int) -> dict[str, float]:
+    return {name: round(perplexity(model, ids, SEQLEN, windows, batch_size=8).perplexity, 4)
+            for name, ids in streams.items()}
+
+
+def outlier_variant(folder: Path, work: Path) -> Path:
+    """The model with injected outlier channels, saved in fp32 so the transform stays function-preserving."""
+    target = work / f"{folder.name}-outliers"
+    if not (target / "config.json").exists():
+        model, tokenizer, adapter = load_model(folder)
+        inject_outliers(model, adapter, channels_per_norm=4, factor=50.0, seed=0)
+        model.save_pretrained(target)
+        tokenizer.save_pretrained(target)
+    return target
+
+
+def run(models: list[str], settings: list[str], samples: int, windows: int, outliers: bool, peer: bool,
+        out_json: Path) -> dict:
+    work = Path(tempfile.mkdtemp(prefix="hexq-bench-"))
+    results = {"protocol": {"seqlen": SEQLEN, "eval_windows": windows, "eval_data": list(EVAL_DATA),
+                            "calibration": {"source": "bundled", "num_samples": samples, "seqlen": SEQLEN,
+                                            "seed": 0}},
+               "rows": []}
+    try:
+        for model_name in models:
+            variants = [(model_name, MODELS[model_name])]
+            if outliers:
+                variants.append((f"{model_name}+outliers", outlier_variant(MODELS[model_name], work)))
+            for label, folder in variants:
+                model, tokenizer, _ = load_model(folder)
+                streams = eval_streams(tokenizer)
+                calib_ids = calibration_windows(tokenizer, "bundled", samples, SEQLEN, seed=0).ids
+                fp = ppl(model, streams, windows)
+                results["rows"].append({"model": label, "setting": "fp", "method": "fp", **fp})
+                print(json.dumps(results["rows"][-1]), flush=True)
+                for setting_name in settings:
+                    setting = SETTINGS[setting_name]
+                    methods = ACTIVATION_METHODS if setting.act_bits is not None else WEIGHT_ONLY_METHODS
+                    for method in methods:
+                        recipe = make_recipe(setting_name, setting, method, samples)
+                        out = work / f"{label}-{recipe.name}"
+                        started = time.time()
+                        calibrate(folder, recipe, "bundled", out)
+                        seconds = time.time() - started
+                        quantized, _, _ = load_calibrated(out)
+                        row = {"model": label, "setting": setting_name, "method": f"hexq {method}",
+                               **ppl(quantized, streams, windows), "calib_seconds": round(seconds, 1)}
+                        results["rows"].append(row)
+                        print(json.dumps(row), flush=True)
+                        shutil.rmtree(out)
+                    if peer:
+                        from hexq.eval.llmcompressor_peer import PEER_SCHEMES, run_peer
+
+                        started = time.time()
+                        peer_model = run_peer(folder, PEER_SCHEMES[setting_name], calib_ids)
+                        seconds = time.time() - started
+                        row = {"model": label, "setting": setting_name, "method": "llmcompressor",
+                               **ppl(peer_model, streams, windows), "calib_seconds": round(seconds, 1)}
+                        results["rows"].append(row)
+                        print(json.dumps(row), flush=True)
+                write_json_atomic(out_json, results)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return results
+
+
+def markdown(results: dict) -> str:
+    lines = ["| model | setting | method | " + " | ".join(EVAL_DATA) + " |", "|---|---|---|" + "---|" * len(EVAL_DATA)]
+    for row in results["rows"]:
+        lines.append(f"| {row['model']} | {row['setting']} | {row['method']} | "
+                     + " | ".join(f"{row[d]:.3f}" for d in EVAL_DATA) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    parser.add_argument("--samples", type=int, default=64, help="calibration windows of 256 tokens")
+    parser.add_argument("--windows", type=int, default=100, help="evaluation windows per text")
+    parser.add_argument("--no-outliers", action="store_true", help="skip the outlier-injected variants")
+    parser.add_argument("--no-peer", action="store_true", help="skip llmcompressor")
+    parser.add_argument("-o", "--out", type=Path, default=ROOT / "benchmarks" / "results" / "calibrate.json")
+    args = parser.parse_args()
+    results = run(args.models, args.settings, args.samples, args.windows, not args.no_outliers, not args.no_peer,
+                  args.out)
+    print(markdown(results))
+
+
+if __name__ == "__main__":
+    main()
