@@ -16,8 +16,14 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+DEMO_OUT ?= .cache/demo-haq-w8a8
+
+# The main job on the bundled defaults: full-precision perplexity, HAQ W8A8 calibration on the bundled text,
+# perplexity of the calibrated model on the same windows.
 demo: setup
-	$(BIN)/hexq eval $(MODEL)
+	$(BIN)/hexq eval $(MODEL) --windows 200
+	$(BIN)/hexq calibrate $(MODEL) --recipe haq-w8a8 --data bundled --samples 32 --out $(DEMO_OUT)
+	$(BIN)/hexq eval $(DEMO_OUT) --windows 200
 
 lint: setup
 	$(BIN)/ruff check hexq cli tests scripts benchmarks
