@@ -93,8 +93,8 @@ def outlier_variant(folder: Path, work: Path) -> Path:
     return target
 
 
-def run(models: list[str], settings: list[str], samples: int, windows: int, outliers: bool, peer: bool,
-        out_json: Path) -> dict:
+def run(models: list[str], settings: list[str], samples: int, windows: int, outlier_settings: list[str],
+        peer: bool, out_json: Path) -> dict:
     work = Path(tempfile.mkdtemp(prefix="hexq-bench-"))
     results = {"protocol": {"seqlen": SEQLEN, "eval_windows": windows, "eval_data": list(EVAL_DATA),
                             "calibration": {"source": "bundled", "num_samples": samples, "seqlen": SEQLEN,
@@ -102,17 +102,17 @@ def run(models: list[str], settings: list[str], samples: int, windows: int, outl
                "rows": []}
     try:
         for model_name in models:
-            variants = [(model_name, MODELS[model_name])]
-            if outliers:
-                variants.append((f"{model_name}+outliers", outlier_variant(MODELS[model_name], work)))
-            for label, folder in variants:
+            variants = [(model_name, MODELS[model_name], settings)]
+            if outlier_settings:
+                variants.append((f"{model_name}+outliers", outlier_variant(MODELS[model_name], work), outlier_settings))
+            for label, folder, variant_settings in variants:
                 model, tokenizer, _ = load_model(folder)
                 streams = eval_streams(tokenizer)
                 calib_ids = calibration_windows(tokenizer, "bundled", samples, SEQLEN, seed=0).ids
                 fp = ppl(model, streams, windows)
                 results["rows"].append({"model": label, "setting": "fp", "method": "fp", **fp})
                 print(json.dumps(results["rows"][-1]), flush=True)
-                for setting_name in settings:
+                for setting_name in variant_settings:
                     setting = SETTINGS[setting_name]
                     methods = ACTIVATION_METHODS if setting.act_bits is not None else WEIGHT_ONLY_METHODS
                     for method in methods:
@@ -137,7 +137,7 @@ def run(models: list[str], settings: list[str], samples: int, windows: int, outl
                                **ppl(peer_model, streams, windows), "calib_seconds": round(seconds, 1)}
                         results["rows"].append(row)
                         print(json.dumps(row), flush=True)
-                write_json_atomic(out_json, results)
+                    write_json_atomic(out_json, results)  # after every setting: a partial run keeps its rows
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return results
@@ -157,11 +157,12 @@ def main() -> None:
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     parser.add_argument("--samples", type=int, default=64, help="calibration windows of 256 tokens")
     parser.add_argument("--windows", type=int, default=100, help="evaluation windows per text")
-    parser.add_argument("--no-outliers", action="store_true", help="skip the outlier-injected variants")
+    parser.add_argument("--outlier-settings", nargs="*", default=["w8a8-dyn", "w6a6", "w4a8", "w4a4"],
+                        choices=list(SETTINGS), help="settings also run on the outlier-injected variant (none: skip)")
     parser.add_argument("--no-peer", action="store_true", help="skip llmcompressor")
     parser.add_argument("-o", "--out", type=Path, default=ROOT / "benchmarks" / "results" / "calibrate.json")
     args = parser.parse_args()
-    results = run(args.models, args.settings, args.samples, args.windows, not args.no_outliers, not args.no_peer,
+    results = run(args.models, args.settings, args.samples, args.windows, args.outlier_settings, not args.no_peer,
                   args.out)
     print(markdown(results))
 
