@@ -161,7 +161,12 @@ def main() -> None:
                         choices=list(SETTINGS), help="settings also run on the outlier-injected variant (none: skip)")
     parser.add_argument("--no-peer", action="store_true", help="skip llmcompressor")
     parser.add_argument("-o", "--out", type=Path, default=ROOT / "benchmarks" / "results" / "calibrate.json")
+    parser.add_argument("--render", type=Path, nargs="+", help="only print the markdown table of result files")
     args = parser.parse_args()
+    if args.render:
+        for path in args.render:
+            print(markdown(json.loads(path.read_text())))
+        return
     results = run(args.models, args.settings, args.samples, args.windows, args.outlier_settings, not args.no_peer,
                   args.out)
     print(markdown(results))

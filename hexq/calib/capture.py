@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hexq.adapters import MoEAdapter
+from hexq.calib.simulate import expert_intermediate
 
 
 @dataclass
@@ -127,8 +128,7 @@ def capture_layer(layer: torch.nn.Module, adapter: MoEAdapter, moe_sample_every:
             stats.gate_up[expert] += 2 * x.T @ x
             stats.tokens[expert] += x.shape[0]
             stats.input_abs_max[expert] = torch.maximum(stats.input_abs_max[expert], x.abs().amax(dim=0).float())
-            gate, up = torch.nn.functional.linear(flat[token], module.gate_up_proj[expert]).chunk(2, dim=-1)
-            mid = (module.act_fn(gate) * up).double()
+            mid = expert_intermediate(flat[token], module.gate_up_proj[expert], module.act_fn).double()
             stats.down[expert] += 2 * mid.T @ mid
             stats.mid_abs_max[expert] = torch.maximum(stats.mid_abs_max[expert], mid.abs().amax(dim=0).float())
             stats.mid_low, stats.mid_high = min(stats.mid_low, float(mid.min())), max(stats.mid_high,

@@ -29,7 +29,13 @@ from hexq.algos.quant import QuantMeta, dequantize, quantize
 from hexq.algos.smoothing import search_exponent, smoothquant_scales
 from hexq.calib.capture import ExpertStats, capture_layer, capture_norm_outputs, quantized_linears
 from hexq.calib.layer_io import LayerBatch, layer_inputs, run_layer
-from hexq.calib.simulate import ActQuantizer, SimulatedExperts, attach_input_quant
+from hexq.calib.simulate import (
+    ActQuantizer,
+    SimulatedExperts,
+    attach_input_quant,
+    expert_intermediate,
+    expert_output,
+)
 from hexq.calib.smooth import ATTN_IN, MOE_IN, fold_scales, smoothing_groups
 from hexq.calib.store import (
     FORMAT,
@@ -157,8 +163,7 @@ def smooth_layer(layer, adapter: MoEAdapter, batches: list[LayerBatch], recipe: 
 
 def down_hessian_fallback(sample: torch.Tensor, gate_up: torch.Tensor, act_fn) -> torch.Tensor:
     """Layer-wide Hessian of one expert's down input: the MoE-input sample pushed through that expert's gate/up."""
-    gate, up = torch.nn.functional.linear(sample, gate_up).chunk(2, dim=-1)
-    mid = (act_fn(gate) * up).double()
+    mid = expert_intermediate(sample, gate_up, act_fn).double()
     return 2 * mid.T @ mid
 
 
@@ -253,11 +258,6 @@ def apply_layer(layer, adapter: MoEAdapter, tensors: dict, recipe: Recipe, exper
 
 
 # ------------------------------------------------------------------------------------------ pass C: loss table
-
-
-def expert_output(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act_fn) -> torch.Tensor:
-    gate, up = torch.nn.functional.linear(x, gate_up).chunk(2, dim=-1)
-    return torch.nn.functional.linear(act_fn(gate) * up, down)
 
 
 @torch.no_grad()

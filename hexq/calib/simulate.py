@@ -15,6 +15,17 @@ import torch
 from hexq.algos.quant import QuantSpec, fake_quantize_activations, grid_params, quantize_to_grid
 
 
+def expert_intermediate(x: torch.Tensor, gate_up: torch.Tensor, act_fn) -> torch.Tensor:
+    """act(x W_gate^T) * (x W_up^T) for one expert's fused gate_up [2I, H]: the down projection's input."""
+    gate, up = torch.nn.functional.linear(x, gate_up).chunk(2, dim=-1)
+    return act_fn(gate) * up
+
+
+def expert_output(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act_fn) -> torch.Tensor:
+    """One expert's gated MLP on x [n, H] -> [n, H]."""
+    return torch.nn.functional.linear(expert_intermediate(x, gate_up, act_fn), down)
+
+
 @dataclass(frozen=True)
 class ActQuantizer:
     """Fake quantization of activations: dynamic per token, or static per tensor from a calibrated range."""
@@ -52,8 +63,7 @@ class SimulatedExperts(torch.nn.Module):
         """One expert on its routed tokens x [n, H] -> [n, H], with activation quantization if configured."""
         if self.input_quant is not None:
             x = self.input_quant(x)
-        gate, up = torch.nn.functional.linear(x, self.gate_up_proj[expert]).chunk(2, dim=-1)
-        mid = self.act_fn(gate) * up
+        mid = expert_intermediate(x, self.gate_up_proj[expert], self.act_fn)
         if self.mid_quant is not None:
             mid = self.mid_quant(mid)
         return torch.nn.functional.linear(mid, self.down_proj[expert])
