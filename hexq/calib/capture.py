@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hexq.adapters import MoEAdapter
+from hexq.calib.routing import add_routing
 from hexq.calib.simulate import expert_intermediate
 
 
@@ -136,12 +137,10 @@ def capture_layer(layer: torch.nn.Module, adapter: MoEAdapter, moe_sample_every:
 
     def router_hook(_module, _args, outputs):
         _logits, scores, indices = outputs
-        flat = indices.reshape(-1).cpu()
         if capture.router_counts is None:
             capture.router_counts = torch.zeros(num_experts, dtype=torch.long)
             capture.router_score_sums = torch.zeros(num_experts, dtype=torch.float64)
-        capture.router_counts += torch.bincount(flat, minlength=num_experts)[:num_experts]
-        capture.router_score_sums.index_add_(0, flat, scores.reshape(-1).double().cpu())
+        add_routing(capture.router_counts, capture.router_score_sums, scores, indices)
         capture.router_topk.append(indices.reshape(-1, indices.shape[-1]).to(torch.int16).cpu())
 
     handles.append(experts.register_forward_pre_hook(experts_hook))

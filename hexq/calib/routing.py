@@ -27,6 +27,13 @@ class RouterCounts:
         return self.counts.double() / self.counts.sum(dim=1, keepdim=True).clamp(min=1)
 
 
+def add_routing(counts: torch.Tensor, score_sums: torch.Tensor, scores: torch.Tensor, indices: torch.Tensor) -> None:
+    """Add one router call's choices (indices [T, k]) and their scores to one layer's counts and score sums [E]."""
+    flat = indices.reshape(-1).cpu()
+    counts += torch.bincount(flat, minlength=counts.shape[0])[: counts.shape[0]]
+    score_sums.index_add_(0, flat, scores.reshape(-1).double().cpu())
+
+
 def moe_routers(model, adapter: MoEAdapter) -> list[torch.nn.Module]:
     return [getattr(getattr(layer, adapter.moe), adapter.router) for layer in model.model.layers]
 
@@ -41,9 +48,7 @@ def capture_router_counts(model, adapter: MoEAdapter, num_experts: int):
     def hook_for(layer_index: int):
         def hook(_module, _inputs, outputs):
             _logits, scores, indices = outputs
-            flat = indices.reshape(-1).cpu()
-            stats.counts[layer_index] += torch.bincount(flat, minlength=num_experts)
-            stats.score_sums[layer_index].index_add_(0, flat, scores.reshape(-1).double().cpu())
+            add_routing(stats.counts[layer_index], stats.score_sums[layer_index], scores, indices)
 
         return hook
 

@@ -42,7 +42,7 @@ def load_layer(out: Path, index: int) -> tuple[dict[str, torch.Tensor], dict]:
     tensor_path, meta_path = layer_paths(out, index)
     try:
         return load_file(tensor_path), json.loads(meta_path.read_text())
-    except (OSError, json.JSONDecodeError, Exception) as exc:  # safetensors raises its own error types
+    except Exception as exc:  # OSError, JSONDecodeError, and safetensors' own error types
         raise HexqError(f"calibration layer {index} in {out} is unreadable ({exc}); rerun hexq calibrate") from None
 
 
