@@ -147,5 +147,91 @@ def eval_command(
         console.print(f"wrote {json_out}")
 
 
+@app.command("pack")
+@handle_errors
+def pack_command(
+    calibration: Annotated[Path, typer.Argument(help="Calibration folder made by hexq calibrate (with replica "
+                                                "banks, e.g. recipe experts-mixed).", show_default=False)],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Artifact folder to write.")] = Path("model.hexq"),
+    recipe: Annotated[str | None, typer.Option("--recipe", "-r", help="Take the pack section from this recipe "
+                                               "(default: the calibration's recipe).")] = None,
+    bits: Annotated[float | None, typer.Option("--bits", help="Average bits per expert in every layer "
+                                               "(default: the recipe's pack.avg_bits).")] = None,
+    budget: Annotated[str | None, typer.Option("--budget", help="Bytes for all routed experts of the model, "
+                                               "e.g. 3MB or 2.5MiB; split across layers by the recipe's "
+                                               "pack.schedule.")] = None,
+    schedule: Annotated[str | None, typer.Option("--schedule", help="How --budget is split across layers: "
+                                                 "uniform or cosine (deeper layers get less).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing artifact.")] = False,
+) -> None:
+    """Importance, hot-expert placement, bit allocation and one packed, checksummed artifact."""
+    from dataclasses import replace
+
+    from hexq.artifact.pack import Budget, pack
+    from hexq.recipe import load_recipe
+    from hexq.units import format_bytes, parse_bytes
+
+    if bits is not None and budget is not None:
+        raise HexqError("give either --bits (average per layer) or --budget (bytes for the model), not both")
+    settings = load_recipe(recipe).pack if recipe else None
+    if schedule is not None:
+        from hexq.calib.store import read_manifest
+        from hexq.recipe import recipe_from_dict
+
+        base = settings or recipe_from_dict(read_manifest(calibration)["recipe"]).pack
+        settings = replace(base, schedule=schedule)
+    chosen = Budget(total_bytes=parse_bytes(budget)) if budget else Budget(avg_bits=bits) if bits else None
+    with progress_bar() as bar:
+        task = bar.add_task(f"pack {calibration.name}", total=None)
+
+        def report(stage: str, done: int, total: int) -> None:
+            bar.update(task, description=f"pack {calibration.name}: {stage}", completed=done, total=total)
+
+        summary = pack(calibration, out, settings, chosen, force, report)
+    console.print(f"packed {summary.layers} layers x {summary.experts} experts into {out}: "
+                  f"{summary.average_bits:.3f} bits on average, experts at the allocation "
+                  f"{format_bytes(summary.allocated_bytes)}, artifact {format_bytes(summary.artifact_bytes)} "
+                  f"({summary.seconds:.1f}s)")
+
+
+@app.command()
+@handle_errors
+def inspect(
+    artifact: Annotated[Path, typer.Argument(help="Artifact folder made by hexq pack.", show_default=False)],
+    json_out: JsonOpt = None,
+) -> None:
+    """Sizes per part, bits per layer, budget use and checksums of an artifact."""
+    from hexq.artifact.inspect import summarize
+    from hexq.io import write_json_atomic
+    from hexq.units import format_bytes
+
+    info = summarize(artifact)
+    parts = Table(title=f"{artifact.name}: {info['model']['model_type']}, {info['model']['num_layers']} layers x "
+                        f"{info['model']['num_experts']} experts (format v{info['format_version']})")
+    for column in ("part", "files", "bytes", "checksums"):
+        parts.add_column(column, justify="left" if column == "part" else "right")
+    for part in info["parts"]:
+        parts.add_row(part["part"], str(part["files"]), format_bytes(part["bytes"]),
+                      "ok" if part["ok"] else "[bold red]BAD[/]")
+    console.print(parts)
+    layers = Table(title=f"allocation ({info['allocation']['budget']}), placement {info['placement']['scheme']}")
+    widths = info["allocation"]["bits_set"]
+    for column in ("layer", *[f"{b}-bit" for b in widths], "avg bits", "expert bytes", "hot experts"):
+        layers.add_column(column, justify="right")
+    for row in info["allocation"]["layers"]:
+        layers.add_row(str(row["layer"]), *[str(row["histogram"].get(str(b), 0)) for b in widths],
+                       f"{row['average_bits']:.3f}", format_bytes(row["bytes"]), " ".join(map(str, row["hot"])))
+    console.print(layers)
+    console.print(f"experts at the allocation: {format_bytes(info['allocation']['bytes'])}; full replica banks "
+                  f"{format_bytes(info['accounting']['banks'])}; artifact {format_bytes(info['accounting']['files'])}"
+                  f"; checksums {'ok' if info['checksums_ok'] else 'FAILED'}")
+    if json_out is not None:
+        write_json_atomic(json_out, info)
+        console.print(f"wrote {json_out}")
+    if not info["checksums_ok"]:
+        bad = ", ".join(name for name, ok in info["files"].items() if not ok)
+        raise HexqError(f"checksum mismatch in {artifact}: {bad}")
+
+
 def main() -> None:
     app()

@@ -9,6 +9,7 @@ A recipe file is one mapping whose keys are the fields of `Recipe`; each section
     activations: {bits: 8, dynamic: true, symmetric: false}
     experts:     {mode: uniform, min_tokens: 16, fallback_blend: 0.5}
     calibration: {num_samples: 128, seqlen: 256, seed: 0}
+    pack:        {alpha: 0.5, bits: [1, 2, 3, 4], avg_bits: 3.0, schedule: uniform, placement: two_stage}
 
 Rules (one place for each: `_build` for keys and nesting, `_coerce` for types, `__post_init__` for values):
 - a key left out takes the dataclass default (the defaults are the paper's HAQ W8A8 setting);
@@ -49,6 +50,8 @@ WEIGHT_METHODS = ("gptq", "rtn")
 SMOOTHING_METHODS = ("haq", "smoothquant", "none")
 SMOOTHING_GROUPS = ("attention", "moe")  # input norm -> q,k,v; post-attention norm -> router + experts + shared
 EXPERT_MODES = ("uniform", "replicas")
+PLACEMENT_SCHEMES = ("paths", "frequency", "two_stage")  # 003 Algorithm 2: schemes 1, 2 and 3
+BUDGET_SCHEDULES = ("uniform", "cosine")  # how one byte budget is split across layers (004 §4.3)
 
 
 class RecipeError(HexqError):
@@ -318,9 +321,48 @@ class Calibration:
 
 
 @dataclass(frozen=True)
+class Pack:
+    """How `hexq pack` turns a calibration into an artifact; not part of the calibration's fingerprint.
+
+    Importance S = alpha*norm(P) + (1 - alpha)*norm(W) from the calibration's router counts P and score sums W
+    (002 §4.1). The allocation gives each expert one of `bits` (a subset of the calibration's replica widths; 0 skips
+    the expert, 004's "4/0") minimising the loss table's summed MSE, with widths non-increasing in importance order
+    (002 §4.2 prefix-split), under avg_bits per layer unless the command line gives a byte budget; a byte budget is
+    split across layers by `schedule` (cosine: r(l) = (1-cosine_lambda)(cos(pi l/(L-1))+1)/2 + cosine_lambda).
+    `placement` picks hot_fraction of each layer's experts for the fast tier (003 Algorithm 2).
+    """
+
+    alpha: float = 0.5
+    bits: tuple[int, ...] = (1, 2, 3, 4)
+    avg_bits: float = 3.0
+    schedule: str = "uniform"
+    cosine_lambda: float = 0.5
+    placement: str = "two_stage"
+    hot_fraction: float = 0.25
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        _check_unit("alpha", self.alpha)
+        if not self.bits:
+            raise RecipeError("bits", "is empty; list the widths the allocation may use, e.g. [1, 2, 3, 4]")
+        for b in self.bits:
+            if not 0 <= b <= 8:
+                raise RecipeError("bits", f"must be in 0..8 (0 skips the expert), got {b}")
+        if list(self.bits) != sorted(set(self.bits)):
+            raise RecipeError("bits", f"must be increasing without duplicates, got {list(self.bits)}")
+        if not min(self.bits) <= self.avg_bits <= max(self.bits):
+            raise RecipeError("avg_bits", f"must be within bits [{min(self.bits)}, {max(self.bits)}], "
+                                          f"got {self.avg_bits}")
+        _check_choice("schedule", self.schedule, BUDGET_SCHEDULES)
+        _check_unit("cosine_lambda", self.cosine_lambda)
+        _check_choice("placement", self.placement, PLACEMENT_SCHEMES)
+        _check_unit("hot_fraction", self.hot_fraction, open_low=True)
+
+
+@dataclass(frozen=True)
 class Recipe:
-    """Everything `hexq calibrate` needs besides the model and the text. weights / activations apply to attention
-    and the shared expert (and to the routed experts unless `experts` overrides them)."""
+    """Everything `hexq calibrate` and `hexq pack` need besides the model and the text. weights / activations
+    apply to attention and the shared expert (and to the routed experts unless `experts` overrides them)."""
 
     name: str
     version: int = RECIPE_VERSION
@@ -329,6 +371,7 @@ class Recipe:
     activations: ActivationQuant = field(default_factory=ActivationQuant)
     experts: Experts = field(default_factory=Experts)
     calibration: Calibration = field(default_factory=Calibration)
+    pack: Pack = field(default_factory=Pack)
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -431,10 +474,19 @@ def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
     return _to_plain(recipe)
 
 
+def _hash_dict(data: dict[str, Any]) -> str:
+    canonical = json.dumps(data, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
 def recipe_hash(recipe: Recipe) -> str:
     """sha256 hex digest of the canonical JSON of the recipe (sorted keys, no whitespace)."""
-    canonical = json.dumps(recipe_to_dict(recipe), sort_keys=True, separators=(",", ":"), allow_nan=False)
-    return hashlib.sha256(canonical.encode()).hexdigest()
+    return _hash_dict(recipe_to_dict(recipe))
+
+
+def calibration_hash(recipe: Recipe) -> str:
+    """recipe_hash without the pack section: changing how a calibration is packed does not invalidate it."""
+    return _hash_dict({key: value for key, value in recipe_to_dict(recipe).items() if key != "pack"})
 
 
 # ------------------------------------------------------------------------------------------ files

@@ -65,3 +65,29 @@ def tokenizer():
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+
+
+def small_recipe(name: str, **experts):
+    """A bundled recipe on 6 windows of 32 tokens (seconds on CPU), optionally with experts fields replaced."""
+    from dataclasses import replace
+
+    from hexq.recipe import Calibration, load_recipe
+
+    recipe = replace(load_recipe(name), calibration=Calibration(num_samples=6, seqlen=32, seed=0))
+    return replace(recipe, experts=replace(recipe.experts, **experts)) if experts else recipe
+
+
+def mixed_recipe():
+    """experts-mixed with groups of 16 (the tiny models' expert width is 16)."""
+    from hexq.recipe import WeightQuant
+
+    return small_recipe("experts-mixed", weights=WeightQuant(group_size=16, symmetric=False))
+
+
+@pytest.fixture(scope="session")
+def mixed_calibration(tiny_qwen3moe, tmp_path_factory):
+    """(folder, summary) of an experts-mixed calibration of the tiny Qwen3-MoE, shared by calibrate and pack tests."""
+    from hexq.calib.pipeline import calibrate
+
+    out = tmp_path_factory.mktemp("cal") / "mixed"
+    return out, calibrate(tiny_qwen3moe, mixed_recipe(), "bundled", out)

@@ -3,7 +3,6 @@
 import json
 import math
 import shutil
-from dataclasses import replace
 
 import pytest
 import torch
@@ -14,20 +13,13 @@ from hexq.calib.pipeline import calibrate, load_calibrated
 from hexq.calib.store import read_json
 from hexq.errors import HexqError
 from hexq.models import load_model
-from hexq.recipe import Calibration, Experts, WeightQuant, load_recipe
+from hexq.recipe import Calibration, Experts, WeightQuant
 from hexq_cli.main import app
+from tests.conftest import small_recipe
 
 SMALL = Calibration(num_samples=6, seqlen=32, seed=0)
-
-
-def small(name: str, **experts):
-    recipe = replace(load_recipe(name), calibration=SMALL)
-    if experts:
-        recipe = replace(recipe, experts=replace(recipe.experts, **experts))
-    return recipe
-
-
 MIXED = dict(weights=WeightQuant(group_size=16, symmetric=False))
+small = small_recipe
 
 
 def folder_bytes(folder):
@@ -35,10 +27,8 @@ def folder_bytes(folder):
 
 
 @pytest.fixture(scope="module")
-def mixed_run(tiny_qwen3moe, tmp_path_factory):
-    out = tmp_path_factory.mktemp("cal") / "mixed"
-    summary = calibrate(tiny_qwen3moe, small("experts-mixed", **MIXED), "bundled", out)
-    return out, summary
+def mixed_run(mixed_calibration):
+    return mixed_calibration
 
 
 def test_output_folder_layout_and_loss_table(mixed_run):

@@ -16,7 +16,7 @@ import torch
 
 from hexq.adapters import MoEAdapter
 from hexq.calib.routing import add_routing
-from hexq.calib.simulate import expert_intermediate
+from hexq.simulate import expert_intermediate
 
 
 @dataclass

@@ -29,13 +29,6 @@ from hexq.algos.quant import QuantMeta, dequantize, quantize
 from hexq.algos.smoothing import search_exponent, smoothquant_scales
 from hexq.calib.capture import ExpertStats, capture_layer, capture_norm_outputs, quantized_linears
 from hexq.calib.layer_io import LayerBatch, layer_inputs, run_layer
-from hexq.calib.simulate import (
-    ActQuantizer,
-    SimulatedExperts,
-    attach_input_quant,
-    expert_intermediate,
-    expert_output,
-)
 from hexq.calib.smooth import ATTN_IN, MOE_IN, fold_scales, smoothing_groups
 from hexq.calib.store import (
     FORMAT,
@@ -53,13 +46,19 @@ from hexq.errors import HexqError
 from hexq.io import write_json_atomic
 from hexq.models import load_model
 from hexq.recipe import (
-    ActivationQuant,
     Recipe,
     WeightQuant,
+    calibration_hash,
     recipe_from_dict,
-    recipe_hash,
     recipe_to_dict,
     validate_for_model,
+)
+from hexq.simulate import (
+    SimulatedExperts,
+    act_quantizer,
+    attach_input_quant,
+    expert_intermediate,
+    expert_output,
 )
 
 GROUP_OF_SECTION = {"attention": ATTN_IN, "moe": MOE_IN}
@@ -225,13 +224,6 @@ def quantize_layer(layer, adapter: MoEAdapter, batches: list[LayerBatch], recipe
 # ------------------------------------------------------------------------------------------ applying a layer
 
 
-def act_quantizer(setting: ActivationQuant, low_high: torch.Tensor | None) -> ActQuantizer | None:
-    if not setting.enabled:
-        return None
-    low, high = (0.0, 0.0) if low_high is None else (float(low_high[0]), float(low_high[1]))
-    return ActQuantizer(setting.bits, setting.symmetric, setting.dynamic, low, high)
-
-
 @torch.no_grad()
 def apply_layer(layer, adapter: MoEAdapter, tensors: dict, recipe: Recipe, expert_bits: int,
                 fold: bool) -> None:
@@ -265,12 +257,14 @@ def propagate_with_loss_table(layer, adapter: MoEAdapter, batches: list[LayerBat
                               fp_down: torch.Tensor, tensors: dict, bits_list: tuple[int, ...],
                               moe_sample: torch.Tensor) -> list[LayerBatch]:
     """Run the quantized layer (next layer's inputs) and fill tensors["loss_table"] [E, len(bits_list)] with the
-    output MSE of each replica against the full-precision expert on the tokens routed to it (002 §4.2)."""
+    output MSE of each replica against the full-precision expert on the tokens routed to it (002 §4.2), and
+    tensors["loss_table.skip"] [E] with the MSE of skipping the expert (output 0)."""
     experts = getattr(getattr(layer, adapter.moe), adapter.experts)
     num_experts = fp_gate_up.shape[0]
     replicas = {b: (get_dequantized(tensors, f"experts.gate_up.b{b}", b),
                     get_dequantized(tensors, f"experts.down.b{b}", b)) for b in bits_list}
     sse = torch.zeros(num_experts, len(bits_list), dtype=torch.float64)
+    skip_sse = torch.zeros(num_experts, dtype=torch.float64)  # the expert left out (0 bits): output 0
     tokens = torch.zeros(num_experts, dtype=torch.long)
 
     def add(expert: int, x: torch.Tensor, counts: bool) -> None:
@@ -279,6 +273,7 @@ def propagate_with_loss_table(layer, adapter: MoEAdapter, batches: list[LayerBat
             gate_up, down = replicas[bits]
             diff = expert_output(x, gate_up[expert], down[expert], experts.act_fn) - reference
             sse[expert, column] += float(diff.double().pow(2).sum())
+        skip_sse[expert] += float(reference.double().pow(2).sum())
         if counts:
             tokens[expert] += x.shape[0]
 
@@ -298,6 +293,7 @@ def propagate_with_loss_table(layer, adapter: MoEAdapter, batches: list[LayerBat
         add(expert, moe_sample, counts=False)
     elements = torch.where(tokens > 0, tokens, moe_sample.shape[0]).double() * fp_down.shape[1]
     tensors["loss_table"] = sse / elements[:, None]
+    tensors["loss_table.skip"] = skip_sse / elements  # 004's "0 bits": the MSE of dropping the expert
     tensors["loss_table.tokens"] = tokens
     tensors["loss_table.bits"] = torch.tensor(bits_list, dtype=torch.int64)
     return outputs
@@ -342,7 +338,7 @@ def calibrate(model_path: str | Path, recipe: Recipe, data: str, out: str | Path
     cal = recipe.calibration
     windows = calibration_windows(tokenizer, data, cal.num_samples, cal.seqlen, cal.seed)
     fingerprint = {"model": model_fingerprint(model_path), "data": tensor_fingerprint(windows.ids),
-                   "recipe": recipe_hash(recipe)}
+                   "recipe": calibration_hash(recipe)}
     done = check_output_folder(out, fingerprint)
     layers = model.model.layers
     if done == -1:

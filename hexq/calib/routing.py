@@ -58,3 +58,27 @@ def capture_router_counts(model, adapter: MoEAdapter, num_experts: int):
     finally:
         for handle in handles:
             handle.remove()
+
+
+@contextmanager
+def capture_router_topk(model, adapter: MoEAdapter):
+    """Within the block, every router call appends its chosen expert ids ([T, k], int16 like the calibration
+    store's router.topk) to its layer's list. After the block, `hexq.algos.placement.stack_trace(calls)` is the
+    trace [L, T, k]: each forward pass runs every layer's router once on the same tokens in the same order, so row t
+    of every layer is the same token and a token's path is read down the layer axis."""
+    routers = moe_routers(model, adapter)
+    traces: list[list[torch.Tensor]] = [[] for _ in routers]
+
+    def hook_for(layer_index: int):
+        def hook(_module, _inputs, outputs):
+            _logits, _scores, indices = outputs
+            traces[layer_index].append(indices.reshape(-1, indices.shape[-1]).to(torch.int16).cpu())
+
+        return hook
+
+    handles = [router.register_forward_hook(hook_for(i)) for i, router in enumerate(routers)]
+    try:
+        yield traces
+    finally:
+        for handle in handles:
+            handle.remove()

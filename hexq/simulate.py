@@ -1,4 +1,5 @@
-"""The quantized model as it computes: dequantized weights plus fake-quantized activations.
+"""The quantized model as it computes: dequantized weights plus fake-quantized activations (shared by calibration
+and the runtime).
 
 Activation quantization is attached in two places only: a forward pre-hook on each quantized attention /
 shared-expert linear, and `SimulatedExperts`, the one replacement for a layer's fused routed-experts module,
@@ -77,6 +78,15 @@ class SimulatedExperts(torch.nn.Module):
             y = self.expert_forward(expert, hidden_states[token]) * top_k_weights[token, slot, None]
             out.index_add_(0, token, y.to(out.dtype))
         return out
+
+
+def act_quantizer(setting, low_high: torch.Tensor | None) -> ActQuantizer | None:
+    """The ActQuantizer of a recipe's ActivationQuant setting (None when activations stay in full precision);
+    low_high [2] is the calibrated static range, unused for dynamic quantization."""
+    if setting.bits is None:
+        return None
+    low, high = (0.0, 0.0) if low_high is None else (float(low_high[0]), float(low_high[1]))
+    return ActQuantizer(setting.bits, setting.symmetric, setting.dynamic, low, high)
 
 
 def attach_input_quant(module: torch.nn.Module, quantizer: ActQuantizer):

@@ -1,0 +1,109 @@
+"""Hot-expert placement on the reference models: 003's three schemes, hit rates on held-out text.
+
+    python benchmarks/placement.py                      # both reference models, K = 25% and 50% of experts
+    python benchmarks/placement.py --models mixtral -o /tmp/placement.json
+
+Placements are built from router traces of the bundled calibration text (64 windows of 256 tokens, seed 0) and
+evaluated on traces of the held-out austen text (its first 64 non-overlapping windows of 256 tokens). Rows "2g" are
+003's Scheme 2 as published: the K*L most frequent experts of the whole model, a varying number per layer.
+Metrics per 003 Table IV: mean over layers of the hit rate, population std over layers, max-min layer gap; plus
+path coverage, the share of tokens whose every routed expert on every layer is in the fast set.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from hexq.algos.placement import (
+    expert_counts,
+    frequency_placement,
+    global_frequency_placement,
+    path_placement,
+    placement_metrics,
+    stack_trace,
+    two_stage_placement,
+)
+from hexq.calib.routing import capture_router_topk
+from hexq.data import calibration_windows, eval_text, tokenize
+from hexq.eval.perplexity import make_windows
+from hexq.io import write_json_atomic
+from hexq.models import load_model
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = {"mixtral": ROOT / "models" / "hexq-tiny-mixtral", "qwen3moe": ROOT / "models" / "hexq-tiny-qwen3moe"}
+SEQLEN, WINDOWS, FRACTIONS = 256, 64, (0.25, 0.5)
+
+
+@torch.no_grad()
+def router_trace(model, adapter, windows: torch.Tensor, batch_size: int = 8) -> torch.Tensor:
+    with capture_router_topk(model, adapter) as calls:
+        for start in range(0, windows.shape[0], batch_size):
+            model(input_ids=windows[start : start + batch_size])
+    return stack_trace(calls)
+
+
+def unique_path_share(topk: torch.Tensor) -> float:
+    """Share of tokens whose complete path (sorted expert set per layer) no other token shares."""
+    paths = topk.long().sort(dim=2).values.permute(1, 0, 2).reshape(topk.shape[1], -1)
+    _, inverse, counts = torch.unique(paths, dim=0, return_inverse=True, return_counts=True)
+    return float((counts[inverse] == 1).double().mean())
+
+
+def placements(calib: torch.Tensor, num_experts: int, K: int) -> dict[str, torch.Tensor]:
+    counts = expert_counts(calib, num_experts)
+    return {"1": path_placement(calib, num_experts, K), "2": frequency_placement(counts, K),
+            "3": two_stage_placement(calib, num_experts, K),
+            "2g": global_frequency_placement(counts, K * calib.shape[0])}
+
+
+def run(models: list[str], out_json: Path) -> dict:
+    results = {"protocol": {"calibration": {"source": "bundled", "windows": WINDOWS, "seqlen": SEQLEN, "seed": 0},
+                            "heldout": {"source": "austen", "windows": WINDOWS, "seqlen": SEQLEN},
+                            "fractions": list(FRACTIONS), "torch_threads": 1},
+               "models": {}, "rows": []}
+    for name in models:
+        model, tokenizer, adapter = load_model(MODELS[name], device="cpu")
+        num_experts = int(getattr(model.config, adapter.num_experts_attr))
+        calib = router_trace(model, adapter, calibration_windows(tokenizer, "bundled", WINDOWS, SEQLEN, seed=0).ids)
+        heldout = router_trace(model, adapter, make_windows(tokenize(tokenizer, eval_text("austen")), SEQLEN, WINDOWS))
+        results["models"][name] = {"layers": calib.shape[0], "experts": num_experts, "top_k": calib.shape[2],
+                                   "calib_tokens": calib.shape[1], "heldout_tokens": heldout.shape[1],
+                                   "unique_path_share_calib": unique_path_share(calib)}
+        for fraction in FRACTIONS:
+            K = round(fraction * num_experts)
+            for scheme, mask in placements(calib, num_experts, K).items():
+                for split, trace in (("heldout", heldout), ("calib", calib)):
+                    results["rows"].append({"model": name, "K": K, "fraction": fraction, "scheme": scheme,
+                                            "trace": split, "per_layer_K": mask.sum(dim=1).tolist(),
+                                            **placement_metrics(mask, trace).as_dict()})
+        write_json_atomic(out_json, results)  # after every model: a partial run keeps its rows
+    return results
+
+
+def print_table(results: dict) -> None:
+    for name, info in results["models"].items():
+        print(f"{name}: {info['layers']} layers, {info['experts']} experts top-{info['top_k']}, "
+              f"{info['calib_tokens']} calibration / {info['heldout_tokens']} held-out tokens, "
+              f"{info['unique_path_share_calib']:.0%} of calibration tokens have a unique complete path")
+    print(f"{'model':9} {'K':>8} {'scheme':6} {'trace':7} {'mean':>6} {'std':>6} {'gap':>6} {'path cov':>8}"
+          f"  experts/layer")
+    for row in results["rows"]:
+        K = f"{row['K']} ({row['fraction']:.0%})"
+        print(f"{row['model']:9} {K:>8} {row['scheme']:6} {row['trace']:7} {row['mean']:6.1%} {row['std']:6.1%} "
+              f"{row['gap']:6.1%} {row['path_coverage']:8.1%}  {row['per_layer_K']}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=sorted(MODELS))
+    parser.add_argument("-o", "--output", type=Path, default=ROOT / "benchmarks" / "results" / "placement.json")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    print_table(run(args.models, args.output))
+
+
+if __name__ == "__main__":
+    main()

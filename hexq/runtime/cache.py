@@ -1,0 +1,585 @@
+"""Budgeted mixed-precision expert cache: versioned handles, admission control and a background prefetch worker.
+
+Papers: 001 §3.2-3.4 (DynaExq: versioned expert residency, a budget tracker with admission control, transitions
+on a separate worker so the forward pass never waits on them) and 004 §4.4 (DyMoE: look-ahead prefetch and the
+mixed-precision LRU rules).
+
+Tiers. The slow tier is an `ExpertSource` (the packed artifact): `load` reads, unpacks and dequantizes one expert
+at one precision into `ExpertWeights`, the compute-ready tensors. The fast tier is this cache: at most
+`capacity_bytes` of ExpertWeights, accounted by a `BudgetTracker`. Every fill reserves its bytes *before* it loads,
+so the accounted bytes never exceed the capacity, not even while a load is in flight. The budget is one pool
+shared by all precisions, because 004's LRU ranks experts of every precision against each other.
+
+Versioned residency (001 §3.2). Each (layer, expert) has one stable `ExpertHandle` that points to its published
+`ExpertVersion` (bits, weights, version number) or to nothing. A version is built only from the object `load`
+returned, i.e. after the load has finished, and the handle is switched in one reference assignment: a reader sees
+the old complete version or the new complete version, never a partial one. Published tensors are never written
+again. Eviction redirects first (the handle is unpublished) and frees the bytes second.
+
+Mixed-precision LRU (004 §4.4.2), for a request of b bits:
+  - one copy per expert (no duplication);
+  - a resident copy with bits >= b is a hit and is returned as is (conservative reuse: 8 bits serve a 4-bit ask);
+  - a resident copy with bits < b is a miss that promotes: the b-bit version is loaded and replaces it;
+  - room is made by evicting least-recently-used entries that are not pinned.
+
+Promotion accounting. A promotion reserves the new version's bytes while the old version stays published and
+counted, and the old bytes are released only after the new version is published ("count both", 001's publish then
+free): concurrent readers asking for <= old bits keep hitting during the load. Only when old + new cannot fit even
+after evicting every other unpinned entry does a *blocking* `get` fall back to "free first": the old version is
+unpublished and released, then the new one reserved; readers of that expert wait for the fill meanwhile.
+A background prefetch never frees first: it is dropped instead, so background work never makes an expert
+unavailable.
+
+Pins and references. `pin`/`pinned` protect the experts the current layer computes with: pinned entries are never
+evicted (refcounted, so overlapping pins compose), and prefetches may not evict them. This is what keeps memory
+accounted under a running compute: pin the layer's experts, compute, unpin. A caller that holds an ExpertWeights
+without a pin still holds a complete, consistent object after its entry is evicted, but the budget stops counting
+those bytes at eviction; they are freed when the caller drops the reference.
+
+Bypass. `get(..., fill=False)` returns a resident copy when there is one and otherwise loads the expert without
+caching it; `get` also takes this path when no room can be made (everything resident is pinned). The cost model
+(hexq.runtime.cost.should_fill) may choose it for small token counts. A bypass buffer is transient scratch outside
+the cache budget: whoever sizes the runtime reserves one expert of scratch for it (`ExpertCache.check_capacity`
+gives the size). An expert larger than the whole capacity cannot be cached: `get(..., fill=True)` raises a
+ValueError that states the minimum budget.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+import torch
+
+from hexq.errors import HexqError
+
+logger = logging.getLogger(__name__)
+
+Key = tuple[int, int]  # (layer, expert)
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """Compute-ready tensors of one expert at one precision: gate_up [2I, H] and down [H, I]."""
+
+    bits: int
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.gate_up, self.down))
+
+
+class ExpertSource(Protocol):
+    """The slow tier (the packed artifact). `nbytes` must be cheap: the cache calls it under its lock."""
+
+    def nbytes(self, layer: int, expert: int, bits: int) -> int:
+        """Bytes of the compute-ready weights `load` returns for this expert at this precision."""
+        ...
+
+    def load(self, layer: int, expert: int, bits: int) -> ExpertWeights:
+        """Read, unpack and dequantize one expert; may be slow; called without the cache lock held."""
+        ...
+
+
+class BudgetTracker:
+    """Byte budget with admission control (001 §3.3): reserve before allocating, release after freeing.
+
+    `reserve` never lets the reserved bytes exceed the capacity; a failed reservation changes nothing. `peak` is the
+    high-water mark of reserved bytes. All methods are thread-safe.
+    """
+
+    def __init__(self, capacity_bytes: int):
+        if capacity_bytes <= 0:
+            raise HexqError(f"capacity_bytes must be positive, got {capacity_bytes}")
+        self._capacity = int(capacity_bytes)
+        self._used = 0
+        self._peak = 0
+        self._lock = threading.Lock()
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def used(self) -> int:
+        return self._used
+
+    @property
+    def peak(self) -> int:
+        return self._peak
+
+    @property
+    def available(self) -> int:
+        with self._lock:
+            return self._capacity - self._used
+
+    def reserve(self, nbytes: int) -> bool:
+        """Reserve `nbytes` if they fit under the capacity; False (and no change) otherwise."""
+        if nbytes < 0:
+            raise ValueError(f"cannot reserve a negative byte count ({nbytes})")
+        with self._lock:
+            if self._used + nbytes > self._capacity:
+                return False
+            self._used += nbytes
+            self._peak = max(self._peak, self._used)
+            return True
+
+    def release(self, nbytes: int) -> None:
+        """Return `nbytes` reserved earlier; releasing more than is reserved is an accounting bug and raises."""
+        if nbytes < 0:
+            raise ValueError(f"cannot release a negative byte count ({nbytes})")
+        with self._lock:
+            if nbytes > self._used:
+                raise ValueError(f"release of {nbytes} bytes exceeds the {self._used} bytes reserved")
+            self._used -= nbytes
+
+
+@dataclass(frozen=True)
+class ExpertVersion:
+    """One fully materialised version of an expert. `version` increases with every publish of the same handle."""
+
+    bits: int
+    weights: ExpertWeights
+    version: int
+    nbytes: int
+
+
+class ExpertHandle:
+    """Stable identity of one (layer, expert) (001 §3.2): resolves to the published ExpertVersion or None.
+
+    `resolve` is lock-free: the active version is swapped in a single reference assignment, so a reader gets either
+    the previous or the next complete version. Only the cache publishes and unpublishes (under its lock).
+    """
+
+    __slots__ = ("layer", "expert", "_active", "_published")
+
+    def __init__(self, layer: int, expert: int):
+        self.layer = layer
+        self.expert = expert
+        self._active: ExpertVersion | None = None
+        self._published = 0
+
+    def resolve(self) -> ExpertVersion | None:
+        return self._active
+
+    def _publish(self, weights: ExpertWeights, nbytes: int) -> ExpertVersion:
+        self._published += 1
+        version = ExpertVersion(bits=weights.bits, weights=weights, version=self._published, nbytes=nbytes)
+        self._active = version
+        return version
+
+    def _unpublish(self) -> ExpertVersion | None:
+        old, self._active = self._active, None
+        return old
+
+    def __repr__(self) -> str:
+        v = self._active
+        state = "empty" if v is None else f"{v.bits} bits v{v.version}"
+        return f"ExpertHandle(layer={self.layer}, expert={self.expert}, {state})"
+
+
+@dataclass
+class CacheStats:
+    """Counters of one ExpertCache (a copy is returned by ExpertCache.stats).
+
+    hits/misses count `get` calls: a hit is served without the caller issuing a load (possibly after waiting for a
+    load already in flight - that stall is in wait_seconds); a miss loads (fill, promotion or bypass).
+    promotions: loads that replaced a lower-precision copy (from get or prefetch). evictions: entries dropped to
+    make room for other experts. bytes_moved: bytes of every successful load from the source. wait_seconds: time
+    `get` was blocked (its own loads and waits on in-flight ones). load_seconds: time inside source.load, any
+    thread. prefetch_issued: prefetch calls; of those, prefetch_skipped were already resident or on their way,
+    prefetch_dropped found no room (or failed, or were cancelled by close), and prefetch_used were later hit by get.
+    bypass_loads: misses served by a transient, uncached load.
+    """
+
+    hits: int = 0
+    misses: int = 0
+    promotions: int = 0
+    evictions: int = 0
+    bypass_loads: int = 0
+    bytes_moved: int = 0
+    wait_seconds: float = 0.0
+    load_seconds: float = 0.0
+    prefetch_issued: int = 0
+    prefetch_skipped: int = 0
+    prefetch_dropped: int = 0
+    prefetch_used: int = 0
+    layer_hits: dict[int, int] = field(default_factory=dict)
+    layer_misses: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+
+class ExpertCache:
+    """Mixed-precision LRU expert cache under a hard byte budget, with a background prefetch worker.
+
+    get(layer, expert, bits) blocks and returns weights with >= bits; prefetch(...) queues a non-blocking fill for
+    the worker thread; pin/unpin/pinned protect the current layer's experts from eviction; close() stops the worker
+    and frees everything. All public methods are thread-safe. See the module docstring for the rules.
+    """
+
+    def __init__(self, source: ExpertSource, capacity_bytes: int):
+        self._source = source
+        self._budget = BudgetTracker(capacity_bytes)
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # notified on every publish, failed load, unpin and close
+        self._handles: dict[Key, ExpertHandle] = {}
+        self._lru: OrderedDict[Key, ExpertHandle] = OrderedDict()  # published entries, least recently used first
+        self._inflight: dict[Key, int] = {}  # key -> bits being loaded (its bytes are already reserved)
+        self._prefetched: set[Key] = set()  # filled by prefetch and not hit yet
+        self._pins: Counter[Key] = Counter()
+        self._queued: dict[Key, int] = {}  # prefetch requests waiting for the worker: key -> bits
+        self._stats = CacheStats()
+        self._closed = False
+        self._queue: queue.Queue[Key | None] = queue.Queue()
+        self._worker = threading.Thread(target=self._work, name="hexq-expert-prefetch", daemon=True)
+        self._worker.start()
+
+    # ---------------------------------------------------------------- inspection
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._budget.capacity
+
+    @property
+    def budget(self) -> BudgetTracker:
+        return self._budget
+
+    @property
+    def stats(self) -> CacheStats:
+        with self._lock:
+            s = self._stats
+            return replace(s, layer_hits=dict(s.layer_hits), layer_misses=dict(s.layer_misses))
+
+    def handle(self, layer: int, expert: int) -> ExpertHandle:
+        """The stable handle of (layer, expert); the same object for the cache's lifetime."""
+        with self._lock:
+            return self._handle((layer, expert))
+
+    def resident(self) -> dict[Key, int]:
+        """Published entries as {(layer, expert): bits}, least recently used first."""
+        with self._lock:
+            return {k: h._active.bits for k, h in self._lru.items() if h._active is not None}
+
+    def check_capacity(self, experts: Iterable[Key], bits: int) -> int:
+        """Largest nbytes among `experts` at `bits`; raises the minimum-budget ValueError if one cannot fit.
+
+        Call it at start-up with every expert and the highest precision the policy may request; the returned size
+        is also the scratch a bypass load needs.
+        """
+        largest, worst = 0, None
+        for layer, expert in experts:
+            n = self._source.nbytes(layer, expert, bits)
+            if n > largest:
+                largest, worst = n, (layer, expert)
+        if worst is not None:
+            self._check_fits(worst, bits, largest)
+        return largest
+
+    # ---------------------------------------------------------------- pins
+
+    def pin(self, layer: int, experts: Iterable[int]) -> None:
+        """Protect (layer, e) for e in experts from eviction until unpinned (refcounted)."""
+        with self._lock:
+            for e in experts:
+                self._pins[(layer, e)] += 1
+
+    def unpin(self, layer: int, experts: Iterable[int]) -> None:
+        with self._lock:
+            for e in experts:
+                key = (layer, e)
+                if self._pins[key] <= 0:
+                    raise ValueError(f"expert {key} is not pinned")
+                self._pins[key] -= 1
+                if self._pins[key] == 0:
+                    del self._pins[key]
+            self._changed.notify_all()
+
+    @contextmanager
+    def pinned(self, layer: int, experts: Iterable[int]) -> Iterator[None]:
+        """Pin the experts a layer computes with for the duration of the block."""
+        experts = list(experts)
+        self.pin(layer, experts)
+        try:
+            yield
+        finally:
+            self.unpin(layer, experts)
+
+    # ---------------------------------------------------------------- get
+
+    def get(self, layer: int, expert: int, bits: int, *, fill: bool = True) -> ExpertWeights:
+        """Weights of (layer, expert) with at least `bits` bits; blocks until they are available.
+
+        A load of the same expert already in flight (e.g. a prefetch) is waited for, never repeated. With fill=False
+        a miss is served by a transient bypass load that is not cached (see the module docstring).
+        """
+        key = (layer, expert)
+        waited = 0.0
+        with self._lock:
+            self._check_open()
+            while True:
+                version = self._hit_version(key, bits)
+                if version is not None:
+                    self._record(key, hit=True)
+                    self._stats.wait_seconds += waited
+                    if key in self._prefetched:
+                        self._prefetched.discard(key)
+                        self._stats.prefetch_used += 1
+                    return version.weights
+                if key in self._inflight:  # same expert on its way: wait instead of loading twice
+                    waited += self._wait()
+                    continue
+                need = self._source.nbytes(layer, expert, bits)
+                if not fill:
+                    break
+                self._check_fits(key, bits, need)
+                promoting = key in self._lru  # before _admit, which may retire the old copy first
+                if self._admit(key, need, background=False):
+                    self._start_fill(key, bits, promoting)
+                    self._record(key, hit=False)
+                    break
+                if self._inflight:  # other loads hold reservations; once published they may be evictable
+                    waited += self._wait()
+                    continue
+                logger.debug("no room for expert %s at %d bits (all resident entries pinned): bypass", key, bits)
+                fill = False
+                break
+            if not fill:
+                self._stats.bypass_loads += 1
+                self._record(key, hit=False)
+        t0 = time.perf_counter()
+        try:
+            if fill:
+                return self._fill(key, bits, need, prefetched=False)
+            return self._load(key, bits, need)
+        finally:
+            with self._lock:
+                self._stats.wait_seconds += waited + time.perf_counter() - t0
+
+    # ---------------------------------------------------------------- prefetch
+
+    def prefetch(self, layer: int, expert: int, bits: int) -> None:
+        """Queue a background fill of (layer, expert) at `bits`; returns at once (004 §4.4.1).
+
+        The worker admits it only if room can be made without evicting pinned entries and drops it otherwise
+        (counted in prefetch_dropped). A queued request for the same expert is raised to the higher precision.
+        """
+        key = (layer, expert)
+        with self._lock:
+            self._check_open()
+            self._stats.prefetch_issued += 1
+            on_way = max(self._inflight.get(key, 0), self._queued.get(key, 0))
+            if self._hit_version(key, bits) is not None or on_way >= bits:
+                self._stats.prefetch_skipped += 1
+                return
+            if key in self._queued:  # the queued request now asks for more bits; no second queue entry
+                self._stats.prefetch_skipped += 1
+                self._queued[key] = bits
+                return
+            self._queued[key] = bits
+        self._queue.put(key)
+
+    def wait_idle(self) -> None:
+        """Block until every prefetch queued so far has been loaded or dropped."""
+        self._queue.join()
+
+    def close(self) -> None:
+        """Stop the worker (queued prefetches are dropped), then unpublish and release every entry."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._stats.prefetch_dropped += len(self._queued)
+            self._queued.clear()
+            self._changed.notify_all()
+        self._queue.put(None)
+        self._worker.join()
+        with self._lock:
+            for key in list(self._lru):
+                self._retire(key)
+
+    def __enter__(self) -> ExpertCache:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- internals (caller holds self._lock)
+
+    def _handle(self, key: Key) -> ExpertHandle:
+        h = self._handles.get(key)
+        if h is None:
+            h = self._handles[key] = ExpertHandle(*key)
+        return h
+
+    def _hit_version(self, key: Key, bits: int) -> ExpertVersion | None:
+        """The published version of `key` if it has >= bits, marked most recently used.
+
+        Prefetch requests refresh recency too: a predicted expert should not be the next eviction victim.
+        """
+        h = self._lru.get(key)
+        v = h.resolve() if h is not None else None
+        if v is None or v.bits < bits:
+            return None
+        self._lru.move_to_end(key)
+        return v
+
+    def _record(self, key: Key, *, hit: bool) -> None:
+        layer = key[0]
+        if hit:
+            self._stats.hits += 1
+            self._stats.layer_hits[layer] = self._stats.layer_hits.get(layer, 0) + 1
+        else:
+            self._stats.misses += 1
+            self._stats.layer_misses[layer] = self._stats.layer_misses.get(layer, 0) + 1
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("ExpertCache is closed")
+
+    def _check_fits(self, key: Key, bits: int, need: int) -> None:
+        if need > self._budget.capacity:
+            raise HexqError(
+                f"expert cache capacity {self._budget.capacity} bytes cannot hold expert (layer {key[0]}, expert "
+                f"{key[1]}) at {bits} bits, which needs {need} bytes; the minimum budget is {need} bytes "
+                f"({need / 2**20:.2f} MiB). Raise the budget, lower the precision, or compute it from a transient "
+                "bypass buffer with get(..., fill=False)")
+
+    def _wait(self) -> float:
+        t0 = time.perf_counter()
+        # The timeout is only a safety net: every state change notifies, and callers re-check state in a loop.
+        self._changed.wait(timeout=1.0)
+        if self._closed:
+            raise RuntimeError("ExpertCache was closed while waiting")
+        return time.perf_counter() - t0
+
+    def _admit(self, key: Key, need: int, *, background: bool) -> bool:
+        """Reserve `need` bytes for a fill of `key`, evicting unpinned LRU entries; evicts nothing if it fails.
+
+        A resident lower-precision copy of `key` stays published and counted ("count both"). Only a blocking get
+        may retire it first when both cannot fit.
+        """
+        old = self._lru.get(key)
+        old_version = old.resolve() if old is not None else None
+        victims = [k for k in self._lru if k != key and self._pins[k] == 0]
+        room = self._budget.available + sum(self._lru[k]._active.nbytes for k in victims)
+        if room < need:
+            if background or old_version is None or room + old_version.nbytes < need:
+                return False
+            self._retire(key)  # free first: old + new cannot coexist within the capacity
+        for victim in victims:
+            if self._budget.reserve(need):
+                return True
+            self._retire(victim)
+            self._stats.evictions += 1
+        if self._budget.reserve(need):
+            return True
+        raise RuntimeError("admission arithmetic disagrees with the budget tracker")
+
+    def _retire(self, key: Key) -> None:
+        """Evict: redirect the handle to nothing first, then return the bytes to the budget."""
+        handle = self._lru.pop(key)
+        self._prefetched.discard(key)
+        old = handle._unpublish()
+        if old is not None:
+            self._budget.release(old.nbytes)
+
+    def _start_fill(self, key: Key, bits: int, promoting: bool) -> None:
+        self._inflight[key] = bits
+        if promoting:
+            self._stats.promotions += 1
+
+    # ---------------------------------------------------------------- loads (called without the lock)
+
+    def _load(self, key: Key, bits: int, need: int) -> ExpertWeights:
+        """Load from the source and check it against the size that was reserved."""
+        t0 = time.perf_counter()
+        weights = self._source.load(key[0], key[1], bits)
+        elapsed = time.perf_counter() - t0
+        if weights.bits != bits or weights.nbytes != need:
+            raise ValueError(f"source returned {weights.bits} bits / {weights.nbytes} bytes for expert {key} at "
+                             f"{bits} bits, but its nbytes() said {need}; the cache budget relies on them agreeing")
+        with self._lock:
+            self._stats.bytes_moved += need
+            self._stats.load_seconds += elapsed
+        return weights
+
+    def _fill(self, key: Key, bits: int, need: int, *, prefetched: bool) -> ExpertWeights:
+        """Load into the `need` bytes already reserved for `key`, then publish; release the reservation on error."""
+        try:
+            weights = self._load(key, bits, need)
+        except BaseException:
+            with self._lock:
+                self._budget.release(need)
+                del self._inflight[key]
+                self._changed.notify_all()
+            raise
+        with self._lock:
+            del self._inflight[key]
+            self._changed.notify_all()
+            if self._closed:  # closed during the load: hand the weights to this caller but do not keep them
+                self._budget.release(need)
+                return weights
+            handle = self._handle(key)
+            old = handle.resolve()  # a lower-precision copy being promoted, still published and counted
+            handle._publish(weights, need)
+            self._lru.pop(key, None)
+            self._lru[key] = handle  # most recently used
+            if old is not None:
+                self._budget.release(old.nbytes)  # publish, then free the replaced version
+            if prefetched:
+                self._prefetched.add(key)
+            else:
+                self._prefetched.discard(key)
+            return weights
+
+    # ---------------------------------------------------------------- prefetch worker
+
+    def _work(self) -> None:
+        while True:
+            key = self._queue.get()
+            try:
+                if key is None:
+                    return
+                self._prefetch_one(key)
+            except Exception:  # never let one bad load kill the worker; get() would surface the error itself
+                logger.exception("prefetch of expert %s failed", key)
+            finally:
+                self._queue.task_done()
+
+    def _prefetch_one(self, key: Key) -> None:
+        with self._lock:
+            bits = self._queued.pop(key, None)
+            if bits is None or self._closed:
+                return
+            if self._hit_version(key, bits) is not None or self._inflight.get(key, 0) >= bits:
+                self._stats.prefetch_skipped += 1
+                return
+            if key in self._inflight:  # a lower precision is still loading; the worker does not wait for it
+                self._stats.prefetch_dropped += 1
+                return
+            need = self._source.nbytes(key[0], key[1], bits)
+            promoting = key in self._lru
+            if need > self._budget.capacity or not self._admit(key, need, background=True):
+                self._stats.prefetch_dropped += 1
+                logger.debug("prefetch of expert %s at %d bits dropped: no unpinned room", key, bits)
+                return
+            self._start_fill(key, bits, promoting)
+        try:
+            self._fill(key, bits, need, prefetched=True)
+        except Exception:
+            with self._lock:
+                self._stats.prefetch_dropped += 1
+            raise

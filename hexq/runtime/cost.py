@@ -1,0 +1,85 @@
+"""Fill-or-bypass cost model for a missing expert (paper 003 §III.C.1, eq. 7-8).
+
+When the router selects an expert that is not resident, there are two ways to run it on n tokens:
+
+    slow path (no fill):  T_slow = n * lat_slow                      (eq. 7, 003's T_CPU)
+    fill path:            T_fill = T_e + n * lat_fast                (eq. 8, 003's T_sum)
+
+where lat_slow / lat_fast are the per-token latencies of computing the expert without / with a cache fill, and
+T_e is the one-off cost of the fill (read, unpack, dequantize into the cache). Filling pays off when
+T_slow > T_fill, i.e. when n exceeds the critical token count
+
+    n_critical = T_e / (lat_slow - lat_fast)          (lat_slow > lat_fast; otherwise filling never pays off).
+
+Decode (n = 1) usually stays below n_critical, prefill usually above it. The latencies are measured once at start-up
+by `measure_latency`, which times tiny runs of callables the runtime supplies.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class LatencyProfile:
+    """Measured costs, in seconds: per token on the slow and fast paths, and T_e for one expert fill."""
+
+    lat_slow_per_token: float
+    lat_fast_per_token: float
+    fill_seconds: float
+
+    def __post_init__(self) -> None:
+        for name in ("lat_slow_per_token", "lat_fast_per_token", "fill_seconds"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+
+
+def n_critical(profile: LatencyProfile) -> float:
+    """Token count above which a fill is faster than the slow path (eq. 7-8); inf if it never is."""
+    gap = profile.lat_slow_per_token - profile.lat_fast_per_token
+    if gap <= 0:
+        return math.inf
+    return profile.fill_seconds / gap
+
+
+def should_fill(n_tokens: int, profile: LatencyProfile) -> bool:
+    """True if T_fill = T_e + n lat_fast < T_slow = n lat_slow (eq. 7-8); a tie keeps the slow path (no I/O)."""
+    if n_tokens < 0:
+        raise ValueError(f"n_tokens must be >= 0, got {n_tokens}")
+    t_slow = n_tokens * profile.lat_slow_per_token
+    t_fill = profile.fill_seconds + n_tokens * profile.lat_fast_per_token
+    return t_slow > t_fill
+
+
+def _median_seconds(fn: Callable[[], Any], repeats: int, warmup: int, clock: Callable[[], float]) -> float:
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        t0 = clock()
+        fn()
+        samples.append(clock() - t0)
+    return statistics.median(samples)  # the median ignores the odd scheduler hiccup on a shared machine
+
+
+def measure_latency(run_slow: Callable[[int], Any], run_fast: Callable[[int], Any], run_fill: Callable[[], Any], *,
+                    n_tokens: int = 8, repeats: int = 5, warmup: int = 1,
+                    clock: Callable[[], float] = time.perf_counter) -> LatencyProfile:
+    """Time tiny runs and return the LatencyProfile (003 §III.C.1 "offline analysis or online calibration").
+
+    run_slow(n) / run_fast(n) compute one expert on n tokens without / with a resident copy; run_fill() fills one
+    expert. Each is run `warmup` times untimed, then `repeats` times; the median is kept and per-token latencies
+    are that median divided by n_tokens. `clock` is injectable so tests need not sleep.
+    """
+    if n_tokens <= 0 or repeats <= 0 or warmup < 0:
+        raise ValueError(f"need n_tokens > 0, repeats > 0, warmup >= 0; got {n_tokens}, {repeats}, {warmup}")
+    slow = _median_seconds(lambda: run_slow(n_tokens), repeats, warmup, clock) / n_tokens
+    fast = _median_seconds(lambda: run_fast(n_tokens), repeats, warmup, clock) / n_tokens
+    fill = _median_seconds(run_fill, repeats, warmup, clock)
+    return LatencyProfile(lat_slow_per_token=slow, lat_fast_per_token=fast, fill_seconds=fill)

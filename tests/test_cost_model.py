@@ -1,0 +1,91 @@
+"""Fill-or-bypass cost model (003 §III.C.1, eq. 7-8) on injected latencies and a fake clock."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from hexq.runtime.cost import LatencyProfile, measure_latency, n_critical, should_fill
+
+
+def brute_force_fill(n: int, p: LatencyProfile) -> bool:
+    return n * p.lat_slow_per_token > p.fill_seconds + n * p.lat_fast_per_token
+
+
+def test_n_critical_matches_eq_7_8():
+    p = LatencyProfile(lat_slow_per_token=3e-3, lat_fast_per_token=1e-3, fill_seconds=20e-3)
+    assert n_critical(p) == pytest.approx(10.0)  # T_e / (lat_slow - lat_fast) = 20 ms / 2 ms
+    assert not should_fill(1, p)  # decode: 3 ms slow vs 21 ms fill
+    assert not should_fill(10, p)  # tie at n_critical keeps the slow path
+    assert should_fill(11, p)
+    assert should_fill(512, p)  # prefill
+
+
+@pytest.mark.parametrize("slow,fast,fill", [(2e-3, 5e-4, 7e-3), (1e-4, 1e-4, 1e-3), (1e-5, 2e-3, 0.0),
+                                            (4e-3, 0.0, 0.0), (1.0, 0.5, 3.3)])
+def test_should_fill_agrees_with_brute_force_and_n_critical(slow, fast, fill):
+    p = LatencyProfile(slow, fast, fill)
+    nc = n_critical(p)
+    for n in range(0, 200):
+        assert should_fill(n, p) == brute_force_fill(n, p)
+        if not math.isclose(n, nc):
+            assert should_fill(n, p) == (n > nc)
+
+
+def test_fast_path_no_faster_never_fills():
+    p = LatencyProfile(lat_slow_per_token=1e-3, lat_fast_per_token=2e-3, fill_seconds=0.0)
+    assert n_critical(p) == math.inf
+    assert not any(should_fill(n, p) for n in (1, 100, 10**6))
+
+
+def test_invalid_profile_and_tokens():
+    with pytest.raises(ValueError, match="fill_seconds"):
+        LatencyProfile(1e-3, 1e-4, -1.0)
+    with pytest.raises(ValueError, match="lat_slow_per_token"):
+        LatencyProfile(math.nan, 1e-4, 0.0)
+    with pytest.raises(ValueError, match="n_tokens"):
+        should_fill(-1, LatencyProfile(1e-3, 1e-4, 0.0))
+
+
+class FakeClock:
+    """Time advances only when a timed callable says so."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_measure_latency_with_injected_clock():
+    clock = FakeClock()
+    calls = {"slow": 0, "fast": 0, "fill": 0}
+    jitter = iter([0.0, 0.5, 0.0, 0.0, 0.0] * 3)  # one slow outlier; the median ignores it
+
+    def run_slow(n: int) -> None:
+        calls["slow"] += 1
+        clock.now += n * 2e-3 + next(jitter, 0.0)
+
+    def run_fast(n: int) -> None:
+        calls["fast"] += 1
+        clock.now += n * 5e-4
+
+    def run_fill() -> None:
+        calls["fill"] += 1
+        clock.now += 9e-3
+
+    p = measure_latency(run_slow, run_fast, run_fill, n_tokens=4, repeats=5, warmup=1, clock=clock)
+    assert p.lat_slow_per_token == pytest.approx(2e-3)
+    assert p.lat_fast_per_token == pytest.approx(5e-4)
+    assert p.fill_seconds == pytest.approx(9e-3)
+    assert calls == {"slow": 6, "fast": 6, "fill": 6}  # warmup + repeats each
+    assert n_critical(p) == pytest.approx(6.0)
+    with pytest.raises(ValueError):
+        measure_latency(run_slow, run_fast, run_fill, n_tokens=0)
+
+
+def test_measure_latency_real_clock_smoke():
+    p = measure_latency(lambda n: sum(range(50 * n)), lambda n: sum(range(n)), lambda: sum(range(500)),
+                        n_tokens=4, repeats=3)
+    assert p.lat_slow_per_token >= 0 and p.lat_fast_per_token >= 0 and p.fill_seconds >= 0

@@ -1,0 +1,164 @@
+"""hexq pack and hexq inspect on a tiny calibrated Qwen3-MoE: layout, bytes, allocation, integrity, errors."""
+
+import json
+import math
+import shutil
+from dataclasses import replace
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from hexq.artifact.bitpack import packed_nbytes
+from hexq.artifact.format import FORMAT_VERSION, Artifact, expert_shard
+from hexq.artifact.pack import Budget, pack
+from hexq.calib.pipeline import get_dequantized, load_calibrated
+from hexq.calib.store import load_layer
+from hexq.errors import HexqError
+from hexq.recipe import Pack
+from hexq.runtime.model import build_model
+from hexq_cli.main import app
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def artifact_25(mixed_calibration, tmp_path_factory):
+    out = tmp_path_factory.mktemp("pack") / "a25.hexq"
+    pack(mixed_calibration[0], out, budget=Budget(avg_bits=2.5))
+    return out
+
+
+def folder_bytes(folder):
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_layout_and_allocation(artifact_25):
+    artifact = Artifact(artifact_25)
+    manifest = artifact.manifest
+    assert manifest["format_version"] == FORMAT_VERSION
+    assert set(artifact.files) >= {"dense.safetensors", "stats.safetensors", "config.json", "tokenizer.json",
+                                   expert_shard(0), expert_shard(1)}
+    order = manifest["allocation"]["importance_order"]
+    for layer, row in enumerate(artifact.allocation):
+        assert len(row) == 8 and sum(row) <= math.floor(2.5 * 8)
+        ranked = [row[e] for e in order[layer]]
+        assert ranked == sorted(ranked, reverse=True)  # prefix-structured: widths never rise down the order
+    assert manifest["provenance"]["model_sha256"] and manifest["provenance"]["data_sha256"]
+    assert all(len(hot) == 2 for hot in manifest["placement"]["hot"])  # 25% of 8 experts
+
+
+def test_replica_bytes_are_dense_bit_packing_plus_scales(artifact_25):
+    artifact = Artifact(artifact_25)
+    for bits in artifact.replica_bits:
+        for projection in ("gate_up", "down"):
+            weight = artifact.packed_expert(1, 3, bits, projection)
+            rows, cols = weight.shape
+            assert weight.codes.numel() == packed_nbytes(rows * cols, bits) == math.ceil(bits * rows * cols / 8)
+            assert weight.scale.shape == weight.zero.shape == (rows, cols // 16)
+    on_disk = sum(p.stat().st_size for p in artifact_25.rglob("*") if p.is_file())
+    accounted = artifact.manifest["accounting"]["files_bytes"] + (artifact_25 / "manifest.json").stat().st_size
+    assert abs(on_disk - accounted) <= 0.01 * on_disk
+
+
+def test_resident_model_matches_the_calibrated_model(mixed_calibration, tmp_path):
+    """A uniform 4-bit artifact computes what the calibration's 4-bit replicas compute (up to float16 scales)."""
+    out = tmp_path / "u4.hexq"
+    pack(mixed_calibration[0], out, Pack(bits=(4,), avg_bits=4.0))
+    model, _, _ = build_model(out)
+    reference, _, _ = load_calibrated(mixed_calibration[0], "cpu", 4)
+    ids = torch.randint(0, 8192, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, want = model(ids).logits, reference(ids).logits
+    # float16 scales move weights by ~1e-3 relative; dynamic int8 activations can round a few values differently
+    assert (got - want).abs().max() < 1e-2 * want.abs().max()
+
+
+def test_stored_replicas_dequantize_to_the_calibration_weights(mixed_calibration, artifact_25):
+    """Exactly the calibration's codes, with scales and zeros rounded to float16."""
+    tensors = load_layer(mixed_calibration[0], 1)[0]
+    artifact = Artifact(artifact_25)
+    for bits in (1, 3, 8):
+        rounded = {key: t.half().float() if key.endswith((".scale", ".zero")) else t for key, t in tensors.items()}
+        want = get_dequantized(rounded, f"experts.down.b{bits}", bits)[5]
+        assert torch.equal(artifact.expert_weights(1, 5, bits)[1], want)
+
+
+def test_same_inputs_give_the_same_bytes(mixed_calibration, artifact_25, tmp_path):
+    again = tmp_path / "again.hexq"
+    pack(mixed_calibration[0], again, budget=Budget(avg_bits=2.5))
+    assert folder_bytes(again) == folder_bytes(artifact_25)
+
+
+def test_byte_budget_with_cosine_schedule_is_never_exceeded(mixed_calibration, tmp_path):
+    full = Artifact(pack(mixed_calibration[0], tmp_path / "a3.hexq", budget=Budget(avg_bits=3.0)).out)
+    budget = full.manifest["accounting"]["allocated_expert_bytes"]
+    out = tmp_path / "bytes.hexq"
+    summary = pack(mixed_calibration[0], out, Pack(schedule="cosine", cosine_lambda=0.3), Budget(total_bytes=budget))
+    assert summary.allocated_bytes <= budget
+    rows = Artifact(out).allocation
+    assert sum(rows[0]) >= sum(rows[-1])  # the cosine schedule keeps more in the first layer
+
+
+def test_one_expert_reads_one_shard_and_corruption_is_named(artifact_25, tmp_path):
+    broken = tmp_path / "broken.hexq"
+    shutil.copytree(artifact_25, broken)
+    shard = broken / expert_shard(1)
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    artifact = Artifact(broken)
+    gate_up, down = artifact.expert_weights(0, 2, 4)  # layer 0's shard is intact and is all that is read
+    assert torch.isfinite(gate_up).all() and torch.isfinite(down).all()
+    with pytest.raises(HexqError, match=r"layer_001\.safetensors is corrupt: sha256 .* manifest says"):
+        artifact.expert_weights(1, 2, 4)
+    shard.write_bytes(bytes(data[:-100]))
+    with pytest.raises(HexqError, match=r"truncated .* bytes, manifest says"):
+        Artifact(broken).expert_weights(1, 2, 4)
+
+
+def test_newer_format_version_is_refused(artifact_25, tmp_path):
+    newer = tmp_path / "newer.hexq"
+    shutil.copytree(artifact_25, newer)
+    manifest = json.loads((newer / "manifest.json").read_text())
+    (newer / "manifest.json").write_text(json.dumps(manifest | {"format_version": FORMAT_VERSION + 1}))
+    with pytest.raises(HexqError, match="newer than this hexq reads"):
+        Artifact(newer)
+
+
+def test_infeasible_budget_names_the_minimum_and_leaves_nothing(mixed_calibration, tmp_path):
+    out = tmp_path / "tiny.hexq"
+    with pytest.raises(HexqError, match="minimum that fits is"):
+        pack(mixed_calibration[0], out, budget=Budget(total_bytes=1000))
+    assert not out.exists() and not list(tmp_path.iterdir())
+
+
+def test_changed_source_model_is_refused(mixed_calibration, tmp_path):
+    calib = tmp_path / "cal"
+    shutil.copytree(mixed_calibration[0], calib)
+    manifest = json.loads((calib / "manifest.json").read_text())
+    manifest["fingerprint"]["model"] = "0" * 64
+    (calib / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(HexqError, match="changed since"):
+        pack(calib, tmp_path / "x.hexq")
+
+
+def test_cli_pack_and_inspect(mixed_calibration, tmp_path):
+    out = tmp_path / "cli.hexq"
+    result = runner.invoke(app, ["pack", str(mixed_calibration[0]), "-o", str(out), "--bits", "3"])
+    assert result.exit_code == 0, result.output
+    again = runner.invoke(app, ["pack", str(mixed_calibration[0]), "-o", str(out), "--bits", "3"])
+    assert again.exit_code == 1 and "--force" in again.output
+    report = tmp_path / "inspect.json"
+    result = runner.invoke(app, ["inspect", str(out), "--json", str(report)])
+    assert result.exit_code == 0, result.output
+    info = json.loads(report.read_text())
+    assert info["checksums_ok"] and info["allocation"]["average_bits"] <= 3.0
+    assert sum(sum(row["histogram"].values()) for row in info["allocation"]["layers"]) == 2 * 8
+    bad = runner.invoke(app, ["pack", str(mixed_calibration[0]), "-o", str(tmp_path / "b"), "--budget", "lots"])
+    assert bad.exit_code == 1 and "cannot read 'lots' as a size" in bad.output
+
+
+def test_pack_settings_must_match_the_replicas(mixed_calibration, tmp_path):
+    with pytest.raises(HexqError, match=r"need replicas at \[5\] bits"):
+        pack(mixed_calibration[0], tmp_path / "x.hexq", replace(Pack(), bits=(2, 5), avg_bits=3.0))

@@ -1,0 +1,439 @@
+"""ExpertCache: 004 §4.4.2 mixed-precision LRU rules, 001 §3.2-3.3 versioned handles and budget, prefetch worker."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from hexq.runtime.cache import BudgetTracker, ExpertCache, ExpertWeights
+
+
+def expected_value(layer: int, expert: int, bits: int) -> float:
+    return float(layer * 1000 + expert * 10 + bits)
+
+
+class FakeSource:
+    """Tiny float32 experts whose size grows with bits and whose every element encodes (layer, expert, bits)."""
+
+    def __init__(self, delay: float = 0.0):
+        self.delay = delay
+        self.loads: list[tuple[int, int, int]] = []
+        self._lock = threading.Lock()
+
+    def nbytes(self, layer: int, expert: int, bits: int) -> int:
+        return 4 * (2 * 2 * bits + bits * 2)  # gate_up [2I, H] + down [H, I] with I = 2, H = bits, float32
+
+    def load(self, layer: int, expert: int, bits: int) -> ExpertWeights:
+        if self.delay:
+            time.sleep(self.delay)
+        v = expected_value(layer, expert, bits)
+        with self._lock:
+            self.loads.append((layer, expert, bits))
+        return ExpertWeights(bits, torch.full((4, bits), v), torch.full((bits, 2), v))
+
+
+def assert_weights(w: ExpertWeights, layer: int, expert: int, min_bits: int) -> None:
+    assert w.bits >= min_bits
+    v = expected_value(layer, expert, w.bits)
+    assert bool((w.gate_up == v).all()) and bool((w.down == v).all()), (layer, expert, w.bits)
+
+
+NB = FakeSource().nbytes  # NB(0, 0, 2) == 48, NB(0, 0, 4) == 96, NB(0, 0, 8) == 192
+
+
+@pytest.fixture
+def make_cache():
+    caches = []
+
+    def make(capacity: int, source: FakeSource | None = None) -> ExpertCache:
+        cache = ExpertCache(source or FakeSource(), capacity)
+        caches.append(cache)
+        return cache
+
+    yield make
+    for c in caches:
+        c.close()
+
+
+# ---------------------------------------------------------------- budget tracker
+
+
+def test_budget_tracker_admission_and_peak():
+    b = BudgetTracker(100)
+    assert b.reserve(60) and b.used == 60
+    assert not b.reserve(41)  # a failed reservation changes nothing
+    assert b.used == 60 and b.peak == 60
+    assert b.reserve(40) and b.used == 100 and b.available == 0
+    b.release(70)
+    assert b.used == 30 and b.peak == 100
+    with pytest.raises(ValueError, match="exceeds"):
+        b.release(31)
+    with pytest.raises(ValueError):
+        BudgetTracker(0)
+
+
+def test_budget_tracker_threads_never_exceed_capacity():
+    b = BudgetTracker(1000)
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        for _ in range(2000):
+            n = rng.randint(1, 300)
+            if b.reserve(n):
+                b.release(n)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert b.used == 0 and 0 < b.peak <= 1000
+
+
+# ---------------------------------------------------------------- 004 §4.4.2 rules
+
+
+def test_hit_miss_promotion_and_conservative_reuse(make_cache):
+    src = FakeSource()
+    cache = make_cache(1000, src)
+    assert_weights(cache.get(0, 1, 2), 0, 1, 2)  # cold miss
+    assert_weights(cache.get(0, 1, 2), 0, 1, 2)  # hit
+    v2 = cache.handle(0, 1).resolve()
+    w4 = cache.get(0, 1, 4)  # low copy resident, high requested: a miss that promotes
+    assert w4.bits == 4
+    v4 = cache.handle(0, 1).resolve()
+    assert v4.version == v2.version + 1 and v4.bits == 4
+    assert cache.get(0, 1, 2) is w4  # low requested, high resident: reused without I/O
+    s = cache.stats
+    assert (s.hits, s.misses, s.promotions) == (2, 2, 1)
+    assert s.layer_hits == {0: 2} and s.layer_misses == {0: 2}
+    assert src.loads == [(0, 1, 2), (0, 1, 4)]
+    # One copy per expert: the 2-bit version was released after the 4-bit one was published.
+    assert cache.resident() == {(0, 1): 4}
+    assert cache.budget.used == NB(0, 1, 4)
+
+
+def test_handle_is_stable_and_eviction_unpublishes(make_cache):
+    cache = make_cache(NB(0, 0, 4))
+    h = cache.handle(0, 0)
+    assert h.resolve() is None
+    w = cache.get(0, 0, 4)
+    assert cache.handle(0, 0) is h and h.resolve().weights is w
+    cache.get(0, 1, 4)  # evicts (0, 0)
+    assert h.resolve() is None
+    assert_weights(w, 0, 0, 4)  # a reader holding the old object still has a complete version
+
+
+def test_lru_eviction_order(make_cache):
+    cache = make_cache(3 * NB(0, 0, 4))
+    for e in (0, 1, 2):
+        cache.get(0, e, 4)
+    cache.get(0, 0, 4)  # touch 0: order is now 1, 2, 0
+    cache.get(0, 3, 4)  # evicts 1
+    assert list(cache.resident()) == [(0, 2), (0, 0), (0, 3)]
+    cache.get(0, 4, 4)  # evicts 2
+    assert list(cache.resident()) == [(0, 0), (0, 3), (0, 4)]
+    assert cache.stats.evictions == 2
+    assert cache.budget.peak <= cache.capacity_bytes
+
+
+def test_pinned_entries_are_not_evicted(make_cache):
+    src = FakeSource()
+    cache = make_cache(2 * NB(0, 0, 4), src)
+    with cache.pinned(0, [0, 1]):
+        cache.get(0, 0, 4)
+        cache.get(0, 1, 4)
+        w = cache.get(0, 2, 4)  # no unpinned room: served by a transient bypass load, not cached
+        assert_weights(w, 0, 2, 4)
+        assert set(cache.resident()) == {(0, 0), (0, 1)}
+        assert cache.stats.bypass_loads == 1
+        cache.prefetch(0, 3, 4)  # may not evict pinned entries: dropped
+        cache.wait_idle()
+        assert cache.stats.prefetch_dropped == 1
+        assert set(cache.resident()) == {(0, 0), (0, 1)}
+    cache.get(0, 2, 4)  # unpinned now: (0, 0) is the LRU victim
+    assert list(cache.resident()) == [(0, 1), (0, 2)]
+    with pytest.raises(ValueError, match="not pinned"):
+        cache.unpin(0, [1])
+
+
+def test_bytes_moved_is_sum_of_loaded_nbytes(make_cache):
+    src = FakeSource()
+    cache = make_cache(2 * NB(0, 0, 8), src)
+    rng = random.Random(0)
+    for _ in range(60):
+        cache.get(rng.randrange(2), rng.randrange(4), rng.choice([2, 4, 8]), fill=rng.random() < 0.8)
+    assert cache.stats.bytes_moved == sum(NB(*k) for k in src.loads)
+    assert cache.stats.misses == len(src.loads)
+
+
+def test_fill_false_reuses_resident_copy_and_does_not_cache(make_cache):
+    src = FakeSource()
+    cache = make_cache(1000, src)
+    cache.get(0, 0, 4)
+    assert cache.get(0, 0, 2, fill=False).bits == 4  # hit: no I/O
+    w = cache.get(0, 1, 2, fill=False)
+    assert_weights(w, 0, 1, 2)
+    assert (0, 1) not in cache.resident()
+    assert src.loads == [(0, 0, 4), (0, 1, 2)] and cache.stats.bypass_loads == 1
+
+
+# ---------------------------------------------------------------- promotion accounting
+
+
+class GatedSource(FakeSource):
+    """Loads of the listed (layer, expert, bits) block until `gate` is set."""
+
+    def __init__(self, gated: set[tuple[int, int, int]]):
+        super().__init__()
+        self.gated = gated
+        self.gate = threading.Event()
+        self.started = threading.Event()
+
+    def load(self, layer: int, expert: int, bits: int) -> ExpertWeights:
+        if (layer, expert, bits) in self.gated:
+            self.started.set()
+            assert self.gate.wait(5)
+        return super().load(layer, expert, bits)
+
+
+def test_promotion_counts_both_versions_and_keeps_old_readable(make_cache):
+    src = GatedSource({(0, 0, 8)})
+    cache = make_cache(NB(0, 0, 2) + NB(0, 0, 8), src)
+    cache.get(0, 0, 2)
+    cache.prefetch(0, 0, 8)  # background promotion
+    assert src.started.wait(5)
+    # During the load the 2-bit version stays published: readers of <= 2 bits hit without waiting.
+    assert cache.get(0, 0, 2).bits == 2
+    assert cache.budget.used == NB(0, 0, 2) + NB(0, 0, 8)
+    src.gate.set()
+    cache.wait_idle()
+    assert cache.resident() == {(0, 0): 8}
+    assert cache.budget.used == NB(0, 0, 8)
+    assert cache.budget.peak == NB(0, 0, 2) + NB(0, 0, 8) <= cache.capacity_bytes
+    assert cache.stats.promotions == 1
+
+
+def test_promotion_frees_first_when_both_cannot_fit(make_cache):
+    src = FakeSource()
+    cache = make_cache(NB(0, 0, 8), src)
+    cache.get(0, 0, 2)
+    cache.prefetch(0, 0, 8)  # background work never makes an expert unavailable: dropped
+    cache.wait_idle()
+    assert cache.resident() == {(0, 0): 2} and cache.stats.prefetch_dropped == 1
+    assert cache.get(0, 0, 8).bits == 8  # a blocking get retires the 2-bit copy first
+    assert cache.resident() == {(0, 0): 8}
+    assert cache.budget.peak == NB(0, 0, 8)
+    assert cache.stats.promotions == 1 and cache.stats.evictions == 0
+
+
+# ---------------------------------------------------------------- prefetch
+
+
+def test_get_waits_for_inflight_prefetch_instead_of_loading_twice(make_cache):
+    src = GatedSource({(1, 3, 4)})
+    cache = make_cache(1000, src)
+    cache.prefetch(1, 3, 4)
+    assert src.started.wait(5)
+    threading.Timer(0.05, src.gate.set).start()
+    w = cache.get(1, 3, 4)
+    assert_weights(w, 1, 3, 4)
+    assert src.loads == [(1, 3, 4)]
+    s = cache.stats
+    assert (s.hits, s.misses, s.prefetch_issued, s.prefetch_used) == (1, 0, 1, 1)
+    assert s.wait_seconds >= 0.04
+    cache.prefetch(1, 3, 2)  # already resident at higher precision
+    assert cache.stats.prefetch_skipped == 1
+
+
+def test_prefetch_then_get_is_a_hit(make_cache):
+    src = FakeSource()
+    cache = make_cache(1000, src)
+    for e in range(3):
+        cache.prefetch(2, e, 4)
+    cache.wait_idle()
+    for e in range(3):
+        assert_weights(cache.get(2, e, 4), 2, e, 4)
+    s = cache.stats
+    assert (s.hits, s.misses, s.prefetch_used, s.wait_seconds) == (3, 0, 3, 0.0)
+    assert len(src.loads) == 3
+
+
+def test_failed_load_releases_its_reservation(make_cache):
+    class Broken(FakeSource):
+        def load(self, layer, expert, bits):
+            if expert == 9:
+                raise OSError("bad shard")
+            return super().load(layer, expert, bits)
+
+    cache = make_cache(1000, Broken())
+    with pytest.raises(OSError):
+        cache.get(0, 9, 4)
+    cache.prefetch(0, 9, 4)
+    cache.wait_idle()
+    assert cache.budget.used == 0 and cache.stats.prefetch_dropped == 1
+    assert_weights(cache.get(0, 1, 4), 0, 1, 4)  # the worker survived and the cache still works
+
+
+def test_source_size_mismatch_is_reported(make_cache):
+    class Liar(FakeSource):
+        def nbytes(self, layer, expert, bits):
+            return super().nbytes(layer, expert, bits) - 4
+
+    cache = make_cache(1000, Liar())
+    with pytest.raises(ValueError, match="nbytes"):
+        cache.get(0, 0, 4)
+    assert cache.budget.used == 0
+
+
+def test_close_stops_worker_and_frees_everything():
+    cache = ExpertCache(FakeSource(), 1000)
+    cache.get(0, 0, 4)
+    cache.close()
+    assert cache.budget.used == 0 and not cache._worker.is_alive()
+    with pytest.raises(RuntimeError, match="closed"):
+        cache.get(0, 0, 4)
+    with pytest.raises(RuntimeError, match="closed"):
+        cache.prefetch(0, 0, 4)
+    cache.close()  # idempotent
+
+
+# ---------------------------------------------------------------- too small
+
+
+def test_capacity_smaller_than_one_expert_raises_with_minimum(make_cache):
+    cache = make_cache(NB(0, 0, 4))
+    with pytest.raises(ValueError, match=f"minimum budget is {NB(0, 0, 8)} bytes"):
+        cache.get(0, 0, 8)
+    with pytest.raises(ValueError, match=f"minimum budget is {NB(0, 0, 8)} bytes"):
+        cache.check_capacity([(0, e) for e in range(4)], 8)
+    assert cache.check_capacity([(0, e) for e in range(4)], 4) == NB(0, 0, 4)
+    assert_weights(cache.get(0, 0, 8, fill=False), 0, 0, 8)  # the bypass path still computes
+    cache.prefetch(0, 0, 8)
+    cache.wait_idle()
+    assert cache.stats.prefetch_dropped == 1 and cache.budget.peak == 0
+
+
+# ---------------------------------------------------------------- concurrency
+
+
+class PiecewiseSource(FakeSource):
+    """Writes each tensor in pieces with sleeps in between, as a slow unpack/dequantize would."""
+
+    def load(self, layer: int, expert: int, bits: int) -> ExpertWeights:
+        v = expected_value(layer, expert, bits)
+        gate_up, down = torch.full((4, bits), -1.0), torch.full((bits, 2), -1.0)
+        for row in range(4):
+            gate_up[row] = v
+            time.sleep(0.002)
+        for row in range(bits):
+            down[row] = v
+            time.sleep(0.002)
+        with self._lock:
+            self.loads.append((layer, expert, bits))
+        return ExpertWeights(bits, gate_up, down)
+
+
+def test_slow_loader_never_exposes_a_partial_version(make_cache):
+    src = PiecewiseSource()
+    cache = make_cache(NB(0, 0, 8) + NB(0, 0, 2), src)  # (0, 1) at 8 bits forces (0, 0) out
+    stop = threading.Event()
+    seen: list[tuple[int, int]] = []  # (version, bits) of (0, 0) as the reader observed them, in order
+    errors: list[str] = []
+
+    def complete(w: ExpertWeights) -> bool:
+        v = expected_value(0, 0, w.bits)
+        return bool((w.gate_up == v).all()) and bool((w.down == v).all())
+
+    def reader() -> None:
+        h = cache.handle(0, 0)
+        while not stop.is_set():
+            v = h.resolve()  # lock-free path
+            if v is not None:
+                if not complete(v.weights):
+                    errors.append(f"partial version {v.version} at {v.bits} bits")
+                if not seen or seen[-1] != (v.version, v.bits):
+                    seen.append((v.version, v.bits))
+            if not complete(cache.get(0, 0, 2)):  # hits the old version during a promotion, or reloads it
+                errors.append("get returned a partial version")
+
+    t = threading.Thread(target=reader)
+    t.start()
+    try:
+        for _ in range(3):
+            deadline = time.monotonic() + 5
+            while cache.resident().get((0, 0)) != 8 and time.monotonic() < deadline:
+                # Background promotion while the reader keeps using the 2-bit version. It is dropped if the reader
+                # is reloading the 2-bit version at that moment, hence the retry.
+                cache.prefetch(0, 0, 8)
+                cache.wait_idle()
+            while not (seen and seen[-1][1] == 8) and time.monotonic() < deadline:
+                time.sleep(0.001)  # let the reader see the promoted version before it is evicted
+            cache.get(0, 1, 8)  # evicts (0, 0) at 8 bits; the reader reloads it at 2 bits
+    finally:
+        stop.set()
+        t.join()
+    assert not errors, errors[:3]
+    assert seen == sorted(seen)  # a handle's versions only move forward
+    assert {bits for _, bits in seen} == {2, 8} and len(seen) >= 4
+    assert cache.stats.promotions >= 1
+    assert cache.budget.peak <= cache.capacity_bytes
+
+
+def test_stress_random_requests_with_concurrent_prefetch(make_cache):
+    src = FakeSource(delay=0.0002)
+    capacity = NB(0, 0, 8) + 2 * NB(0, 0, 2)  # holds about two experts: constant pressure
+    cache = make_cache(capacity, src)
+    layers, experts, widths = 3, 6, (2, 4, 8)
+    errors: list[str] = []
+    over_budget = threading.Event()
+    stop = threading.Event()
+
+    def watch_budget() -> None:
+        while not stop.is_set():
+            if cache.budget.used > capacity:
+                over_budget.set()
+            time.sleep(0.0005)
+
+    def second_reader(seed: int) -> None:
+        rng = random.Random(seed)
+        while not stop.is_set():
+            layer, expert, bits = rng.randrange(layers), rng.randrange(experts), rng.choice(widths)
+            w = cache.get(layer, expert, bits)
+            if w.bits < bits or not bool((w.gate_up == expected_value(layer, expert, w.bits)).all()):
+                errors.append(f"reader got {w.bits} bits for {(layer, expert, bits)}")
+
+    helpers = [threading.Thread(target=watch_budget), threading.Thread(target=second_reader, args=(1,))]
+    for t in helpers:
+        t.start()
+    rng = random.Random(0)
+    try:
+        for step in range(1200):
+            layer = step % layers
+            chosen = rng.sample(range(experts), 2)
+            bits = {e: rng.choice(widths) for e in chosen}
+            nxt = (layer + 1) % layers
+            for e in rng.sample(range(experts), 2):  # look-ahead for the next layer (004 §4.4.1)
+                cache.prefetch(nxt, e, rng.choice(widths))
+            with cache.pinned(layer, chosen):
+                for e in chosen:
+                    w = cache.get(layer, e, bits[e], fill=rng.random() < 0.9)
+                    assert_weights(w, layer, e, bits[e])
+    finally:
+        stop.set()
+        for t in helpers:
+            t.join()
+    cache.wait_idle()
+    assert not errors, errors[:3]
+    assert not over_budget.is_set()
+    assert cache.budget.peak <= capacity
+    # Accounting closes: what is reserved is exactly what is published, and every load was counted once.
+    assert cache.budget.used == sum(NB(0, 0, b) for b in cache.resident().values())
+    s = cache.stats
+    assert s.bytes_moved == sum(NB(*k) for k in src.loads)
+    assert s.prefetch_issued == 2 * 1200
+    assert s.hits > 0 and s.promotions > 0 and s.evictions > 0 and s.prefetch_used > 0
