@@ -91,3 +91,13 @@ def mixed_calibration(tiny_qwen3moe, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("cal") / "mixed"
     return out, calibrate(tiny_qwen3moe, mixed_recipe(), "bundled", out)
+
+
+@pytest.fixture(scope="session")
+def mixed_artifact(mixed_calibration, tmp_path_factory):
+    """The tiny calibration packed at 2.5 bits on average (widths 1-4 mixed in every layer)."""
+    from hexq.artifact.pack import Budget, pack
+
+    out = tmp_path_factory.mktemp("pack") / "mixed-2.5.hexq"
+    pack(mixed_calibration[0], out, budget=Budget(avg_bits=2.5))
+    return out

@@ -56,7 +56,8 @@ def test_reload_reproduces_hexq_reference(tmp_path: Path, tokenizer, model_type,
 
 def test_mixtral_format_details(tmp_path: Path) -> None:
     model = build_tiny_model("mixtral", hidden_size=256, intermediate_size=128)
-    export_compressed_tensors(model, None, adapter_for("mixtral"), ["w4a16", "w8a8"], tmp_path)
+    export_compressed_tensors(model, None, adapter_for("mixtral"), ["w4a16", "w8a8"], tmp_path)  # replaces it
+    assert not list(tmp_path.parent.glob(f".{tmp_path.name}.*"))  # no temporary or moved-aside folder left
     qconfig = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
     assert qconfig["quant_method"] == "compressed-tensors" and qconfig["format"] == "mixed-precision"
     groups = qconfig["config_groups"]

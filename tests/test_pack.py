@@ -162,3 +162,14 @@ def test_cli_pack_and_inspect(mixed_calibration, tmp_path):
 def test_pack_settings_must_match_the_replicas(mixed_calibration, tmp_path):
     with pytest.raises(HexqError, match=r"need replicas at \[5\] bits"):
         pack(mixed_calibration[0], tmp_path / "x.hexq", replace(Pack(), bits=(2, 5), avg_bits=3.0))
+
+
+def test_cli_export_reloads_with_the_right_experts(mixed_artifact, tmp_path):
+    out = tmp_path / "ct"
+    result = runner.invoke(app, ["export", str(mixed_artifact), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "w4a16, w4a16" in result.output  # 2.5 bits on average: every layer projects to W4A16
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "compressed-tensors"
+    diff = float(result.output.split("reference")[-1].split()[0])
+    assert diff <= 1e-4

@@ -13,7 +13,8 @@ Format (compressed-tensors 0.19, as llm-compressor writes it):
 - Dequantization is x_q * scale with x_q signed. hexq's symmetric grid is the same grid: compressed-tensors'
   calculate_qparams uses scale = max|w| / ((qmax - qmin) / 2), i.e. max|w|/7.5 for 4 bits and max|w|/127.5 for
   8 bits, exactly hexq's 2*max|w|/(2^bits - 1), and hexq's codes minus the midpoint 2^(bits-1) are the signed
-  x_q. Scales are stored in float32, so a loader reproduces hexq's dequantized weights bit for bit.
+  x_q. Scales (and unquantized tensors) are stored in float32, so a loader reproduces hexq's dequantized
+  weights bit for bit; a server casts them to its own dtype when it loads them.
 
 Key names: transformers 5 keeps experts fused in memory (`mlp.experts.gate_up_proj` [E, 2I, H]) but vLLM and
 transformers' own loader expect the family's original per-expert keys (Mixtral
@@ -52,8 +53,6 @@ W4_GROUP_SIZE = 128
 # Never quantized even though they are nn.Linear: Qwen2-MoE's 1-wide shared-expert gate is a router.
 NEVER_QUANTIZED = ("shared_expert_gate",)
 WEIGHTS_FILE = "model.safetensors"
-
-
 W8 = QuantSpec(bits=8, group_size=None)  # int8 per output channel
 
 
@@ -92,7 +91,7 @@ def _plan(model, adapter: MoEAdapter, layer_schemes: list[str], group_size: int)
         if hasattr(block, adapter.experts):
             experts = block.get_submodule(adapter.experts).named_parameters(recurse=False)
             units.append({f"{prefix}.{adapter.moe}.{adapter.experts}.{name}": p for name, p in experts if p.ndim == 3})
-        for unit in units:
+        for unit in filter(None, units):
             spec = W8 if scheme == "w8a8" else _w4_spec([w.shape[-1] for w in unit.values()], group_size)
             plan |= dict.fromkeys(unit, spec)
     return plan
@@ -209,12 +208,18 @@ def export_compressed_tensors(model, tokenizer, adapter: MoEAdapter, layer_schem
         config = json.loads((tmp / "config.json").read_text())
         config["quantization_config"] = _quantization_config(groups)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         save_file(tensors, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
-        if out.exists():
-            shutil.rmtree(out)
+        # A previous export is moved aside, not deleted first, so `out` never holds a partial checkpoint.
+        old = out.with_name(tmp.name + ".old") if out.exists() else None
+        if old is not None:
+            out.rename(old)
         tmp.rename(out)
+        if old is not None:
+            shutil.rmtree(old)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -1,0 +1,338 @@
+"""`hexq run`: an artifact served under a hard memory budget for its routed experts.
+
+The model is built from the artifact (hexq.runtime.model) with one replacement for every layer's routed-experts
+module, `CachedExperts`. The family's own MoE block still runs its router and shared expert, so routing is exactly
+the model's; CachedExperts receives (hidden_states, top_k_index, top_k_weights) and, per forward pass:
+
+  1. asks the precision policy for the width of every (token, slot) (hexq.runtime.policy);
+  2. look-ahead prefetch (004 §4.4.1): applies layer l+1's router to layer l's MoE input and queues the predicted
+     experts of l+1 to the cache's background worker - in prefill the top-t experts by predicted token frequency,
+     in decode the predicted top-k of the current token - so loading overlaps this layer's compute;
+  3. computes each expert from the cache (ExpertCache: budgeted mixed-precision LRU, versioned handles), pinning
+     it while it computes, highest requested width first so lower-width requests reuse it (004 §4.4.2).
+
+The fast tier holds compute-ready (dequantized) weights: on CPU float32 tensors in RAM, with the packed artifact
+(mmap) as the slow tier; on CUDA the same tensors in device memory. Every expert dequantizes to the same number of
+bytes whatever its width, so on this runtime a lower width changes quality and load work, not cache capacity.
+
+Correctness: with the `static` policy the result of every forward pass is bit-identical for every budget and
+equals the model with all experts resident (hexq.runtime.model.resident_experts): the experts are visited in the
+same ascending order and computed by the same function (hexq.simulate.SimulatedExperts.expert_forward's math).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from hexq.adapters import adapter_for
+from hexq.artifact.format import STATS_SHARD, Artifact
+from hexq.errors import HexqError
+from hexq.runtime.cache import CacheStats, ExpertCache, ExpertWeights
+from hexq.runtime.model import build_model, expert_quantizers
+from hexq.runtime.policy import PolicyContext, make_policy
+from hexq.simulate import expert_intermediate
+
+MODES = ("cache", "ondemand")  # ondemand: no fast tier, every expert loaded from the slow tier at each use
+
+
+class ArtifactSource:
+    """The slow tier: one expert at one width, read from the artifact, unpacked and dequantized on `device`."""
+
+    def __init__(self, artifact: Artifact, dtype: torch.dtype = torch.float32, device: torch.device | None = None):
+        self.artifact, self.dtype, self.device = artifact, dtype, device or torch.device("cpu")
+        shapes = [artifact.expert_shape(p) for p in ("gate_up", "down")]
+        self.expert_nbytes = sum(rows * cols for rows, cols in shapes) * torch.finfo(dtype).bits // 8
+
+    def nbytes(self, layer: int, expert: int, bits: int) -> int:
+        return self.expert_nbytes
+
+    def load(self, layer: int, expert: int, bits: int) -> ExpertWeights:
+        gate_up, down = self.artifact.expert_weights(layer, expert, bits, self.dtype)
+        return ExpertWeights(bits, gate_up.to(self.device), down.to(self.device))
+
+
+@dataclass
+class PrefetchStats:
+    """Look-ahead quality: predicted experts of layer l+1 against the experts layer l+1 then used."""
+
+    predicted: int = 0
+    used: int = 0
+    correct: int = 0
+
+    @property
+    def precision(self) -> float:
+        return self.correct / self.predicted if self.predicted else 0.0
+
+    @property
+    def recall(self) -> float:
+        return self.correct / self.used if self.used else 0.0
+
+
+@dataclass
+class RunState:
+    """Shared by every layer's CachedExperts: the phase, predictions in flight and counters."""
+
+    prefill: bool = True
+    prefetch: bool = True
+    prefetch_top_t: int = 0  # 0: the model's top-k
+    mode: str = "cache"
+    predicted: dict[int, set[int]] = field(default_factory=dict)  # layer -> experts predicted by the layer below
+    prefetch_stats: PrefetchStats = field(default_factory=PrefetchStats)
+    last_bits: dict[tuple[int, int], int] = field(default_factory=dict)  # width each expert was last asked at
+    skipped_slots: int = 0
+
+
+class CachedExperts(torch.nn.Module):
+    """One layer's routed experts served from the ExpertCache (see the module docstring)."""
+
+    def __init__(self, layer: int, num_experts: int, cache: ExpertCache, policy, state: RunState, act_fn,
+                 quantizers, next_router: torch.nn.Module | None, default_bits: list[int]) -> None:
+        super().__init__()
+        self.layer, self.num_experts = layer, num_experts
+        self.cache, self.policy, self.state = cache, policy, state
+        self.act_fn = act_fn
+        self.input_quant, self.mid_quant = quantizers
+        self.next_router = next_router
+        self.default_bits = default_bits
+
+    def expert_forward(self, weights: ExpertWeights, x: torch.Tensor) -> torch.Tensor:
+        if self.input_quant is not None:
+            x = self.input_quant(x)
+        mid = expert_intermediate(x, weights.gate_up, self.act_fn)
+        if self.mid_quant is not None:
+            mid = self.mid_quant(mid)
+        return torch.nn.functional.linear(mid, weights.down)
+
+    def look_ahead(self, hidden_states: torch.Tensor) -> None:
+        """Predict layer l+1's experts from layer l's MoE input and queue them (004 §4.4.1)."""
+        state = self.state
+        _logits, _scores, predicted = self.next_router(hidden_states)
+        top_t = state.prefetch_top_t or predicted.shape[-1]
+        if state.prefill:  # top-t experts by predicted token frequency
+            counts = torch.bincount(predicted.reshape(-1), minlength=self.num_experts)[: self.num_experts]
+            experts = [e for e in torch.argsort(counts, descending=True, stable=True)[:top_t].tolist() if counts[e]]
+        else:  # decode: the current token's predicted experts
+            experts = predicted[-1, :top_t].tolist()
+        layer = self.layer + 1
+        state.predicted[layer] = set(experts)
+        if state.mode == "cache":
+            for expert in experts:
+                bits = state.last_bits.get((layer, expert), 0) or self.default_bits_next[expert]
+                if bits:
+                    self.cache.prefetch(layer, expert, bits)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        state = self.state
+        if self.layer in state.predicted:  # score the prediction the layer below made for this layer
+            used = {e for e in top_k_index.unique().tolist() if 0 <= e < self.num_experts}
+            predicted = state.predicted.pop(self.layer)
+            state.prefetch_stats.predicted += len(predicted)
+            state.prefetch_stats.used += len(used)
+            state.prefetch_stats.correct += len(predicted & used)
+        bits = self.policy.choose(self.layer, top_k_index, top_k_weights, state.prefill)
+        for layer, expert, b in self.policy.transitions():
+            state.last_bits[(layer, expert)] = b
+            if state.mode == "cache" and b:
+                self.cache.prefetch(layer, expert, b)
+        if state.prefetch and self.next_router is not None:
+            self.look_ahead(hidden_states)
+        out = torch.zeros_like(hidden_states)
+        for expert in top_k_index.unique().tolist():
+            if not 0 <= expert < self.num_experts:
+                continue  # some families mark dropped slots with an out-of-range id
+            token, slot = torch.where(top_k_index == expert)
+            widths = bits[token, slot]
+            state.skipped_slots += int((widths == 0).sum())
+            for width in sorted(set(widths.tolist()), reverse=True):
+                if width == 0:
+                    continue
+                state.last_bits[(self.layer, expert)] = width
+                pick = widths == width
+                rows, cols = token[pick], slot[pick]
+                with self.cache.pinned(self.layer, [expert]):
+                    weights = self.cache.get(self.layer, expert, width, fill=state.mode == "cache")
+                    y = self.expert_forward(weights, hidden_states[rows]) * top_k_weights[rows, cols, None]
+                out.index_add_(0, rows, y.to(out.dtype))
+        return out
+
+
+# ------------------------------------------------------------------------------------------ the runtime
+
+
+@dataclass
+class RunStats:
+    """What `hexq run --stats` reports."""
+
+    budget_bytes: int
+    expert_bytes: int
+    peak_bytes: int
+    cache: CacheStats
+    prefetch: PrefetchStats
+    skipped_slots: int
+    ttft_seconds: float | None = None
+    tpot_seconds: float | None = None
+    tokens_per_second: float | None = None
+    generated_tokens: int = 0
+
+    def as_dict(self) -> dict:
+        cache = asdict(self.cache)
+        cache["hit_rate"] = self.cache.hit_rate
+        layers = sorted(set(self.cache.layer_hits) | set(self.cache.layer_misses))
+        cache["layer_hit_rate"] = {str(layer): self.cache.layer_hits.get(layer, 0)
+                                   / max(1, self.cache.layer_hits.get(layer, 0) + self.cache.layer_misses.get(layer, 0))
+                                   for layer in layers}
+        return {"budget_bytes": self.budget_bytes, "expert_bytes": self.expert_bytes, "peak_bytes": self.peak_bytes,
+                "cache": cache, "prefetch": {**asdict(self.prefetch), "precision": self.prefetch.precision,
+                                             "recall": self.prefetch.recall},
+                "skipped_slots": self.skipped_slots, "ttft_seconds": self.ttft_seconds,
+                "tpot_seconds": self.tpot_seconds, "tokens_per_second": self.tokens_per_second,
+                "generated_tokens": self.generated_tokens}
+
+
+def policy_context(artifact: Artifact) -> PolicyContext:
+    stats = {key: artifact.tensor(STATS_SHARD, key) for key in ("loss_table", "loss_table.skip")}
+    pack = artifact.manifest["recipe"]["pack"]
+    allocation = artifact.allocation
+    return PolicyContext(allocation=allocation, loss_table=stats["loss_table"].float(),
+                         skip_loss=stats["loss_table.skip"].float(), table_bits=tuple(artifact.replica_bits),
+                         avg_bits=artifact.manifest["allocation"]["average_bits"],
+                         hot_fraction=pack["hot_fraction"], top_k=artifact.manifest["model"]["top_k"])
+
+
+class Runtime:
+    """An artifact loaded for serving: the model with CachedExperts, its cache, policy and counters."""
+
+    def __init__(self, path: str | Path, budget_bytes: int | None = None, policy: str = "static",
+                 prefetch: bool = True, mode: str = "cache", prefetch_top_t: int = 0, device: str | None = None,
+                 policy_options: dict | None = None) -> None:
+        if mode not in MODES:
+            raise HexqError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+        self.artifact = Artifact(path)
+        num_layers, num_experts = self.artifact.num_layers, self.artifact.num_experts
+        self.state = RunState(prefetch=prefetch and mode == "cache", prefetch_top_t=prefetch_top_t, mode=mode)
+        self.policy = make_policy(policy, policy_context(self.artifact), **(policy_options or {}))
+        source = ArtifactSource(self.artifact)
+        self.expert_bytes = source.expert_nbytes * num_layers * num_experts
+        budget = self.expert_bytes if budget_bytes is None else budget_bytes
+        if budget < source.expert_nbytes:
+            raise HexqError(f"budget {budget} bytes cannot hold one expert; the minimum is {source.expert_nbytes} "
+                            f"bytes ({source.expert_nbytes / 2**20:.2f} MiB); all experts take {self.expert_bytes}")
+        self.cache = ExpertCache(source, budget)
+        self.budget_bytes = budget
+        adapter = adapter_for(self.artifact.manifest["model"]["model_type"])
+        modules: dict[int, CachedExperts] = {}
+
+        def factory(layer: int, old: torch.nn.Module) -> CachedExperts:
+            modules[layer] = CachedExperts(layer, num_experts, self.cache, self.policy, self.state, old.act_fn,
+                                           expert_quantizers(self.artifact, layer), None,
+                                           self.artifact.allocation[layer])
+            return modules[layer]
+
+        self.model, self.tokenizer, _ = build_model(self.artifact, factory, device)
+        routers = [getattr(getattr(layer, adapter.moe), adapter.router) for layer in self.model.model.layers]
+        for layer, module in modules.items():  # look-ahead: layer l holds layer l+1's router
+            if layer + 1 < num_layers:
+                module.next_router = routers[layer + 1]
+                module.default_bits_next = self.artifact.allocation[layer + 1]
+        self.device = next(self.model.parameters()).device
+        self.context = int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
+
+    def close(self) -> None:
+        self.cache.close()
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def stats(self, **timing) -> RunStats:
+        return RunStats(self.budget_bytes, self.expert_bytes, self.cache.budget.peak, self.cache.stats,
+                        self.state.prefetch_stats, self.state.skipped_slots, **timing)
+
+    @torch.no_grad()
+    def forward(self, ids: torch.Tensor, past=None, prefill: bool = True):
+        self.state.prefill = prefill
+        return self.model(ids.to(self.device), past_key_values=past, use_cache=past is not None or not prefill)
+
+    @torch.no_grad()
+    def window_nll(self, window: torch.Tensor) -> torch.Tensor:
+        """Summed next-token NLL of one window scored as a prefill (a new sequence for the policy)."""
+        self.policy.begin_sequence()
+        self.state.prefill = True
+        logits = self.model(window[None].to(self.device)).logits[0, :-1].float()
+        self.policy.end_prefill()
+        return torch.nn.functional.cross_entropy(logits, window[1:].to(self.device), reduction="sum")
+
+    @torch.no_grad()
+    def generate(self, prompt: str, max_new_tokens: int, on_text: Callable[[str], None] | None = None,
+                 temperature: float = 0.0, seed: int = 0) -> tuple[str, RunStats]:
+        """Greedy (temperature 0) or sampled continuation of `prompt`, streamed through on_text."""
+        ids = self.tokenizer(prompt, return_tensors="pt").input_ids
+        if ids.shape[1] == 0:
+            raise HexqError("the prompt is empty")
+        if self.context and ids.shape[1] + max_new_tokens > self.context:
+            raise HexqError(f"prompt ({ids.shape[1]} tokens) + {max_new_tokens} new tokens exceed the model's "
+                            f"context of {self.context}")
+        generator = torch.Generator().manual_seed(seed)
+        self.policy.begin_sequence()
+        started = time.perf_counter()
+        self.state.prefill = True
+        out = self.model(ids.to(self.device), use_cache=True)
+        self.policy.end_prefill()
+        tokens: list[int] = []
+        text = ""
+        ttft = None
+        for _ in range(max_new_tokens):
+            logits = out.logits[0, -1].float()
+            if temperature > 0:
+                token = int(torch.multinomial(torch.softmax(logits / temperature, -1).cpu(), 1, generator=generator))
+            else:
+                token = int(logits.argmax())
+            if ttft is None:
+                ttft = time.perf_counter() - started
+            tokens.append(token)
+            new_text = self.tokenizer.decode(tokens)
+            if on_text is not None:
+                on_text(new_text[len(text):])
+            text = new_text
+            if token == self.tokenizer.eos_token_id:
+                break
+            self.state.prefill = False
+            out = self.model(torch.tensor([[token]], device=self.device), past_key_values=out.past_key_values,
+                             use_cache=True)
+        total = time.perf_counter() - started
+        decode = len(tokens) - 1
+        tpot = (total - ttft) / decode if decode > 0 and ttft is not None else None
+        return text, self.stats(ttft_seconds=ttft, tpot_seconds=tpot,
+                                tokens_per_second=len(tokens) / total if total > 0 else None,
+                                generated_tokens=len(tokens))
+
+
+def windows_of(ids: torch.Tensor, seqlen: int, max_windows: int | None) -> Iterator[torch.Tensor]:
+    """Non-overlapping windows of `seqlen` tokens (the remainder dropped), as in hexq.eval.perplexity."""
+    count = ids.numel() // seqlen
+    if count == 0:
+        raise HexqError(f"the text has {ids.numel()} tokens, fewer than one window of {seqlen}")
+    for index in range(count if max_windows is None else min(count, max_windows)):
+        yield ids[index * seqlen:(index + 1) * seqlen]
+
+
+def runtime_perplexity(runtime: Runtime, ids: torch.Tensor, seqlen: int, max_windows: int | None,
+                       progress: Callable[[int, int], None] | None = None) -> tuple[float, int, float]:
+    """(perplexity, tokens scored, seconds) with the GPTQ protocol, one window per forward pass."""
+    windows = list(windows_of(ids, seqlen, max_windows))
+    nll, started = 0.0, time.perf_counter()
+    for index, window in enumerate(windows):
+        nll += float(runtime.window_nll(window))
+        if progress:
+            progress(index + 1, len(windows))
+    scored = len(windows) * (seqlen - 1)
+    return math.exp(nll / scored), scored, time.perf_counter() - started

@@ -1,0 +1,87 @@
+"""hexq run: the cached runtime computes exactly the resident model under any budget; stats and errors."""
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from hexq.errors import HexqError
+from hexq.runtime.engine import Runtime, runtime_perplexity
+from hexq.runtime.model import build_model
+from hexq_cli.main import app
+
+runner = CliRunner()
+IDS = torch.randint(0, 8192, (40,), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(scope="module")
+def reference_logits(mixed_artifact):
+    model, _, _ = build_model(mixed_artifact)
+    with torch.no_grad():
+        return model(IDS[None]).logits
+
+
+@pytest.mark.parametrize("fraction", [0.1, 0.5, 1.0])
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_static_policy_logits_do_not_depend_on_the_budget(mixed_artifact, reference_logits, fraction, prefetch):
+    probe = Runtime(mixed_artifact)
+    budget = max(int(fraction * probe.expert_bytes), probe.cache.capacity_bytes // 16)
+    probe.close()
+    with Runtime(mixed_artifact, budget, prefetch=prefetch) as runtime:
+        logits = runtime.forward(IDS[None]).logits
+        stats = runtime.stats()
+    assert (logits - reference_logits).abs().max() <= 1e-5
+    assert stats.peak_bytes <= budget
+    if fraction < 1:
+        assert stats.cache.evictions > 0  # the budget really was binding
+
+
+def test_load_on_demand_computes_the_same(mixed_artifact, reference_logits):
+    with Runtime(mixed_artifact, mode="ondemand") as runtime:
+        logits = runtime.forward(IDS[None]).logits
+        assert runtime.stats().peak_bytes == 0 and runtime.stats().cache.bypass_loads > 0
+    assert (logits - reference_logits).abs().max() <= 1e-5
+
+
+def test_generate_streams_and_reports(mixed_artifact):
+    pieces = []
+    with Runtime(mixed_artifact, budget_bytes=None) as runtime:
+        text, stats = runtime.generate("It is a truth universally", 8, pieces.append)
+    assert "".join(pieces) == text and stats.generated_tokens == 8
+    assert stats.ttft_seconds > 0 and stats.tpot_seconds > 0 and stats.tokens_per_second > 0
+    assert 0 <= stats.prefetch.precision <= 1 and stats.prefetch.used > 0
+
+
+def test_perplexity_matches_the_resident_model(mixed_artifact):
+    from hexq.eval.perplexity import perplexity
+
+    ids = torch.randint(0, 8192, (200,), generator=torch.Generator().manual_seed(2))
+    model, _, _ = build_model(mixed_artifact)
+    want = perplexity(model, ids, 50, None, 1).perplexity
+    with Runtime(mixed_artifact) as runtime:
+        got, scored, _ = runtime_perplexity(runtime, ids, 50, None)
+    assert scored == 4 * 49 and got == pytest.approx(want, rel=1e-5)
+
+
+def test_errors(mixed_artifact):
+    with pytest.raises(HexqError, match="minimum is"):
+        Runtime(mixed_artifact, budget_bytes=1000)
+    with pytest.raises(ValueError, match="static"):
+        Runtime(mixed_artifact, policy="fastest")
+    with Runtime(mixed_artifact) as runtime, pytest.raises(HexqError, match="context"):
+        runtime.generate("word " * 200, 10)
+
+
+def test_cli_run(mixed_artifact, tmp_path):
+    out = tmp_path / "run.json"
+    result = runner.invoke(app, ["run", str(mixed_artifact), "--prompt", "The cat", "-m", "4", "--budget", "100KB",
+                                 "--stats", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["stats"]["generated_tokens"] == 4 and report["stats"]["peak_bytes"] <= 100_000
+    assert runner.invoke(app, ["run", str(mixed_artifact), "--prompt", "x", "--budget", "ten"]).exit_code == 1
+    bad = runner.invoke(app, ["run", str(mixed_artifact)])
+    assert bad.exit_code == 1 and "exactly one of" in bad.output
+    ppl = runner.invoke(app, ["run", str(mixed_artifact), "--ppl", "austen", "-n", "2", "-L", "32"])
+    assert ppl.exit_code == 0 and "perplexity" in ppl.output
