@@ -16,20 +16,26 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-DEMO_OUT ?= .cache/demo-haq-w8a8
+DEMO := .cache/demo
+BUDGET ?= 14MB
 
-# The main job on the bundled defaults: full-precision perplexity, HAQ W8A8 calibration on the bundled text,
-# perplexity of the calibrated model on the same windows.
+# The main job on the bundled defaults: calibrate the reference model on the bundled text (HAQ W8A8 attention,
+# GPTQ replica banks for the experts), pack it at 3 bits per expert on average, then serve it with half of the
+# experts' memory: perplexity on held-out text and a generated continuation, with the runtime's statistics.
 demo: setup
-	$(BIN)/hexq eval $(MODEL) --windows 200
-	$(BIN)/hexq calibrate $(MODEL) --recipe haq-w8a8 --data bundled --samples 32 --out $(DEMO_OUT)
-	$(BIN)/hexq eval $(DEMO_OUT) --windows 200
+	$(BIN)/hexq calibrate $(MODEL) --recipe experts-mixed --data bundled --samples 32 --out $(DEMO)/calibration
+	$(BIN)/hexq pack $(DEMO)/calibration --bits 3 --out $(DEMO)/model.hexq --force
+	$(BIN)/hexq inspect $(DEMO)/model.hexq
+	$(BIN)/hexq run $(DEMO)/model.hexq --ppl austen --windows 50 --budget $(BUDGET) --stats
+	$(BIN)/hexq run $(DEMO)/model.hexq --prompt "It is a truth universally acknowledged" --budget $(BUDGET) --stats
 
 lint: setup
 	$(BIN)/ruff check hexq cli tests scripts benchmarks
 
+# Unit and end-to-end tests (slow ones deselected), then the perplexity gate against tests/baselines/ppl.
 test: lint
 	$(BIN)/python -m pytest -q
+	$(BIN)/python scripts/ppl_gate.py
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache

@@ -113,19 +113,35 @@ def eval_command(
     data: Annotated[list[str] | None, typer.Option("--data", "-d", help="Corpus name (wikitext2, austen, pydocs, "
                                                   "foldoc: held-out parts) or a text/jsonl/parquet file; "
                                                   "repeat for several.")] = None,
-    seqlen: SeqlenOpt = 256,
+    seqlen: Annotated[int | None, typer.Option("--seqlen", "-L", help="Window length in tokens [default: 256, "
+                                               "or the baseline's].", min=2)] = None,
     windows: WindowsOpt = None,
     batch_size: BatchOpt = 8,
     device: DeviceOpt = None,
     json_out: JsonOpt = None,
     expert_bits: Annotated[int | None, typer.Option("--expert-bits", help="For a calibration folder with replica "
                                                     "banks: which replica the experts use.")] = None,
+    baseline: Annotated[Path | None, typer.Option("--baseline", help="Compare with this baseline (its data, "
+                                                  "window length and windows) and exit 1 on a regression.")] = None,
+    tolerance: Annotated[str, typer.Option("--tolerance", help="Allowed relative increase over the baseline, "
+                                           "e.g. 0.5% or 0.005.")] = "0.5%",
+    write_baseline: Annotated[Path | None, typer.Option("--write-baseline", help="Record the results as a "
+                                                        "baseline file (explicit; never automatic).")] = None,
 ) -> None:
-    """Perplexity with the GPTQ protocol (non-overlapping windows, exp of mean token NLL)."""
+    """Perplexity with the GPTQ protocol (non-overlapping windows, exp of mean token NLL); optionally gated
+    against a baseline."""
+    from hexq.eval import baseline as gate
     from hexq.eval.run import evaluate_model
     from hexq.io import write_json_atomic
 
-    sources = data or DEFAULT_EVAL_DATA
+    if baseline is not None and write_baseline is not None:
+        raise HexqError("give --baseline (compare) or --write-baseline (record), not both")
+    allowed = gate.parse_tolerance(tolerance)
+    if baseline is not None:
+        recorded, reference = gate.read_baseline(baseline)
+        protocol = gate.resolve_protocol(recorded, data, seqlen, windows)
+    else:
+        protocol = gate.Protocol(tuple(data or DEFAULT_EVAL_DATA), seqlen or 256, windows)
     with progress_bar() as bar:
         tasks: dict[str, int] = {}
 
@@ -134,17 +150,36 @@ def eval_command(
                 tasks[source] = bar.add_task(f"eval {source}", total=total)
             bar.update(tasks[source], completed=done)
 
-        rows = evaluate_model(model, sources, seqlen, windows, batch_size, device, report, expert_bits)
-    table = Table(title=f"perplexity of {model.name} (window {seqlen})")
+        rows = evaluate_model(model, list(protocol.data), protocol.seqlen, protocol.windows, batch_size, device,
+                              report, expert_bits)
+    now = {row.data: row.result.perplexity for row in rows}
+    table = Table(title=f"perplexity of {model.name} (window {protocol.seqlen})")
     for column in ("data", "perplexity", "windows", "tokens scored"):
         table.add_column(column, justify="left" if column == "data" else "right")
     for row in rows:
         r = row.result
         table.add_row(row.data, f"{r.perplexity:.3f}", str(r.windows), f"{r.tokens_scored:,}")
-    console.print(table)
+    if baseline is None:
+        console.print(table)
     if json_out is not None:
         write_json_atomic(json_out, {"model": str(model), "results": [row.as_dict() for row in rows]})
         console.print(f"wrote {json_out}")
+    if write_baseline is not None:
+        gate.write_baseline(write_baseline, str(model), protocol, now)
+        console.print(f"recorded baseline {write_baseline}")
+    if baseline is not None:
+        comparisons = gate.compare(reference, now, allowed)
+        verdict = Table(title=f"{model.name} vs baseline {baseline} (tolerance {allowed:.2%}, window "
+                              f"{protocol.seqlen}, {rows[0].result.windows} windows)")
+        for column in ("data", "baseline", "now", "change", "limit", "status"):
+            verdict.add_column(column, justify="left" if column in ("data", "status") else "right")
+        for c in comparisons:
+            status = "[bold red]REGRESSION[/]" if c.regressed else "ok"
+            verdict.add_row(c.data, f"{c.baseline:.3f}", f"{c.now:.3f}", f"{c.change:+.2%}", f"{c.limit:.3f}", status)
+        console.print(verdict)
+        worse = [c.data for c in comparisons if c.regressed]
+        if worse:
+            raise HexqError(f"perplexity regression on {', '.join(worse)} (more than {allowed:.2%} above {baseline})")
 
 
 @app.command("pack")
@@ -337,5 +372,30 @@ def run(
         console.print(f"wrote {json_out}")
 
 
+@app.command()
+@handle_errors
+def report(
+    artifact: Annotated[Path, typer.Argument(help="Artifact folder made by hexq pack.", show_default=False)],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Folder for index.html and its PNG plots.")] = Path(
+        "report"),
+    results: Annotated[Path | None, typer.Option("--results", help="Folder of benchmark result JSONs "
+                                                 "(pack_quality.json, calibrate.json; default: the checkout's "
+                                                 "benchmarks/results).")] = None,
+    placement_json: Annotated[Path | None, typer.Option("--placement-json", help="Held-out hit rates written by "
+                                                        "benchmarks/placement.py (default: placement.json in the "
+                                                        "results folder).")] = None,
+) -> None:
+    """An HTML page of plots: expert hotness, loss tables, bit allocation, hit rates, perplexity vs bits."""
+    from hexq.report import write_report
+
+    with err_console.status(f"report {artifact.name}"):
+        index = write_report(artifact, out, results, placement_json)
+    console.print(str(index), highlight=False, soft_wrap=True)  # the bare path, unwrapped, for scripts
+
+
 def main() -> None:
     app()
+
+
+if __name__ == "__main__":
+    main()

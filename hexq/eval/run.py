@@ -22,15 +22,15 @@ class EvalRow:
 
 
 def load_eval_target(path: Path, device: str | None, expert_bits: int | None):
-    """(model, tokenizer) for a HuggingFace model folder, a hexq calibration folder or a packed artifact (every
-    expert resident at the artifact's allocation)."""
+    """(model, tokenizer) for a HuggingFace model folder, a hexq calibration folder or a packed artifact (served by
+    the runtime, `hexq run`'s code path, with the static policy and room for every expert)."""
     if (path / "manifest.json").exists() and '"hexq-artifact"' in (path / "manifest.json").read_text():
-        from hexq.runtime.model import build_model
+        from hexq.runtime.engine import Runtime
 
         if expert_bits is not None:
             raise HexqError("--expert-bits applies to a calibration folder; an artifact runs at its allocation")
-        model, tokenizer, _ = build_model(path, device=device)
-        return model, tokenizer
+        runtime = Runtime(path, device=device)
+        return runtime.model, runtime.tokenizer
     if (path / "manifest.json").exists():
         from hexq.calib.pipeline import load_calibrated
 

@@ -1,0 +1,96 @@
+"""Perplexity baselines: record one measurement, and fail when a later one is worse than it allows.
+
+A baseline file holds the protocol (data sources, window length, number of windows) and the perplexity on each
+source. `compare` says, per source, whether the new perplexity exceeds baseline * (1 + tolerance); lower is
+always fine (a better model should not fail CI, though the baseline then deserves an explicit update).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from hexq.errors import HexqError
+from hexq.io import write_json_atomic
+
+FORMAT = "hexq-ppl-baseline"
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class Protocol:
+    data: tuple[str, ...]
+    seqlen: int
+    windows: int | None
+
+
+@dataclass(frozen=True)
+class Comparison:
+    data: str
+    baseline: float
+    now: float
+    limit: float
+
+    @property
+    def change(self) -> float:
+        return self.now / self.baseline - 1
+
+    @property
+    def regressed(self) -> bool:
+        return self.now > self.limit
+
+
+def parse_tolerance(text: str) -> float:
+    """'0.5%' -> 0.005, '0.005' -> 0.005; ValueError otherwise."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(%?)\s*", str(text))
+    if match is None:
+        raise ValueError(f"cannot read tolerance {text!r}; write e.g. 0.5% or 0.005")
+    value = float(match.group(1)) / (100 if match.group(2) else 1)
+    if value >= 1:
+        raise ValueError(f"tolerance {text!r} is 100% or more; write e.g. 0.5%")
+    return value
+
+
+def write_baseline(path: str | Path, target: str, protocol: Protocol, results: dict[str, float]) -> None:
+    write_json_atomic(path, {"format": FORMAT, "version": VERSION, "target": target,
+                             "protocol": {"data": list(protocol.data), "seqlen": protocol.seqlen,
+                                          "windows": protocol.windows},
+                             "perplexity": results})
+
+
+def read_baseline(path: str | Path) -> tuple[Protocol, dict[str, float]]:
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise HexqError(f"baseline {path} does not exist; record one with --write-baseline {path}") from None
+    except (OSError, json.JSONDecodeError) as err:
+        raise HexqError(f"baseline {path} is unreadable: {err}") from None
+    if raw.get("format") != FORMAT or raw.get("version") != VERSION:
+        raise HexqError(f"{path} is not a hexq perplexity baseline (format {raw.get('format')!r}, "
+                        f"version {raw.get('version')!r})")
+    protocol = raw["protocol"]
+    return (Protocol(tuple(protocol["data"]), protocol["seqlen"], protocol["windows"]),
+            {key: float(value) for key, value in raw["perplexity"].items()})
+
+
+def resolve_protocol(baseline: Protocol, data: list[str] | None, seqlen: int | None,
+                     windows: int | None) -> Protocol:
+    """The baseline's protocol, with any option the user gave checked against it (a different protocol would
+    compare different numbers)."""
+    given = {"--data": (tuple(data) if data else None, baseline.data), "--seqlen": (seqlen, baseline.seqlen),
+             "--windows": (windows, baseline.windows)}
+    for option, (value, recorded) in given.items():
+        if value is not None and value != recorded:
+            raise HexqError(f"{option} {value} differs from the baseline's {recorded}; drop the option to use the "
+                            f"baseline's protocol, or record a new baseline")
+    return baseline
+
+
+def compare(baseline: dict[str, float], now: dict[str, float], tolerance: float) -> list[Comparison]:
+    missing = sorted(set(baseline) - set(now))
+    if missing:
+        raise HexqError(f"no new measurement for {', '.join(missing)}")
+    return [Comparison(data, value, now[data], value * (1 + tolerance)) for data, value in baseline.items()]

@@ -1,0 +1,89 @@
+"""The CI perplexity gate: both reference models, four settings, compared with committed baselines.
+
+    python scripts/ppl_gate.py                    # fails (exit 1) when any perplexity regressed
+    python scripts/ppl_gate.py --write-baseline   # the one way to update tests/baselines/ppl/*.json
+
+Per reference model, with the small recipes in tests/baselines/recipes (fixed seed):
+  fp           the model folder itself
+  haq-w8a8     hexq calibrate (HAQ + GPTQ W8A8) -> hexq pack (8-bit experts)
+  uniform-4    hexq calibrate (replica banks) -> hexq pack --bits 4 with only 4-bit widths
+  mixed-2.5    the same calibration -> hexq pack --bits 2.5 (prefix-split over 1-4 bits)
+Each target is evaluated with exactly the command users put in their CI:
+  hexq eval TARGET --baseline tests/baselines/ppl/<model>-<setting>.json --tolerance 0.5%
+which serves artifacts through the runtime (`hexq run`'s code path) on the first 16 windows of 256 tokens of
+WikiText-2 and of the held-out austen text. Calibrations and artifacts are cached in --work (rerun = eval only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BASELINES = ROOT / "tests" / "baselines"
+MODELS = {"mixtral": ROOT / "models" / "hexq-tiny-mixtral", "qwen3moe": ROOT / "models" / "hexq-tiny-qwen3moe"}
+DATA = ("wikitext2", "austen")
+SEQLEN, WINDOWS, TOLERANCE = 256, 16, "0.5%"
+
+
+def rel(path: Path) -> str:
+    """Paths as the user would type them in the project folder (baseline files record their target)."""
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def hexq(*args: str) -> int:
+    command = [sys.executable, "-m", "hexq_cli.main", *args]
+    print("$ hexq " + " ".join(args), flush=True)
+    return subprocess.run(command, cwd=ROOT).returncode
+
+
+def must(*args: str) -> None:
+    if hexq(*args) != 0:
+        sys.exit(f"ppl gate: `hexq {' '.join(args)}` failed")
+
+
+def build_targets(model: str, work: Path) -> dict[str, Path]:
+    """Calibrate and pack one reference model (cached: calibrate resumes or skips, pack runs once)."""
+    recipes = BASELINES / "recipes"
+    haq, mixed = work / f"{model}-haq", work / f"{model}-mixed"
+    must("calibrate", rel(MODELS[model]), "--recipe", rel(recipes / "gate-haq-w8a8.yaml"), "-o", rel(haq))
+    must("calibrate", rel(MODELS[model]), "--recipe", rel(recipes / "gate-experts-mixed.yaml"), "-o", rel(mixed))
+    targets = {"fp": MODELS[model], "haq-w8a8": work / f"{model}-haq-w8a8.hexq",
+               "uniform-4": work / f"{model}-uniform-4.hexq", "mixed-2.5": work / f"{model}-mixed-2.5.hexq"}
+    packs = {"haq-w8a8": (haq, []), "uniform-4": (mixed, ["--recipe", rel(recipes / "gate-uniform-4.yaml")]),
+             "mixed-2.5": (mixed, [])}
+    for name, (calibration, extra) in packs.items():
+        must("pack", rel(calibration), "-o", rel(targets[name]), "--force", *extra)
+    return targets
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--write-baseline", action="store_true", help="record new baselines instead of comparing")
+    parser.add_argument("--work", type=Path, default=ROOT / ".cache" / "ppl-gate")
+    parser.add_argument("--fresh", action="store_true", help="delete the cached calibrations first")
+    args = parser.parse_args()
+    if args.fresh:
+        shutil.rmtree(args.work, ignore_errors=True)
+    started = time.time()
+    failed = []
+    for model in MODELS:
+        for setting, target in build_targets(model, args.work).items():
+            baseline, target = rel(BASELINES / "ppl" / f"{model}-{setting}.json"), rel(target)
+            data = [option for source in DATA for option in ("-d", source)]
+            if args.write_baseline:
+                must("eval", target, *data, "-L", str(SEQLEN), "-n", str(WINDOWS), "--write-baseline", baseline)
+            elif hexq("eval", target, "--baseline", baseline, "--tolerance", TOLERANCE) != 0:
+                failed.append(f"{model} {setting}")
+    minutes = (time.time() - started) / 60
+    if failed:
+        sys.exit(f"ppl gate FAILED in {minutes:.1f} min: {', '.join(failed)}")
+    print(f"ppl gate {'recorded' if args.write_baseline else 'passed'} in {minutes:.1f} min")
+
+
+if __name__ == "__main__":
+    main()
