@@ -8,6 +8,8 @@ zero-padded. So n codes of `bits` bits take exactly ceil(bits*n/8) bytes, with n
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -24,6 +26,12 @@ def packed_nbytes(numel: int, bits: int) -> int:
     return (bits * numel + 7) // 8
 
 
+def _group(bits: int) -> tuple[int, int]:
+    """(bytes, codes) of the smallest whole-byte group: lcm(bits, 8) bits, e.g. 3 bytes hold 8 codes of 3 bits."""
+    span = math.lcm(bits, 8)
+    return span // 8, span // bits
+
+
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack integer codes (any shape, values in [0, 2^bits - 1]) into a 1-D uint8 tensor of packed_nbytes bytes."""
     _check_bits(bits)
@@ -34,13 +42,16 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
         lo, hi = int(flat.min()), int(flat.max())
         if lo < 0 or hi > 2**bits - 1:
             raise ValueError(f"codes must lie in [0, {2**bits - 1}] for {bits} bits, got values in [{lo}, {hi}]")
-    flat = flat.to(torch.uint8)
-    # [numel, bits] matrix of code bits, LSB first; row-major flattening is the bit stream.
-    stream = ((flat[:, None] >> torch.arange(bits, dtype=torch.uint8, device=flat.device)) & 1).reshape(-1)
-    stream = torch.nn.functional.pad(stream, (0, (-stream.numel()) % 8))
-    # each row of 8 stream bits is one byte; the bits are distinct, so a uint8 sum cannot overflow.
-    byte_shifts = torch.arange(8, dtype=torch.uint8, device=flat.device)
-    return (stream.reshape(-1, 8) << byte_shifts).sum(dim=1, dtype=torch.uint8)
+    numel = flat.numel()
+    group_bytes, group_codes = _group(bits)
+    # The stream is little-endian: a group of `group_codes` codes is one integer sum(code_i << bits*i) (at most
+    # 56 bits, so int64 holds it), written as its `group_bytes` low bytes.
+    flat = torch.nn.functional.pad(flat.to(torch.int64), (0, (-numel) % group_codes)).reshape(-1, group_codes)
+    code_shifts = bits * torch.arange(group_codes, dtype=torch.int64, device=flat.device)
+    value = (flat << code_shifts).sum(dim=1)
+    byte_shifts = 8 * torch.arange(group_bytes, dtype=torch.int64, device=flat.device)
+    stream = ((value[:, None] >> byte_shifts) & 0xFF).to(torch.uint8).reshape(-1)
+    return stream[: packed_nbytes(numel, bits)].contiguous()
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
@@ -51,7 +62,12 @@ def unpack_bits(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     if packed.numel() != expected:
         raise ValueError(f"packed buffer has {packed.numel()} bytes, expected {expected} for {numel} codes of "
                          f"{bits} bits")
-    byte_shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
-    stream = ((packed[:, None] >> byte_shifts) & 1).reshape(-1)[: numel * bits]
-    code_shifts = torch.arange(bits, dtype=torch.uint8, device=packed.device)
-    return (stream.reshape(numel, bits) << code_shifts).sum(dim=1, dtype=torch.uint8)
+    group_bytes, group_codes = _group(bits)
+    if group_bytes == 1:  # 1, 2, 4 and 8 bits: whole codes per byte, no widening needed
+        shifts = bits * torch.arange(group_codes, dtype=torch.uint8, device=packed.device)
+        return ((packed[:, None] >> shifts) & (2**bits - 1)).reshape(-1)[:numel]
+    grouped = torch.nn.functional.pad(packed, (0, (-packed.numel()) % group_bytes)).reshape(-1, group_bytes)
+    byte_shifts = 8 * torch.arange(group_bytes, dtype=torch.int64, device=packed.device)
+    value = (grouped.to(torch.int64) << byte_shifts).sum(dim=1)
+    code_shifts = bits * torch.arange(group_codes, dtype=torch.int64, device=packed.device)
+    return ((value[:, None] >> code_shifts) & (2**bits - 1)).to(torch.uint8).reshape(-1)[:numel]

@@ -196,14 +196,15 @@ class RunStats:
                 "generated_tokens": self.generated_tokens}
 
 
-def policy_context(artifact: Artifact) -> PolicyContext:
+def policy_context(artifact: Artifact, hot_fraction: float | None = None) -> PolicyContext:
+    """The artifact's facts for the policies; hot_fraction overrides the pack recipe's."""
     stats = {key: artifact.tensor(STATS_SHARD, key) for key in ("loss_table", "loss_table.skip")}
     pack = artifact.manifest["recipe"]["pack"]
     allocation = artifact.allocation
     return PolicyContext(allocation=allocation, loss_table=stats["loss_table"].float(),
                          skip_loss=stats["loss_table.skip"].float(), table_bits=tuple(artifact.replica_bits),
                          avg_bits=artifact.manifest["allocation"]["average_bits"],
-                         hot_fraction=pack["hot_fraction"], top_k=artifact.manifest["model"]["top_k"])
+                         hot_fraction=hot_fraction or pack["hot_fraction"], top_k=artifact.manifest["model"]["top_k"])
 
 
 class Runtime:
@@ -211,13 +212,13 @@ class Runtime:
 
     def __init__(self, path: str | Path, budget_bytes: int | None = None, policy: str = "static",
                  prefetch: bool = True, mode: str = "cache", prefetch_top_t: int = 0, device: str | None = None,
-                 policy_options: dict | None = None) -> None:
+                 policy_options: dict | None = None, hot_fraction: float | None = None) -> None:
         if mode not in MODES:
             raise HexqError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         self.artifact = Artifact(path)
         num_layers, num_experts = self.artifact.num_layers, self.artifact.num_experts
         self.state = RunState(prefetch=prefetch and mode == "cache", prefetch_top_t=prefetch_top_t, mode=mode)
-        self.policy = make_policy(policy, policy_context(self.artifact), **(policy_options or {}))
+        self.policy = make_policy(policy, policy_context(self.artifact, hot_fraction), **(policy_options or {}))
         source = ArtifactSource(self.artifact)
         self.expert_bytes = source.expert_nbytes * num_layers * num_experts
         budget = self.expert_bytes if budget_bytes is None else budget_bytes
@@ -252,6 +253,14 @@ class Runtime:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def warm(self) -> None:
+        """Load every expert at the artifact's allocation (as far as the budget allows) before timing starts."""
+        for layer, row in enumerate(self.artifact.allocation):
+            for expert, bits in enumerate(row):
+                if bits:
+                    self.cache.prefetch(layer, expert, bits)
+        self.cache.wait_idle()
 
     def stats(self, **timing) -> RunStats:
         return RunStats(self.budget_bytes, self.expert_bytes, self.cache.budget.peak, self.cache.stats,
