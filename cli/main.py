@@ -325,6 +325,8 @@ def run(
     seed: Annotated[int, typer.Option("--seed", help="Sampling seed.")] = 0,
     prefetch: Annotated[bool, typer.Option("--prefetch/--no-prefetch", help="Look-ahead prefetch of the next "
                                            "layer's experts.")] = True,
+    prefetch_top: Annotated[int, typer.Option("--prefetch-top", help="Experts predicted per layer ahead "
+                                              "(default: twice the model's top-k).", min=0)] = 0,
     mode: Annotated[str, typer.Option("--mode", help="cache, or ondemand (no cache: load every expert at each "
                                       "use).")] = "cache",
     seqlen: SeqlenOpt = 256,
@@ -343,7 +345,7 @@ def run(
     if (prompt is None) == (ppl is None):
         raise HexqError("give exactly one of --prompt TEXT or --ppl DATA")
     budget_bytes = parse_bytes(budget) if budget is not None else None
-    with Runtime(artifact, budget_bytes, policy, prefetch, mode, device=device) as runtime:
+    with Runtime(artifact, budget_bytes, policy, prefetch, mode, prefetch_top, device) as runtime:
         result: dict = {"artifact": str(artifact), "policy": policy, "mode": mode, "prefetch": prefetch}
         if prompt is not None:
             console.print(prompt, end="", style="dim", highlight=False)

@@ -80,16 +80,24 @@ def smoothquant_scales(act_max: torch.Tensor, weights: Sequence[torch.Tensor], a
     return smoothing_scales(act_max, weight_channel_max(weights), alpha)
 
 
+def full_precision_outputs(weights: Sequence[torch.Tensor], x: torch.Tensor) -> list[list[torch.Tensor]]:
+    """W X of every weight, in the row chunks `joint_w8a8_error` uses: the target of eq. 1, the same for every
+    candidate s, so a grid search computes it once."""
+    x = x.detach().reshape(-1, x.shape[-1]).float()
+    return [[x @ rows.T for rows in w.detach().reshape(-1, w.shape[-1]).float().split(ROW_CHUNK)] for w in weights]
+
+
 def joint_w8a8_error(weights: Sequence[torch.Tensor], x: torch.Tensor, s: torch.Tensor, w_spec: QuantSpec | None,
                      a_bits: int, *, a_symmetric: bool = False,
-                     quantize_weights: Sequence[bool] | None = None) -> float:
+                     quantize_weights: Sequence[bool] | None = None,
+                     targets: list[list[torch.Tensor]] | None = None) -> float:
     """|| Q(W s) Q(s^-1 X) - W X ||^2 (eq. 1 / eq. 3's objective), summed over every weight of the group.
 
     weights: [out_i, C] matrices reading x [T, C]; fused experts enter as gate_up.reshape(-1, C), which is exact
     because weight quantization runs row by row. Q on activations: dynamic per token, `a_bits`, asymmetric unless
     a_symmetric. Q on weights: fake_quantize(., w_spec); w_spec None, or quantize_weights[i] False, keeps that
     weight in full precision (e.g. a router kept in fp still reads the quantized activations).
-    Computed in float32, accumulated in float64.
+    Computed in float32, accumulated in float64. targets: `full_precision_outputs(weights, x)`, if already known.
     """
     if quantize_weights is not None and len(quantize_weights) != len(weights):
         raise ValueError(f"quantize_weights has {len(quantize_weights)} flags for {len(weights)} weights")
@@ -104,9 +112,10 @@ def joint_w8a8_error(weights: Sequence[torch.Tensor], x: torch.Tensor, s: torch.
         if w.shape[1] != x.shape[1]:
             raise ValueError(f"weight {i} reads {w.shape[1]} channels, activations have {x.shape[1]}")
         quantized = w_spec is not None and (quantize_weights is None or quantize_weights[i])
-        for rows in w.split(ROW_CHUNK):
+        for j, rows in enumerate(w.split(ROW_CHUNK)):
             ws = fake_quantize(rows * s, w_spec) if quantized else rows * s
-            total += float(((xq @ ws.T) - (x @ rows.T)).double().pow(2).sum())
+            target = x @ rows.T if targets is None else targets[i][j]
+            total += float(((xq @ ws.T) - target).double().pow(2).sum())
     return total
 
 
@@ -153,11 +162,13 @@ def search_exponent(weights: Sequence[torch.Tensor], x: torch.Tensor, act_max: t
     if act_max is None:
         act_max = activation_channel_max(x)
     grid = exponent_grid(grid_step)
+    targets = full_precision_outputs(weights, x)
     errors = tuple(joint_w8a8_error(weights, x, smoothing_scales(act_max, weight_max, e), w_spec, a_bits,
-                                    a_symmetric=a_symmetric, quantize_weights=quantize_weights) for e in grid)
+                                    a_symmetric=a_symmetric, quantize_weights=quantize_weights, targets=targets)
+                   for e in grid)
     best = min(range(len(grid)), key=lambda i: (errors[i], i))  # ties -> smallest index -> smallest e
     baseline = errors[0] if weight_max is None else joint_w8a8_error(
         weights, x, torch.ones_like(act_max, dtype=torch.float32), w_spec, a_bits, a_symmetric=a_symmetric,
-        quantize_weights=quantize_weights)
+        quantize_weights=quantize_weights, targets=targets)
     return SmoothingSearch(exponent=grid[best], scales=smoothing_scales(act_max, weight_max, grid[best]),
                            grid=grid, errors=errors, baseline_error=baseline)
