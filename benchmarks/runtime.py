@@ -20,6 +20,9 @@ Workloads (each configuration in a fresh runtime):
   shift       8 windows of austen then 8 of pydocs in one runtime; perplexity on the pydocs part
 online runs with K = 50% of each layer's experts at 4 bits and the rest at 2 (3.0 bits on average, the static
 allocation's average); depth with lam 0.5 and 4/2 bits.
+Adaptivity after the shift, at equal budget: a second artifact packed with widths {2, 4} only at 3.0 bits (the
+calibration's most important half of each layer at 4 bits, the rest at 2) is run with `static` and with `online`
+(same 4/2 split, hot set following the traffic) on the shift workload at the 50% budget.
 """
 
 from __future__ import annotations
@@ -31,11 +34,11 @@ from pathlib import Path
 
 import torch
 
-from hexq.artifact.pack import Budget, pack
+from hexq.artifact.pack import pack
 from hexq.calib.pipeline import calibrate
 from hexq.data import eval_text, tokenize
 from hexq.io import write_json_atomic
-from hexq.recipe import load_recipe
+from hexq.recipe import Pack, load_recipe
 from hexq.runtime.engine import Runtime, windows_of
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,12 +48,12 @@ POLICY_OPTIONS = {"online": ({"high_bits": 4, "low_bits": 2}, 0.5), "depth": ({"
                   "context": ({}, None), "static": ({}, None)}
 
 
-def artifact_for(name: str, work: Path) -> Path:
-    out = work / f"{name}-3.0.hexq"
+def artifact_for(name: str, work: Path, widths: tuple[int, ...] = (1, 2, 3, 4)) -> Path:
+    out = work / (f"{name}-3.0.hexq" if widths == (1, 2, 3, 4) else f"{name}-3.0-w{''.join(map(str, widths))}.hexq")
     if not (out / "manifest.json").exists():
         calib = work / f"{name}-mixed"
         calibrate(MODELS[name], load_recipe("experts-mixed"), "bundled", calib)
-        pack(calib, out, budget=Budget(avg_bits=3.0), overwrite=True)
+        pack(calib, out, Pack(bits=widths, avg_bits=3.0), overwrite=True)
     return out
 
 
@@ -108,6 +111,14 @@ def run_model(name: str, work: Path, decode: int, windows: int, log) -> dict:
         rows.append(row)
         log(f"{name} {config} {fraction:.0%}: " + ", ".join(f"{k} {v:.3g}" for k, v in row.items()
                                                              if isinstance(v, float) and k != "budget_fraction"))
+    split = artifact_for(name, work, (2, 4))
+    for config in ("static", "online"):
+        with open_runtime(split, int(total * 0.5), config if config == "online" else "lru+pf") as runtime:
+            nll_over(runtime, austen_windows)
+            shift = {"config": f"{config} (4/2 artifact)", "budget_fraction": 0.5,
+                     "ppl_pydocs_after_shift": math.exp(nll_over(runtime, pydocs_windows))}
+        rows.append(shift)
+        log(f"{name} {shift}")
     return {"artifact": str(artifact), "expert_bytes": total, "rows": rows}
 
 
@@ -115,11 +126,12 @@ def ratios(result: dict) -> dict:
     """The issue's goals as ratios from this run."""
     by = {(r["config"], r["budget_fraction"]): r for r in result["rows"]}
     half, resident, ondemand = by[("lru+pf", 0.5)], by[("resident", 1.0)], by[("ondemand", 1.0)]
-    static_shift = by[("lru+pf", 0.5)]["ppl_pydocs_after_shift"]
+    static_shift = by[("static (4/2 artifact)", 0.5)]["ppl_pydocs_after_shift"]
     return {"lru+pf@50% / resident decode tok/s": half["decode_tokens_per_s"] / resident["decode_tokens_per_s"],
             "lru+pf@50% / ondemand decode tok/s": half["decode_tokens_per_s"] / ondemand["decode_tokens_per_s"],
             "prefetch recall lru+pf@50%": half["prefetch_recall"],
-            "online@50% pydocs ppl after shift / static": by[("online", 0.5)]["ppl_pydocs_after_shift"] / static_shift}
+            "online / static pydocs ppl after the shift (4/2 artifact, 50%)":
+                by[("online (4/2 artifact)", 0.5)]["ppl_pydocs_after_shift"] / static_shift}
 
 
 COLUMNS = ("decode_tokens_per_s", "ttft_ms", "tpot_ms", "hit_rate", "bytes_moved_mib", "wait_s",
@@ -135,7 +147,7 @@ def render(results: dict) -> str:
         lines.append("|---" * (len(COLUMNS) + 2) + "|")
         for row in result["rows"]:
             lines.append(f"| {row['config']} | {row['budget_fraction']:.0%} | "
-                         + " | ".join(f"{row[c]:.3g}" for c in COLUMNS) + " |")
+                         + " | ".join(f"{row[c]:.3g}" if c in row else "" for c in COLUMNS) + " |")
         for key, value in result["ratios"].items():
             lines.append(f"- {key}: {value:.3f}")
     return "\n".join(lines)

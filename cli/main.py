@@ -326,7 +326,8 @@ def run(
     prefetch: Annotated[bool, typer.Option("--prefetch/--no-prefetch", help="Look-ahead prefetch of the next "
                                            "layer's experts.")] = True,
     prefetch_top: Annotated[int, typer.Option("--prefetch-top", help="Experts predicted per layer ahead "
-                                              "(default: twice the model's top-k).", min=0)] = 0,
+                                              "(default: twice the model's top-k, at most the cache's "
+                                              "share per layer).", min=0)] = 0,
     mode: Annotated[str, typer.Option("--mode", help="cache, or ondemand (no cache: load every expert at each "
                                       "use).")] = "cache",
     seqlen: SeqlenOpt = 256,

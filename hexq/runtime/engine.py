@@ -83,7 +83,8 @@ class RunState:
 
     prefill: bool = True
     prefetch: bool = True
-    prefetch_top_t: int = 0  # experts predicted per layer ahead; 0: twice the model's top-k (see look_ahead)
+    prefetch_top_t: int = 0  # experts predicted per layer ahead; 0: 2k capped at layer_share (see look_ahead)
+    layer_share: int = 1  # experts the cache holds per layer: capacity // expert bytes // layers
     mode: str = "cache"
     predicted: dict[int, set[int]] = field(default_factory=dict)  # layer -> experts predicted by the layer below
     prefetch_stats: PrefetchStats = field(default_factory=PrefetchStats)
@@ -120,8 +121,10 @@ class CachedExperts(torch.nn.Module):
         ahead = hidden_states if self.norm_ratio is None else hidden_states * self.norm_ratio
         logits, _scores, predicted = self.next_router(ahead)
         # One layer ahead, the router's own top-k finds ~57% of the experts the next layer uses on the reference
-        # models; its top-2k finds ~80% (benchmarks/runtime.py reports precision and recall).
-        top_t = min(state.prefetch_top_t or 2 * predicted.shape[-1], self.num_experts)
+        # models and its top-2k ~80% (benchmarks/runtime.py reports precision and recall); but prefetching more
+        # experts than a layer's share of the cache evicts what the next tokens will ask for, so the default is
+        # 2k capped at that share.
+        top_t = min(state.prefetch_top_t or min(2 * predicted.shape[-1], state.layer_share), self.num_experts)
         if state.prefill:  # top-t experts by predicted token frequency
             counts = torch.bincount(predicted.reshape(-1), minlength=self.num_experts)[: self.num_experts]
             experts = [e for e in torch.argsort(counts, descending=True, stable=True)[:top_t].tolist() if counts[e]]
@@ -235,6 +238,7 @@ class Runtime:
                             f"bytes ({source.expert_nbytes / 2**20:.2f} MiB); all experts take {self.expert_bytes}")
         self.cache = ExpertCache(source, budget)
         self.budget_bytes = budget
+        self.state.layer_share = max(1, budget // source.expert_nbytes // num_layers)
         adapter = adapter_for(self.artifact.manifest["model"]["model_type"])
         modules: dict[int, CachedExperts] = {}
 
