@@ -6,6 +6,7 @@ the chosen expert ids and their scores. Hooks are owned by the context manager a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -39,25 +40,36 @@ def moe_routers(model, adapter: MoEAdapter) -> list[torch.nn.Module]:
 
 
 @contextmanager
-def capture_router_counts(model, adapter: MoEAdapter, num_experts: int):
-    """Within the block, every forward pass adds its routing decisions to the yielded RouterCounts."""
-    routers = moe_routers(model, adapter)
-    stats = RouterCounts(torch.zeros(len(routers), num_experts, dtype=torch.long),
-                         torch.zeros(len(routers), num_experts, dtype=torch.float64))
+def on_router_calls(model, adapter: MoEAdapter, record: Callable[[int, torch.Tensor, torch.Tensor], None]):
+    """Within the block, every router call runs record(layer_index, scores, indices); hooks removed in `finally`."""
 
     def hook_for(layer_index: int):
         def hook(_module, _inputs, outputs):
             _logits, scores, indices = outputs
-            add_routing(stats.counts[layer_index], stats.score_sums[layer_index], scores, indices)
+            record(layer_index, scores, indices)
 
         return hook
 
-    handles = [router.register_forward_hook(hook_for(i)) for i, router in enumerate(routers)]
+    handles = [router.register_forward_hook(hook_for(i)) for i, router in enumerate(moe_routers(model, adapter))]
     try:
-        yield stats
+        yield
     finally:
         for handle in handles:
             handle.remove()
+
+
+@contextmanager
+def capture_router_counts(model, adapter: MoEAdapter, num_experts: int):
+    """Within the block, every forward pass adds its routing decisions to the yielded RouterCounts."""
+    layers = len(moe_routers(model, adapter))
+    stats = RouterCounts(torch.zeros(layers, num_experts, dtype=torch.long),
+                         torch.zeros(layers, num_experts, dtype=torch.float64))
+
+    def record(layer: int, scores: torch.Tensor, indices: torch.Tensor) -> None:
+        add_routing(stats.counts[layer], stats.score_sums[layer], scores, indices)
+
+    with on_router_calls(model, adapter, record):
+        yield stats
 
 
 @contextmanager
@@ -66,19 +78,10 @@ def capture_router_topk(model, adapter: MoEAdapter):
     store's router.topk) to its layer's list. After the block, `hexq.algos.placement.stack_trace(calls)` is the
     trace [L, T, k]: each forward pass runs every layer's router once on the same tokens in the same order, so row t
     of every layer is the same token and a token's path is read down the layer axis."""
-    routers = moe_routers(model, adapter)
-    traces: list[list[torch.Tensor]] = [[] for _ in routers]
+    traces: list[list[torch.Tensor]] = [[] for _ in moe_routers(model, adapter)]
 
-    def hook_for(layer_index: int):
-        def hook(_module, _inputs, outputs):
-            _logits, _scores, indices = outputs
-            traces[layer_index].append(indices.reshape(-1, indices.shape[-1]).to(torch.int16).cpu())
+    def record(layer: int, _scores: torch.Tensor, indices: torch.Tensor) -> None:
+        traces[layer].append(indices.reshape(-1, indices.shape[-1]).to(torch.int16).cpu())
 
-        return hook
-
-    handles = [router.register_forward_hook(hook_for(i)) for i, router in enumerate(routers)]
-    try:
+    with on_router_calls(model, adapter, record):
         yield traces
-    finally:
-        for handle in handles:
-            handle.remove()
