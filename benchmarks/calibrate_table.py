@@ -59,12 +59,13 @@ SETTINGS = {
     "w2a16": Setting(2, None, True, None),
 }
 ACTIVATION_METHODS = ("rtn", "sq+rtn", "gptq", "haq")
-WEIGHT_ONLY_METHODS = ("rtn", "gptq")
+WEIGHT_ONLY_METHODS = ("rtn", "gptq", "gptq-act")  # gptq-act: columns in decreasing diag(H) order (GPTQ's actorder)
 
 
 def make_recipe(name: str, setting: Setting, method: str, samples: int) -> Recipe:
     weights = WeightQuant(bits=setting.weight_bits, group_size=setting.group_size,
-                          symmetric=setting.weight_symmetric, method="rtn" if method.endswith("rtn") else "gptq")
+                          symmetric=setting.weight_symmetric, method="rtn" if method.endswith("rtn") else "gptq",
+                          act_order="sum_of_squares" if method == "gptq-act" else "none")
     activations = (ActivationQuant(bits=None) if setting.act_bits is None
                    else ActivationQuant(bits=setting.act_bits, dynamic=setting.act_dynamic))
     smoothing = {"sq+rtn": Smoothing(method="smoothquant", alpha=0.5), "haq": Smoothing(method="haq")}.get(
@@ -94,7 +95,7 @@ def outlier_variant(folder: Path, work: Path) -> Path:
 
 
 def run(models: list[str], settings: list[str], samples: int, windows: int, outlier_settings: list[str],
-        peer: bool, out_json: Path) -> dict:
+        peer: bool, out_json: Path, only_methods: list[str] | None = None) -> dict:
     work = Path(tempfile.mkdtemp(prefix="hexq-bench-"))
     results = {"protocol": {"seqlen": SEQLEN, "eval_windows": windows, "eval_data": list(EVAL_DATA),
                             "calibration": {"source": "bundled", "num_samples": samples, "seqlen": SEQLEN,
@@ -115,7 +116,7 @@ def run(models: list[str], settings: list[str], samples: int, windows: int, outl
                 for setting_name in variant_settings:
                     setting = SETTINGS[setting_name]
                     methods = ACTIVATION_METHODS if setting.act_bits is not None else WEIGHT_ONLY_METHODS
-                    for method in methods:
+                    for method in (m for m in methods if only_methods is None or m in only_methods):
                         recipe = make_recipe(setting_name, setting, method, samples)
                         out = work / f"{label}-{recipe.name}"
                         started = time.time()
@@ -160,6 +161,7 @@ def main() -> None:
     parser.add_argument("--outlier-settings", nargs="*", default=["w8a8-dyn", "w6a6", "w4a8", "w4a4"],
                         choices=list(SETTINGS), help="settings also run on the outlier-injected variant (none: skip)")
     parser.add_argument("--no-peer", action="store_true", help="skip llmcompressor")
+    parser.add_argument("--methods", nargs="+", help="only these hexq methods (default: all of the setting's)")
     parser.add_argument("-o", "--out", type=Path, default=ROOT / "benchmarks" / "results" / "calibrate.json")
     parser.add_argument("--render", type=Path, nargs="+", help="only print the markdown table of result files")
     args = parser.parse_args()
@@ -168,7 +170,7 @@ def main() -> None:
             print(markdown(json.loads(path.read_text())))
         return
     results = run(args.models, args.settings, args.samples, args.windows, args.outlier_settings, not args.no_peer,
-                  args.out)
+                  args.out, args.methods)
     print(markdown(results))
 
 

@@ -14,8 +14,8 @@ Configurations:
   lru+pf      the cache with look-ahead prefetch, static policy
   context / online / depth   the precision policies, with prefetch
 Workloads (each configuration in a fresh runtime):
-  decode      a 128-token austen prompt, then 48 greedy tokens: TTFT, TPOT, decode tokens/s, hit rate, bytes
-              moved, wait time, prefetch precision / recall (over the whole generation)
+  decode      a 128-token austen prompt, then 96 greedy tokens: TTFT, TPOT (median step), decode tokens/s,
+              hit rate, bytes moved, wait time, prefetch precision / recall (over the whole generation)
   domain      perplexity on 8 windows of 256 tokens of held-out austen
   shift       8 windows of austen then 8 of pydocs in one runtime; perplexity on the pydocs part
 online runs with K = 50% of each layer's experts at 4 bits and the rest at 2 (3.0 bits on average, the static
@@ -142,7 +142,8 @@ def render(results: dict) -> str:
     lines = []
     for name, result in results["models"].items():
         lines.append(f"\n{name}: expert bytes {result['expert_bytes'] / 2**20:.1f} MiB; decode {results['decode']} "
-                     f"tokens after a {PROMPT_TOKENS}-token prompt; ppl window {SEQLEN} x {results['windows']}")
+                     f"tokens after a {PROMPT_TOKENS}-token prompt (tokens/s = 1 / median step); ppl window "
+                     f"{SEQLEN} x {results['windows']}; {results['threads']} torch thread(s)")
         lines.append("| config | budget | " + " | ".join(COLUMNS) + " |")
         lines.append("|---" * (len(COLUMNS) + 2) + "|")
         for row in result["rows"]:
@@ -156,7 +157,7 @@ def render(results: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--decode", type=int, default=48)
+    parser.add_argument("--decode", type=int, default=96)
     parser.add_argument("--windows", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1, help="torch threads for the forward pass (1 leaves the "
                         "second core of a 2-core machine to the prefetch worker)")

@@ -26,6 +26,7 @@ same ascending order and computed by the same function (hexq.simulate.SimulatedE
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -179,7 +180,7 @@ class CachedExperts(torch.nn.Module):
 
 @dataclass
 class RunStats:
-    """What `hexq run --stats` reports."""
+    """What `hexq run --stats` reports (tpot_seconds: the median decode step)."""
 
     budget_bytes: int
     expert_bytes: int
@@ -312,6 +313,7 @@ class Runtime:
         out = self.model(ids.to(self.device), use_cache=True)
         self.policy.end_prefill()
         tokens: list[int] = []
+        steps: list[float] = []  # seconds of each decode forward pass
         text = ""
         ttft = None
         for _ in range(max_new_tokens):
@@ -330,11 +332,13 @@ class Runtime:
             if token == self.tokenizer.eos_token_id:
                 break
             self.state.prefill = False
+            step = time.perf_counter()
             out = self.model(torch.tensor([[token]], device=self.device), past_key_values=out.past_key_values,
                              use_cache=True)
+            steps.append(time.perf_counter() - step)
         total = time.perf_counter() - started
-        decode = len(tokens) - 1
-        tpot = (total - ttft) / decode if decode > 0 and ttft is not None else None
+        # the median decode step: one scheduler hiccup on a shared machine should not move the figure
+        tpot = statistics.median(steps) if steps else None
         return text, self.stats(ttft_seconds=ttft, tpot_seconds=tpot,
                                 tokens_per_second=len(tokens) / total if total > 0 else None,
                                 generated_tokens=len(tokens))
