@@ -85,3 +85,19 @@ def test_cli_run(mixed_artifact, tmp_path):
     assert bad.exit_code == 1 and "exactly one of" in bad.output
     ppl = runner.invoke(app, ["run", str(mixed_artifact), "--ppl", "austen", "-n", "2", "-L", "32"])
     assert ppl.exit_code == 0 and "perplexity" in ppl.output
+
+
+def test_cli_run_bad_inputs_and_interrupt(mixed_artifact, tmp_path, monkeypatch):
+    not_artifact = runner.invoke(app, ["run", str(tmp_path), "--prompt", "x"])
+    assert not_artifact.exit_code == 1 and "not a hexq artifact" in not_artifact.output
+    policy = runner.invoke(app, ["run", str(mixed_artifact), "--prompt", "x", "--policy", "fastest"])
+    assert policy.exit_code == 1 and "unknown precision policy 'fastest'" in policy.output
+    long = runner.invoke(app, ["run", str(mixed_artifact), "--prompt", "word " * 200, "-m", "8"])
+    assert long.exit_code == 1 and "context" in long.output
+
+    def interrupted(*_args, **_kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Runtime, "generate", interrupted)
+    stopped = runner.invoke(app, ["run", str(mixed_artifact), "--prompt", "x"])
+    assert stopped.exit_code == 130 and "interrupted" in stopped.output
