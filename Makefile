@@ -27,7 +27,7 @@ demo: setup
 	$(BIN)/hexq pack $(DEMO)/calibration --bits 3 --out $(DEMO)/model.hexq --force
 	$(BIN)/hexq inspect $(DEMO)/model.hexq
 	$(BIN)/hexq run $(DEMO)/model.hexq --ppl austen --windows 50 --budget $(BUDGET) --stats
-	$(BIN)/hexq run $(DEMO)/model.hexq --prompt "It is a truth universally acknowledged" --budget $(BUDGET) --stats
+	$(BIN)/hexq run $(DEMO)/model.hexq --prompt '"My dear Mr. Bennet," said his lady to him one day,' --budget $(BUDGET) --stats
 
 lint: setup
 	$(BIN)/ruff check hexq cli tests scripts benchmarks

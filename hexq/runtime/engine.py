@@ -139,6 +139,24 @@ class CachedExperts(torch.nn.Module):
                 if bits:
                     self.cache.prefetch(layer, expert, bits)
 
+    def admitted(self, top_k_index: torch.Tensor) -> set[int]:
+        """The experts whose misses may fill the cache in this forward pass; the others are computed from a
+        transient load (the bypass) and evict nothing.
+
+        A prompt touches most experts of every layer, so filling all of them would push the whole cache out once
+        per layer - the cyclic scan that defeats LRU. In prefill only the layer's `layer_share` most-used experts
+        are admitted (the cost-model idea of 003 §III.C.1: experts with few tokens are not worth a fill); in decode
+        every expert is.
+        """
+        if self.state.mode != "cache":
+            return set()
+        if not self.state.prefill:
+            return set(range(self.num_experts))
+        flat = top_k_index.reshape(-1)
+        counts = torch.bincount(flat[(flat >= 0) & (flat < self.num_experts)], minlength=self.num_experts)
+        ranked = torch.argsort(counts, descending=True, stable=True)[: self.state.layer_share]
+        return {e for e in ranked.tolist() if counts[e]}
+
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         state = self.state
@@ -156,6 +174,7 @@ class CachedExperts(torch.nn.Module):
         if state.prefetch and self.next_router is not None:
             self.look_ahead(hidden_states)
         out = torch.zeros_like(hidden_states)
+        admitted = self.admitted(top_k_index)
         for expert in top_k_index.unique().tolist():
             if not 0 <= expert < self.num_experts:
                 continue  # some families mark dropped slots with an out-of-range id
@@ -169,7 +188,7 @@ class CachedExperts(torch.nn.Module):
                 pick = widths == width
                 rows, cols = token[pick], slot[pick]
                 with self.cache.pinned(self.layer, [expert]):
-                    weights = self.cache.get(self.layer, expert, width, fill=state.mode == "cache")
+                    weights = self.cache.get(self.layer, expert, width, fill=expert in admitted)
                     y = self.expert_forward(weights, hidden_states[rows]) * top_k_weights[rows, cols, None]
                 out.index_add_(0, rows, y.to(out.dtype))
         return out
