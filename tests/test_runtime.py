@@ -33,8 +33,8 @@ def test_static_policy_logits_do_not_depend_on_the_budget(mixed_artifact, refere
         stats = runtime.stats()
     assert (logits - reference_logits).abs().max() <= 1e-5
     assert stats.peak_bytes <= budget
-    if fraction < 1:
-        assert stats.cache.evictions > 0  # the budget really was binding
+    if fraction < 1:  # the budget really was binding: experts were evicted or computed without a fill
+        assert stats.cache.evictions + stats.cache.bypass_loads > 0
 
 
 def test_load_on_demand_computes_the_same(mixed_artifact, reference_logits):
@@ -101,3 +101,17 @@ def test_cli_run_bad_inputs_and_interrupt(mixed_artifact, tmp_path, monkeypatch)
     monkeypatch.setattr(Runtime, "generate", interrupted)
     stopped = runner.invoke(app, ["run", str(mixed_artifact), "--prompt", "x"])
     assert stopped.exit_code == 130 and "interrupted" in stopped.output
+
+
+def test_prefill_admits_only_the_layer_share(mixed_artifact):
+    """A prompt that touches every expert fills at most the cache's share per layer; the rest bypass the cache."""
+    probe = Runtime(mixed_artifact)
+    one_expert = probe.expert_bytes // (probe.artifact.num_layers * probe.artifact.num_experts)
+    probe.close()
+    with Runtime(mixed_artifact, budget_bytes=4 * one_expert, prefetch=False) as runtime:  # share: 2 per layer
+        runtime.forward(IDS[None])
+        resident = runtime.cache.resident()
+        stats = runtime.stats()
+    assert runtime.state.layer_share == 2
+    assert all(sum(1 for layer, _ in resident if layer == index) <= 2 for index in range(2))
+    assert stats.cache.bypass_loads > 0
