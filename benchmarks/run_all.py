@@ -50,6 +50,7 @@ def load_script(name: str):
     script = ROOT / "benchmarks" / BENCHMARKS[name][0]
     spec = importlib.util.spec_from_file_location(f"bench_{name}", script)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
     spec.loader.exec_module(module)
     return module
 
