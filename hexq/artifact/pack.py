@@ -204,6 +204,53 @@ def check_calibration(manifest: dict, calib_dir: Path, settings: Pack) -> Path:
     return model_path
 
 
+STATS_KEYS = ("loss_table", "loss_table.skip", "loss_table.tokens", "router.counts", "router.score_sums", "router.topk")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every decision `hexq pack` makes, before anything is written."""
+
+    scores: torch.Tensor  # [L, E] importance
+    orders: list[list[int]]  # per layer, expert ids most important first
+    losses: list[torch.Tensor]  # per layer [E, len(bits)] loss table restricted to the allowed widths
+    costs: list[int]  # bytes of one expert at each allowed width
+    allocation: list[list[int]]  # [L][E] widths
+    hot: int  # fast-tier experts per layer
+    placement: torch.Tensor  # [L, E] bool
+
+    @property
+    def average_bits(self) -> float:
+        return sum(map(sum, self.allocation)) / (len(self.allocation) * len(self.allocation[0]))
+
+
+def read_layers(calib_dir: Path, num_layers: int, progress: Progress | None) -> tuple[list[dict], dict]:
+    """Every layer's calibration tensors, and the statistics stacked over layers ([L, ...] per key)."""
+    layer_tensors, stats = [], {key: [] for key in STATS_KEYS}
+    for index in range(num_layers):
+        tensors, _ = load_layer(calib_dir, index)
+        layer_tensors.append(tensors)
+        for key in STATS_KEYS:
+            stats[key].append(tensors[key])
+        if progress:
+            progress("read", index + 1, num_layers)
+    return layer_tensors, {key: torch.stack(values) for key, values in stats.items()}
+
+
+def make_plan(stats: dict, table_bits: list[int], settings: Pack, budget: Budget,
+              shapes: dict[str, tuple[int, int]], group_size: int | None) -> Plan:
+    """Importance (002 §4.1), allocation (002 §4.2) and placement (003 Algorithm 2) from the statistics."""
+    scores = importance(stats["router.counts"], stats["router.score_sums"], settings.alpha)
+    orders = [importance_order(row) for row in scores]
+    losses = [loss_columns(table, skip, table_bits, settings.bits)
+              for table, skip in zip(stats["loss_table"], stats["loss_table.skip"], strict=True)]
+    costs = expert_costs(shapes, settings.bits, group_size)
+    allocation = allocate_layers(losses, orders, settings, budget, costs)
+    hot = max(1, round(settings.hot_fraction * scores.shape[1]))
+    placement = place_hot_experts(settings.placement, stats["router.topk"].long(), stats["router.counts"], hot)
+    return Plan(scores, orders, losses, costs, allocation, hot, placement)
+
+
 def pack(calib_dir: str | Path, out: str | Path, settings: Pack | None = None, budget: Budget | None = None,
          overwrite: bool = False, progress: Progress | None = None) -> PackSummary:
     """Pack the calibration in `calib_dir` into the artifact folder `out` (atomically; see module docstring).
@@ -218,47 +265,30 @@ def pack(calib_dir: str | Path, out: str | Path, settings: Pack | None = None, b
     model_path = check_calibration(manifest, calib_dir, settings)
     model, _tokenizer, adapter = load_model(model_path, "cpu")
     num_layers, num_experts = manifest["model"]["layers"], manifest["model"]["num_experts"]
-    bits_list = manifest["expert_bits"]
+    table_bits = manifest["expert_bits"]
     group_size = recipe.expert_weights.group_size
     experts = getattr(getattr(model.model.layers[0], adapter.moe), adapter.experts)
     shapes = {"gate_up": tuple(experts.gate_up_proj.shape[1:]), "down": tuple(experts.down_proj.shape[1:])}
-
-    layer_tensors, stats = [], {"loss_table": [], "loss_table.skip": [], "loss_table.tokens": [],
-                                "router.counts": [], "router.score_sums": [], "router.topk": []}
-    for index in range(num_layers):
-        tensors, _ = load_layer(calib_dir, index)
-        layer_tensors.append(tensors)
-        for key in stats:
-            stats[key].append(tensors[key])
-        if progress:
-            progress("read", index + 1, num_layers)
-    stats = {key: torch.stack(values) for key, values in stats.items()}
-    scores = importance(stats["router.counts"], stats["router.score_sums"], settings.alpha)
-    orders = [importance_order(row) for row in scores]
-    losses = [loss_columns(stats["loss_table"][layer], stats["loss_table.skip"][layer], bits_list, settings.bits)
-              for layer in range(num_layers)]
-    costs = expert_costs(shapes, settings.bits, group_size)
-    bytes_by_bits = dict(zip(settings.bits, costs, strict=True))
-    allocation = allocate_layers(losses, orders, settings, budget, costs)
-    hot = max(1, round(settings.hot_fraction * num_experts))
-    placement = place_hot_experts(settings.placement, stats["router.topk"].long(), stats["router.counts"], hot)
+    layer_tensors, stats = read_layers(calib_dir, num_layers, progress)
+    plan = make_plan(stats, table_bits, settings, budget, shapes, group_size)
+    bytes_by_bits = dict(zip(settings.bits, plan.costs, strict=True))
+    used = allocated_bytes(plan.allocation, bytes_by_bits)
 
     with ArtifactWriter(out, overwrite) as writer:
         dense, dense_meta = dense_tensors(model, adapter, layer_tensors, recipe)
         writer.add_tensors(DENSE_SHARD, dense)
-        bank_bytes = {b: 0 for b in bits_list}
+        bank_bytes = {b: 0 for b in table_bits}
         for index in range(num_layers):
-            tensors, nbytes = layer_expert_tensors(layer_tensors[index], bits_list, num_experts)
+            tensors, nbytes = layer_expert_tensors(layer_tensors[index], table_bits, num_experts)
             writer.add_tensors(expert_shard(index), tensors)
             for b, n in nbytes.items():
                 bank_bytes[b] += n
             if progress:
                 progress("pack", index + 1, num_layers)
-        writer.add_tensors(STATS_SHARD, {**stats, "importance": scores.float(), "placement": placement})
+        writer.add_tensors(STATS_SHARD, {**stats, "importance": plan.scores.float(), "placement": plan.placement})
         for name in MODEL_FILES:
             if (model_path / name).is_file():
                 writer.add_file(name, model_path / name)
-        used = allocated_bytes(allocation, bytes_by_bits)
         writer.finish({
             "model": {"model_type": manifest["model"]["model_type"], "num_layers": num_layers,
                       "num_experts": num_experts, "top_k": manifest["model"]["top_k"],
@@ -269,23 +299,23 @@ def pack(calib_dir: str | Path, out: str | Path, settings: Pack | None = None, b
                            "calibration_data": manifest["data"], "calibrated_with": manifest["hexq_version"]},
             "recipe": recipe_to_dict(recipe),
             "dense": dense_meta,
-            "experts": {"replica_bits": bits_list, "shapes": {p: list(s) for p, s in shapes.items()},
+            "experts": {"replica_bits": table_bits, "shapes": {p: list(s) for p, s in shapes.items()},
                         "group_size": group_size, "symmetric": recipe.expert_weights.symmetric,
                         "scale_dtype": "float16"},
             "allocation": {
-                "bits": allocation, "budget": {"avg_bits": budget.avg_bits, "total_bytes": budget.total_bytes,
-                                               "schedule": settings.schedule},
-                "average_bits": sum(map(sum, allocation)) / (num_layers * num_experts),
+                "bits": plan.allocation, "average_bits": plan.average_bits,
+                "budget": {"avg_bits": budget.avg_bits, "total_bytes": budget.total_bytes,
+                           "schedule": settings.schedule},
                 "table_loss": [assignment_loss(loss, settings.bits, row)
-                               for loss, row in zip(losses, allocation, strict=True)],
-                "importance_order": orders},
-            "placement": {"scheme": settings.placement, "hot_per_layer": hot,
-                          "hot": [torch.where(row)[0].tolist() for row in placement]},
+                               for loss, row in zip(plan.losses, plan.allocation, strict=True)],
+                "importance_order": plan.orders},
+            "placement": {"scheme": settings.placement, "hot_per_layer": plan.hot,
+                          "hot": [torch.where(row)[0].tolist() for row in plan.placement]},
             "accounting": {"dense_bytes": writer.files[DENSE_SHARD]["bytes"],
                            "bank_bytes_by_bits": {str(b): n for b, n in bank_bytes.items()},
                            "expert_bytes_by_bits": {str(b): n for b, n in bytes_by_bits.items()},
                            "allocated_expert_bytes": used,
                            "files_bytes": sum(f["bytes"] for f in writer.files.values())},
         })
-    return PackSummary(out, num_layers, num_experts, sum(map(sum, allocation)) / (num_layers * num_experts), used,
+    return PackSummary(out, num_layers, num_experts, plan.average_bits, used,
                        sum(f.stat().st_size for f in out.rglob("*") if f.is_file()), time.time() - started)
