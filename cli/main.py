@@ -128,8 +128,7 @@ def eval_command(
     write_baseline: Annotated[Path | None, typer.Option("--write-baseline", help="Record the results as a "
                                                         "baseline file (explicit; never automatic).")] = None,
 ) -> None:
-    """Perplexity with the GPTQ protocol (non-overlapping windows, exp of mean token NLL); optionally gated
-    against a baseline."""
+    """Perplexity with the GPTQ protocol (exp of mean token NLL); with --baseline, a regression gate for CI."""
     from hexq.eval import baseline as gate
     from hexq.eval.run import evaluate_model
     from hexq.io import write_json_atomic
