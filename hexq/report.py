@@ -394,7 +394,7 @@ def plot_frontier(points: list[FrontierPoint], name: str) -> bytes:
                         linestyle=linestyle)
         ax.axhline(0, color="black", linewidth=0.8)
         ax.set(title=text, xlabel="average bits per expert weight")
-        ax.yaxis.set_major_formatter(PercentFormatter(1.0, 0))
+        ax.yaxis.set_major_formatter(PercentFormatter(1.0, decimals=None))
         ax.grid(True, alpha=0.3)
     for ax in axes[len(texts):]:
         ax.set_visible(False)
