@@ -37,9 +37,10 @@ import torch
 from hexq.artifact.pack import pack
 from hexq.calib.pipeline import calibrate
 from hexq.data import eval_text, tokenize
+from hexq.eval.perplexity import make_windows
 from hexq.io import write_json_atomic
 from hexq.recipe import Pack, load_recipe
-from hexq.runtime.engine import Runtime, windows_of
+from hexq.runtime.engine import Runtime
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = {"mixtral": ROOT / "models" / "hexq-tiny-mixtral", "qwen3moe": ROOT / "models" / "hexq-tiny-qwen3moe"}
@@ -86,8 +87,8 @@ def run_model(name: str, work: Path, decode: int, windows: int, log) -> dict:
     probe.close()
     austen, pydocs = (tokenize(tokenizer, eval_text(source)) for source in ("austen", "pydocs"))
     prompt = tokenizer.decode(austen[-PROMPT_TOKENS:])  # held-out text not used by the ppl windows below
-    austen_windows = list(windows_of(austen, SEQLEN, windows))
-    pydocs_windows = list(windows_of(pydocs, SEQLEN, windows))
+    austen_windows = list(make_windows(austen, SEQLEN, windows))
+    pydocs_windows = list(make_windows(pydocs, SEQLEN, windows))
     with Runtime(artifact) as warmup:  # one-time costs of the first forward passes stay out of every row
         warmup.generate(prompt, 8)
     rows = []

@@ -338,8 +338,9 @@ def run(
 ) -> None:
     """Generate text or measure perplexity with the experts served from a budgeted cache."""
     from hexq.data import eval_text, tokenize
+    from hexq.eval.run import runtime_perplexity
     from hexq.io import write_json_atomic
-    from hexq.runtime.engine import Runtime, runtime_perplexity
+    from hexq.runtime.engine import Runtime
     from hexq.units import parse_bytes
 
     if (prompt is None) == (ppl is None):

@@ -27,6 +27,18 @@ def expert_output(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ac
     return torch.nn.functional.linear(expert_intermediate(x, gate_up, act_fn), down)
 
 
+def quantized_expert_output(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act_fn,
+                            input_quant: ActQuantizer | None, mid_quant: ActQuantizer | None) -> torch.Tensor:
+    """expert_output with the expert's input and the down projection's input fake-quantized when configured: the
+    one definition of a quantized expert, shared by SimulatedExperts and the runtime's cached experts."""
+    if input_quant is not None:
+        x = input_quant(x)
+    mid = expert_intermediate(x, gate_up, act_fn)
+    if mid_quant is not None:
+        mid = mid_quant(mid)
+    return torch.nn.functional.linear(mid, down)
+
+
 @dataclass(frozen=True)
 class ActQuantizer:
     """Fake quantization of activations: dynamic per token, or static per tensor from a calibrated range."""
@@ -62,12 +74,8 @@ class SimulatedExperts(torch.nn.Module):
 
     def expert_forward(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """One expert on its routed tokens x [n, H] -> [n, H], with activation quantization if configured."""
-        if self.input_quant is not None:
-            x = self.input_quant(x)
-        mid = expert_intermediate(x, self.gate_up_proj[expert], self.act_fn)
-        if self.mid_quant is not None:
-            mid = self.mid_quant(mid)
-        return torch.nn.functional.linear(mid, self.down_proj[expert])
+        return quantized_expert_output(x, self.gate_up_proj[expert], self.down_proj[expert], self.act_fn,
+                                       self.input_quant, self.mid_quant)
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         out = torch.zeros_like(hidden_states)

@@ -7,7 +7,8 @@ import torch
 from typer.testing import CliRunner
 
 from hexq.errors import HexqError
-from hexq.runtime.engine import Runtime, runtime_perplexity
+from hexq.eval.run import runtime_perplexity
+from hexq.runtime.engine import Runtime
 from hexq.runtime.model import build_model
 from hexq_cli.main import app
 

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
+
 from hexq.data import eval_text, tokenize
 from hexq.errors import HexqError
-from hexq.eval.perplexity import PerplexityResult, perplexity
+from hexq.eval.perplexity import PerplexityResult, make_windows, perplexity
 from hexq.models import load_model
 
 
@@ -55,3 +59,17 @@ def evaluate_model(model_path: str | Path, data: list[str], seqlen: int, max_win
         report = None if progress is None else (lambda done, total, s=source: progress(s, done, total))
         rows.append(EvalRow(source, perplexity(model, ids, seqlen, max_windows, batch_size, report)))
     return rows
+
+
+def runtime_perplexity(runtime, ids: torch.Tensor, seqlen: int, max_windows: int | None,
+                       progress: Callable[[int, int], None] | None = None) -> tuple[float, int, float]:
+    """(perplexity, tokens scored, seconds) of a hexq.runtime.engine.Runtime with the GPTQ protocol (the windows of
+    `make_windows`), one window per forward pass so that the precision policy sees each as a sequence."""
+    windows = make_windows(ids, seqlen, max_windows)
+    nll, started = 0.0, time.perf_counter()
+    for index, window in enumerate(windows):
+        nll += float(runtime.window_nll(window))
+        if progress:
+            progress(index + 1, len(windows))
+    scored = len(windows) * (seqlen - 1)
+    return math.exp(nll / scored), scored, time.perf_counter() - started

@@ -20,15 +20,14 @@ bytes whatever its width, so on this runtime a lower width changes quality and l
 
 Correctness: with the `static` policy the result of every forward pass is bit-identical for every budget and
 equals the model with all experts resident (hexq.runtime.model.resident_experts): the experts are visited in the
-same ascending order and computed by the same function (hexq.simulate.SimulatedExperts.expert_forward's math).
+same ascending order and computed by the same function (hexq.simulate.quantized_expert_output).
 """
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -40,7 +39,7 @@ from hexq.errors import HexqError
 from hexq.runtime.cache import CacheStats, ExpertCache, ExpertWeights
 from hexq.runtime.model import build_model, expert_quantizers
 from hexq.runtime.policy import PolicyContext, make_policy
-from hexq.simulate import expert_intermediate
+from hexq.simulate import quantized_expert_output
 
 MODES = ("cache", "ondemand")  # ondemand: no fast tier, every expert loaded from the slow tier at each use
 
@@ -93,28 +92,32 @@ class RunState:
     skipped_slots: int = 0
 
 
+def most_routed(indices: torch.Tensor, num_experts: int, n: int) -> list[int]:
+    """The (at most) n experts chosen most often in `indices` (any shape of expert ids), ties by expert id;
+    ids outside [0, num_experts) (dropped slots) and experts never chosen are left out."""
+    flat = indices.reshape(-1)
+    counts = torch.bincount(flat[(flat >= 0) & (flat < num_experts)], minlength=num_experts)
+    return [e for e in torch.argsort(counts, descending=True, stable=True)[:n].tolist() if counts[e]]
+
+
 class CachedExperts(torch.nn.Module):
     """One layer's routed experts served from the ExpertCache (see the module docstring)."""
 
     def __init__(self, layer: int, num_experts: int, cache: ExpertCache, policy, state: RunState, act_fn,
-                 quantizers, next_router: torch.nn.Module | None, default_bits: list[int]) -> None:
+                 quantizers) -> None:
         super().__init__()
         self.layer, self.num_experts = layer, num_experts
         self.cache, self.policy, self.state = cache, policy, state
         self.act_fn = act_fn
         self.input_quant, self.mid_quant = quantizers
-        self.next_router = next_router  # layer l+1's router (set by Runtime; None in the last layer)
+        # look-ahead, set by Runtime once every layer exists (None in the last layer)
+        self.next_router: torch.nn.Module | None = None  # layer l+1's router
         self.norm_ratio: torch.Tensor | None = None  # w_{l+1} / w_l of the post-attention norms
-        self.default_bits = default_bits
         self.default_bits_next: list[int] = []  # layer l+1's allocation
 
     def expert_forward(self, weights: ExpertWeights, x: torch.Tensor) -> torch.Tensor:
-        if self.input_quant is not None:
-            x = self.input_quant(x)
-        mid = expert_intermediate(x, weights.gate_up, self.act_fn)
-        if self.mid_quant is not None:
-            mid = self.mid_quant(mid)
-        return torch.nn.functional.linear(mid, weights.down)
+        return quantized_expert_output(x, weights.gate_up, weights.down, self.act_fn, self.input_quant,
+                                       self.mid_quant)
 
     def look_ahead(self, hidden_states: torch.Tensor) -> None:
         """Predict layer l+1's experts from layer l's MoE input and queue them (004 §4.4.1)."""
@@ -127,8 +130,7 @@ class CachedExperts(torch.nn.Module):
         # 2k capped at that share.
         top_t = min(state.prefetch_top_t or min(2 * predicted.shape[-1], state.layer_share), self.num_experts)
         if state.prefill:  # top-t experts by predicted token frequency
-            counts = torch.bincount(predicted.reshape(-1), minlength=self.num_experts)[: self.num_experts]
-            experts = [e for e in torch.argsort(counts, descending=True, stable=True)[:top_t].tolist() if counts[e]]
+            experts = most_routed(predicted, self.num_experts, top_t)
         else:  # decode: the current token's t most likely experts (t may exceed the router's k)
             experts = logits.reshape(-1, logits.shape[-1])[-1, : self.num_experts].topk(top_t).indices.tolist()
         layer = self.layer + 1
@@ -152,10 +154,7 @@ class CachedExperts(torch.nn.Module):
             return set()
         if not self.state.prefill:
             return set(range(self.num_experts))
-        flat = top_k_index.reshape(-1)
-        counts = torch.bincount(flat[(flat >= 0) & (flat < self.num_experts)], minlength=self.num_experts)
-        ranked = torch.argsort(counts, descending=True, stable=True)[: self.state.layer_share]
-        return {e for e in ranked.tolist() if counts[e]}
+        return set(most_routed(top_k_index, self.num_experts, self.state.layer_share))
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -264,8 +263,7 @@ class Runtime:
 
         def factory(layer: int, old: torch.nn.Module) -> CachedExperts:
             modules[layer] = CachedExperts(layer, num_experts, self.cache, self.policy, self.state, old.act_fn,
-                                           expert_quantizers(self.artifact, layer), None,
-                                           self.artifact.allocation[layer])
+                                           expert_quantizers(self.artifact, layer))
             return modules[layer]
 
         self.model, self.tokenizer, _ = build_model(self.artifact, factory, device)
@@ -361,25 +359,3 @@ class Runtime:
         return text, self.stats(ttft_seconds=ttft, tpot_seconds=tpot,
                                 tokens_per_second=len(tokens) / total if total > 0 else None,
                                 generated_tokens=len(tokens))
-
-
-def windows_of(ids: torch.Tensor, seqlen: int, max_windows: int | None) -> Iterator[torch.Tensor]:
-    """Non-overlapping windows of `seqlen` tokens (the remainder dropped), as in hexq.eval.perplexity."""
-    count = ids.numel() // seqlen
-    if count == 0:
-        raise HexqError(f"the text has {ids.numel()} tokens, fewer than one window of {seqlen}")
-    for index in range(count if max_windows is None else min(count, max_windows)):
-        yield ids[index * seqlen:(index + 1) * seqlen]
-
-
-def runtime_perplexity(runtime: Runtime, ids: torch.Tensor, seqlen: int, max_windows: int | None,
-                       progress: Callable[[int, int], None] | None = None) -> tuple[float, int, float]:
-    """(perplexity, tokens scored, seconds) with the GPTQ protocol, one window per forward pass."""
-    windows = list(windows_of(ids, seqlen, max_windows))
-    nll, started = 0.0, time.perf_counter()
-    for index, window in enumerate(windows):
-        nll += float(runtime.window_nll(window))
-        if progress:
-            progress(index + 1, len(windows))
-    scored = len(windows) * (seqlen - 1)
-    return math.exp(nll / scored), scored, time.perf_counter() - started
