@@ -175,6 +175,15 @@ def allocate_avg_bits(loss: torch.Tensor, bits: Sequence[int], order: Sequence[i
     return allocate(loss, bits, order, costs=list(bits), budget=avg_bit_budget(avg_bits, loss.shape[0]))
 
 
+def loss_columns(loss_table: torch.Tensor, skip_loss: torch.Tensor, table_bits: Sequence[int],
+                 bits: Sequence[int]) -> torch.Tensor:
+    """One layer's loss table [E, len(table_bits)] restricted to `bits`, float64 [E, len(bits)]; width 0 takes
+    skip_loss [E], the loss of skipping the expert (the calibration's loss_table.skip)."""
+    table_bits = list(table_bits)
+    columns = [skip_loss if b == 0 else loss_table[:, table_bits.index(b)] for b in bits]
+    return torch.stack(columns, dim=1).double()
+
+
 def assignment_loss(loss: torch.Tensor, bits: Sequence[int], assignment: Sequence[int]) -> float:
     """Summed table loss of an assignment (widths by expert id): sum_e loss[e, bits.index(assignment[e])]."""
     bits = [int(b) for b in bits]

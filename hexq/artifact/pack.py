@@ -24,6 +24,7 @@ from hexq.algos.allocation import (
     assignment_loss,
     cosine_retention,
     layer_budgets,
+    loss_columns,
 )
 from hexq.algos.importance import importance, importance_order
 from hexq.algos.placement import frequency_placement, path_placement, two_stage_placement
@@ -58,9 +59,6 @@ class Budget:
     avg_bits: float | None = None
     total_bytes: int | None = None
 
-    def describe(self) -> str:
-        return f"{self.total_bytes} bytes" if self.total_bytes is not None else f"{self.avg_bits} bits on average"
-
 
 @dataclass(frozen=True)
 class PackSummary:
@@ -81,13 +79,6 @@ def expert_costs(shapes: dict[str, tuple[int, int]], bits: tuple[int, ...], grou
     one grid per row (the group is the projection's input width)."""
     return [0 if b == 0 else sum(packed_weight_nbytes(shapes[p], b, group_size or shapes[p][1]) for p in PROJECTIONS)
             for b in bits]
-
-
-def loss_columns(loss_table: torch.Tensor, skip_loss: torch.Tensor, table_bits: list[int],
-                 bits: tuple[int, ...]) -> torch.Tensor:
-    """The loss table restricted to `bits` (0 = the loss of skipping the expert), [E, len(bits)]."""
-    columns = [skip_loss if b == 0 else loss_table[:, table_bits.index(b)] for b in bits]
-    return torch.stack(columns, dim=1).double()
 
 
 def allocate_layers(losses: list[torch.Tensor], orders: list[list[int]], settings: Pack, budget: Budget,

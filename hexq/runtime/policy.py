@@ -50,7 +50,7 @@ from typing import Protocol
 
 import torch
 
-from hexq.algos.allocation import allocate, avg_bit_budget, cosine_retention
+from hexq.algos.allocation import allocate, avg_bit_budget, cosine_retention, loss_columns
 from hexq.algos.importance import importance
 
 Transition = tuple[int, int, int]  # (layer, expert, bits)
@@ -107,9 +107,7 @@ class PolicyContext:
 
     def loss_columns(self, layer: int, bits: list[int]) -> torch.Tensor:
         """[E, len(bits)] losses of one layer restricted to `bits` (0 = the loss of skipping), float64."""
-        columns = [self.skip_loss[layer] if b == 0 else self.loss_table[layer, :, self.table_bits.index(b)]
-                   for b in bits]
-        return torch.stack(columns, dim=1).double()
+        return loss_columns(self.loss_table[layer], self.skip_loss[layer], self.table_bits, bits)
 
 
 class PrecisionPolicy(Protocol):
