@@ -256,8 +256,12 @@ def inspect(
         layers.add_row(str(row["layer"]), *[str(row["histogram"].get(str(b), 0)) for b in widths],
                        f"{row['average_bits']:.3f}", format_bytes(row["bytes"]), " ".join(map(str, row["hot"])))
     console.print(layers)
-    console.print(f"experts at the allocation: {format_bytes(info['allocation']['bytes'])}; full replica banks "
-                  f"{format_bytes(info['accounting']['banks'])}; artifact {format_bytes(info['accounting']['files'])}"
+    accounting = info["accounting"]
+    banked = (f" + every expert at {', '.join(map(str, accounting['bank_bits']))} bits"
+              if accounting["bank_bits"] else "")
+    console.print(f"experts stored (allocation{banked}): {format_bytes(accounting['stored_experts'])} = "
+                  f"{accounting['experts_vs_bf16']:.1%} of their bf16 size {format_bytes(accounting['bf16_experts'])}"
+                  f"; dense part {format_bytes(accounting['dense'])}; artifact {format_bytes(accounting['files'])}"
                   f"; checksums {'ok' if info['checksums_ok'] else 'FAILED'}")
     if json_out is not None:
         write_json_atomic(json_out, info)

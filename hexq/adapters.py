@@ -26,12 +26,17 @@ class MoEAdapter:
     attention_inputs: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
     input_norm: str = "input_layernorm"  # feeds attention_inputs: smoothing group 1
     post_attention_norm: str = "post_attention_layernorm"  # feeds router + experts (+ shared): group 2
+    # How the hub's files spell what transformers renames or fuses on load (hexq.checkpoint reads them directly):
+    hub_moe: str | None = None  # on-disk name of the MoE block when it differs from `moe`
+    hub_router: str | None = None  # on-disk name of the router when it differs from `router`
+    hub_expert_projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # per-expert (gate, up, down)
 
 
 ADAPTERS: dict[str, MoEAdapter] = {
     adapter.model_type: adapter
     for adapter in (
-        MoEAdapter("mixtral", "num_local_experts"),
+        MoEAdapter("mixtral", "num_local_experts", hub_moe="block_sparse_moe",
+                   hub_expert_projections=("w1", "w3", "w2")),
         MoEAdapter("qwen3_moe", "num_experts"),
         MoEAdapter("qwen2_moe", "num_experts", shared_expert="shared_expert"),
         MoEAdapter("olmoe", "num_experts"),
@@ -39,7 +44,8 @@ ADAPTERS: dict[str, MoEAdapter] = {
                    attention_inputs=("q_proj", "q_a_proj", "kv_a_proj_with_mqa")),
         MoEAdapter("deepseek_v3", "n_routed_experts", shared_expert="shared_experts",
                    attention_inputs=("q_proj", "q_a_proj", "kv_a_proj_with_mqa")),
-        MoEAdapter("phimoe", "num_local_experts", router="router"),
+        MoEAdapter("phimoe", "num_local_experts", router="router", hub_moe="block_sparse_moe", hub_router="gate",
+                   hub_expert_projections=("w1", "w3", "w2")),
     )
 }
 

@@ -9,6 +9,7 @@ per-tensor ranges.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -100,3 +101,99 @@ def act_quantizer(setting, low_high: torch.Tensor | None) -> ActQuantizer | None
 def attach_input_quant(module: torch.nn.Module, quantizer: ActQuantizer):
     """Quantize a linear's input on every call; returns the hook handle (the model owns it from then on)."""
     return module.register_forward_pre_hook(lambda _m, args: (quantizer(args[0]), *args[1:]))
+
+
+# ------------------------------------------------------------------------------------------ expert by expert
+
+
+class ExpertTap(torch.nn.Module):
+    """Stands in for a layer's routed experts while a streamed layer runs: records what the experts receive
+    (hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) and returns zeros.
+
+    Every supported family's MoE block adds the routed experts' output to the rest of the block (shared expert,
+    residual) without transforming it, so the layer's output is the output with zeros here plus the experts' output,
+    which `routed_outputs` computes expert by expert over all recorded batches: each expert's weights are
+    materialized once per layer instead of once per batch."""
+
+    def __init__(self, num_experts: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.records: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        self.records.append((hidden_states.detach(), top_k_index.detach(), top_k_weights.detach()))
+        return torch.zeros_like(hidden_states)
+
+    def take(self) -> RoutedTokens:
+        """Everything recorded since the last take, as one RoutedTokens (the records are released)."""
+        records, self.records = self.records, []
+        return RoutedTokens.from_batches(records, self.num_experts)
+
+
+@dataclass
+class RoutedTokens:
+    """The routed experts' inputs of one layer over every batch: x [T, H], top-k ids and weights [T, k], with the
+    (token, slot) pairs grouped by expert once (a stable sort), so each expert's rows are found without a scan."""
+
+    x: torch.Tensor
+    index: torch.Tensor
+    weights: torch.Tensor
+    batch_rows: list[int]  # rows of x contributed by each recorded batch, in order
+    order: torch.Tensor  # flat (token * k + slot) positions sorted by expert
+    offsets: list[int]  # order[offsets[e]:offsets[e + 1]] are expert e's positions
+
+    @classmethod
+    def from_batches(cls, records, num_experts: int) -> RoutedTokens:
+        x = torch.cat([r[0] for r in records])
+        index = torch.cat([r[1] for r in records])
+        weights = torch.cat([r[2] for r in records])
+        flat = index.reshape(-1)
+        # ids outside [0, E) mark dropped slots in some families: sort them past the last expert
+        valid = (flat >= 0) & (flat < num_experts)
+        keyed = torch.where(valid, flat, torch.full_like(flat, num_experts))
+        order = torch.argsort(keyed, stable=True)
+        counts = torch.bincount(keyed, minlength=num_experts + 1)[:num_experts]
+        offsets = [0, *torch.cumsum(counts, 0).tolist()]
+        return cls(x, index, weights, [r[0].shape[0] for r in records], order, offsets)
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.offsets) - 1
+
+    def count(self, expert: int) -> int:
+        return self.offsets[expert + 1] - self.offsets[expert]
+
+    def rows(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token rows, slots) routed to `expert`, tokens ascending."""
+        positions = self.order[self.offsets[expert]:self.offsets[expert + 1]]
+        k = self.index.shape[1]
+        return positions // k, positions % k
+
+    def split(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """A per-token tensor [T, ...] cut back into the recorded batches."""
+        return list(tensor.split(self.batch_rows))
+
+
+ExpertWeightsFn = Callable[[list[int]], tuple[torch.Tensor, torch.Tensor]]
+
+
+def routed_outputs(routed: RoutedTokens, weights_of: ExpertWeightsFn, act_fn, input_quant: ActQuantizer | None,
+                   mid_quant: ActQuantizer | None, chunk: int,
+                   progress: Callable[[int, int], None] | None = None) -> torch.Tensor:
+    """The routed experts' combined output [T, H] (what the family's experts module would return), expert by
+    expert: weights_of(experts) gives (gate_up [n, 2I, H], down [n, H, I]) ready to compute with for `chunk`
+    experts at a time; experts are visited in ascending order, like transformers' own experts module."""
+    out = torch.zeros_like(routed.x)
+    num_experts = routed.num_experts
+    for start in range(0, num_experts, chunk):
+        experts = [e for e in range(start, min(start + chunk, num_experts)) if routed.count(e)]
+        if experts:
+            gate_up, down = weights_of(experts)
+            for j, expert in enumerate(experts):
+                token, slot = routed.rows(expert)
+                y = quantized_expert_output(routed.x[token], gate_up[j], down[j], act_fn, input_quant, mid_quant)
+                out.index_add_(0, token, (y * routed.weights[token, slot, None]).to(out.dtype))
+            del gate_up, down
+        if progress is not None:
+            progress(min(start + chunk, num_experts), num_experts)
+    return out

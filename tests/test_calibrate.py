@@ -9,11 +9,12 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from hexq.calib.pipeline import calibrate, load_calibrated
+from hexq.artifact.bitpack import packed_nbytes, unpack_bits
+from hexq.calib.pipeline import calibrate, calibrated_model, open_model
 from hexq.calib.store import read_json
 from hexq.errors import HexqError
-from hexq.models import load_model
 from hexq.recipe import Calibration, Experts, WeightQuant
+from hexq.streaming import full_precision_plan, stream_logits
 from hexq_cli.main import app
 from tests.conftest import small_recipe
 
@@ -42,8 +43,10 @@ def test_output_folder_layout_and_loss_table(mixed_run):
         # more bits, less output error, for every expert (1 -> 8 bits)
         assert (table[:, 0] > table[:, 3]).all() and (table[:, 3] > table[:, 4]).all()
         for bits in (1, 2, 3, 4, 8):
-            codes = tensors[f"experts.gate_up.b{bits}.codes"]
-            assert codes.shape == (8, 32, 32) and int(codes.max()) <= 2**bits - 1
+            codes = tensors[f"experts.gate_up.b{bits}.codes"]  # bit-packed per expert, as in the artifact
+            assert codes.shape == (8, packed_nbytes(32 * 32, bits)) and codes.dtype == torch.uint8
+            assert int(unpack_bits(codes[3], bits, 32 * 32).max()) <= 2**bits - 1
+            assert tensors[f"experts.gate_up.b{bits}.scale"].shape == (8, 32, 2)
         assert int(tensors["router.counts"].sum()) == 6 * 32 * 2  # tokens x top-2
         assert tensors["router.topk"].shape == (6 * 32, 2)
         assert torch.equal(tensors["loss_table.tokens"].clamp(max=1), (tensors["experts.tokens"] > 0).long())
@@ -92,11 +95,11 @@ def test_haq_w8a8_stays_close_to_full_precision(tiny_qwen3moe, tmp_path):
             entry = layer["smoothing"][group]
             assert 0.0 <= entry["exponent"] <= 1.0
             assert entry["error"] <= entry["error_without_smoothing"]
-    quantized, _, _ = load_calibrated(out)
-    reference, _, _ = load_model(tiny_qwen3moe)
     ids = torch.randint(0, 8192, (2, 32), generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        a, b = quantized(input_ids=ids).logits, reference(input_ids=ids).logits
+    streamed, _, prepare = calibrated_model(out, torch.device("cpu"))
+    a = stream_logits(streamed, ids, prepare)
+    reference, _ = open_model(tiny_qwen3moe, torch.device("cpu"))
+    b = stream_logits(reference, ids, full_precision_plan(reference))
     assert not torch.equal(a, b)
     assert float((a - b).abs().max()) < 0.05 * float(b.abs().max())
 

@@ -12,11 +12,12 @@ from typer.testing import CliRunner
 from hexq.artifact.bitpack import packed_nbytes
 from hexq.artifact.format import FORMAT_VERSION, Artifact, expert_shard
 from hexq.artifact.pack import Budget, pack
-from hexq.calib.pipeline import get_dequantized, load_calibrated
-from hexq.calib.store import load_layer
+from hexq.calib.pipeline import calibrated_model
+from hexq.calib.store import bank_weights, load_layer
 from hexq.errors import HexqError
 from hexq.recipe import Pack
-from hexq.runtime.model import build_model
+from hexq.runtime.model import artifact_model
+from hexq.streaming import stream_logits
 from hexq_cli.main import app
 
 runner = CliRunner()
@@ -29,6 +30,11 @@ def artifact_25(mixed_calibration, tmp_path_factory):
     return out
 
 
+def target_logits(target, ids):
+    streamed, _tokenizer, prepare = target
+    return stream_logits(streamed, ids, prepare)
+
+
 def folder_bytes(folder):
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
@@ -37,8 +43,10 @@ def test_layout_and_allocation(artifact_25):
     artifact = Artifact(artifact_25)
     manifest = artifact.manifest
     assert manifest["format_version"] == FORMAT_VERSION
-    assert set(artifact.files) >= {"dense.safetensors", "stats.safetensors", "config.json", "tokenizer.json",
-                                   expert_shard(0), expert_shard(1)}
+    assert set(artifact.files) >= {"dense/top.safetensors", "dense/layer_000.safetensors",
+                                   "dense/layer_001.safetensors", "stats.safetensors", "config.json",
+                                   "tokenizer.json", expert_shard(0), expert_shard(1)}
+    assert artifact.moe_layers == [0, 1] and artifact.bank_bits == []
     order = manifest["allocation"]["importance_order"]
     for layer, row in enumerate(artifact.allocation):
         assert len(row) == 8 and sum(row) <= math.floor(2.5 * 8)
@@ -50,12 +58,18 @@ def test_layout_and_allocation(artifact_25):
 
 def test_replica_bytes_are_dense_bit_packing_plus_scales(artifact_25):
     artifact = Artifact(artifact_25)
-    for bits in artifact.replica_bits:
+    for expert in range(8):
+        (bits,) = artifact.stored_bits(1, expert)  # only the allocated width is stored without --bank
         for projection in ("gate_up", "down"):
-            weight = artifact.packed_expert(1, 3, bits, projection)
+            weight = artifact.packed_expert(1, expert, bits, projection)
             rows, cols = weight.shape
             assert weight.codes.numel() == packed_nbytes(rows * cols, bits) == math.ceil(bits * rows * cols / 8)
             assert weight.scale.shape == weight.zero.shape == (rows, cols // 16)
+        other = next(b for b in artifact.replica_bits if b != bits)
+        with pytest.raises(HexqError, match=f"pack with --bank {other}"):
+            artifact.packed_expert(1, expert, other, "down")
+    stored = artifact.manifest["accounting"]["stored_expert_bytes"]
+    assert stored == artifact.manifest["accounting"]["allocated_expert_bytes"]
     on_disk = sum(p.stat().st_size for p in artifact_25.rglob("*") if p.is_file())
     accounted = artifact.manifest["accounting"]["files_bytes"] + (artifact_25 / "manifest.json").stat().st_size
     assert abs(on_disk - accounted) <= 0.01 * on_disk
@@ -65,22 +79,22 @@ def test_resident_model_matches_the_calibrated_model(mixed_calibration, tmp_path
     """A uniform 4-bit artifact computes what the calibration's 4-bit replicas compute (up to float16 scales)."""
     out = tmp_path / "u4.hexq"
     pack(mixed_calibration[0], out, Pack(bits=(4,), avg_bits=4.0))
-    model, _, _ = build_model(out)
-    reference, _, _ = load_calibrated(mixed_calibration[0], "cpu", 4)
     ids = torch.randint(0, 8192, (2, 24), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        got, want = model(ids).logits, reference(ids).logits
+    got = target_logits(artifact_model(out, torch.device("cpu")), ids)
+    want = target_logits(calibrated_model(mixed_calibration[0], torch.device("cpu"), 4), ids)
     # float16 scales move weights by ~1e-3 relative; dynamic int8 activations can round a few values differently
     assert (got - want).abs().max() < 1e-2 * want.abs().max()
 
 
-def test_stored_replicas_dequantize_to_the_calibration_weights(mixed_calibration, artifact_25):
-    """Exactly the calibration's codes, with scales and zeros rounded to float16."""
+def test_stored_replicas_dequantize_to_the_calibration_weights(mixed_calibration, tmp_path):
+    """Exactly the calibration's packed codes and float16 scales, for every stored width (--bank all)."""
+    out = tmp_path / "bank.hexq"
+    pack(mixed_calibration[0], out, budget=Budget(avg_bits=2.5), bank=("all",))
     tensors = load_layer(mixed_calibration[0], 1)[0]
-    artifact = Artifact(artifact_25)
+    artifact = Artifact(out)
+    assert artifact.bank_bits == [1, 2, 3, 4, 8]
     for bits in (1, 3, 8):
-        rounded = {key: t.half().float() if key.endswith((".scale", ".zero")) else t for key, t in tensors.items()}
-        want = get_dequantized(rounded, f"experts.down.b{bits}", bits)[5]
+        want = bank_weights(tensors, "down", bits, [5], (32, 16))[0]
         assert torch.equal(artifact.expert_weights(1, 5, bits)[1], want)
 
 
@@ -108,13 +122,14 @@ def test_one_expert_reads_one_shard_and_corruption_is_named(artifact_25, tmp_pat
     data[-5] ^= 0xFF
     shard.write_bytes(bytes(data))
     artifact = Artifact(broken)
-    gate_up, down = artifact.expert_weights(0, 2, 4)  # layer 0's shard is intact and is all that is read
+    bits0, bits1 = artifact.allocation[0][2], artifact.allocation[1][2]
+    gate_up, down = artifact.expert_weights(0, 2, bits0)  # layer 0's shard is intact and is all that is read
     assert torch.isfinite(gate_up).all() and torch.isfinite(down).all()
     with pytest.raises(HexqError, match=r"layer_001\.safetensors is corrupt: sha256 .* manifest says"):
-        artifact.expert_weights(1, 2, 4)
+        artifact.expert_weights(1, 2, bits1)
     shard.write_bytes(bytes(data[:-100]))
     with pytest.raises(HexqError, match=r"truncated .* bytes, manifest says"):
-        Artifact(broken).expert_weights(1, 2, 4)
+        Artifact(broken).expert_weights(1, 2, bits1)
 
 
 def test_newer_format_version_is_refused(artifact_25, tmp_path):

@@ -1,6 +1,7 @@
 """hexq run: the cached runtime computes exactly the resident model under any budget; stats and errors."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -9,7 +10,8 @@ from typer.testing import CliRunner
 from hexq.errors import HexqError
 from hexq.eval.run import runtime_perplexity
 from hexq.runtime.engine import Runtime
-from hexq.runtime.model import build_model
+from hexq.runtime.model import artifact_model
+from hexq.streaming import stream_logits, stream_nll
 from hexq_cli.main import app
 
 runner = CliRunner()
@@ -18,9 +20,9 @@ IDS = torch.randint(0, 8192, (40,), generator=torch.Generator().manual_seed(1))
 
 @pytest.fixture(scope="module")
 def reference_logits(mixed_artifact):
-    model, _, _ = build_model(mixed_artifact)
-    with torch.no_grad():
-        return model(IDS[None]).logits
+    """The artifact at its allocation as `hexq eval` computes it: streamed layer by layer, every expert resident."""
+    streamed, _, prepare = artifact_model(mixed_artifact, torch.device("cpu"))
+    return stream_logits(streamed, IDS[None], prepare)
 
 
 @pytest.mark.parametrize("fraction", [0.1, 0.5, 1.0])
@@ -54,12 +56,12 @@ def test_generate_streams_and_reports(mixed_artifact):
     assert 0 <= stats.prefetch.precision <= 1 and stats.prefetch.used > 0
 
 
-def test_perplexity_matches_the_resident_model(mixed_artifact):
-    from hexq.eval.perplexity import perplexity
+def test_perplexity_matches_the_streamed_eval(mixed_artifact):
+    from hexq.eval.perplexity import make_windows
 
     ids = torch.randint(0, 8192, (200,), generator=torch.Generator().manual_seed(2))
-    model, _, _ = build_model(mixed_artifact)
-    want = perplexity(model, ids, 50, None, 1).perplexity
+    streamed, _, prepare = artifact_model(mixed_artifact, torch.device("cpu"))
+    want = math.exp(float(stream_nll(streamed, make_windows(ids, 50), 1, prepare).sum()) / (4 * 49))
     with Runtime(mixed_artifact) as runtime:
         got, scored, _ = runtime_perplexity(runtime, ids, 50, None)
     assert scored == 4 * 49 and got == pytest.approx(want, rel=1e-5)
@@ -107,7 +109,7 @@ def test_cli_run_bad_inputs_and_interrupt(mixed_artifact, tmp_path, monkeypatch)
 def test_prefill_admits_only_the_layer_share(mixed_artifact):
     """A prompt that touches every expert fills at most the cache's share per layer; the rest bypass the cache."""
     probe = Runtime(mixed_artifact)
-    one_expert = probe.expert_bytes // (probe.artifact.num_layers * probe.artifact.num_experts)
+    one_expert = probe.expert_bytes // (len(probe.artifact.moe_layers) * probe.artifact.num_experts)
     probe.close()
     with Runtime(mixed_artifact, budget_bytes=4 * one_expert, prefetch=False) as runtime:  # share: 2 per layer
         runtime.forward(IDS[None])

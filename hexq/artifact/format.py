@@ -1,20 +1,27 @@
-"""The packed artifact: one folder, written atomically, every file checksummed, experts readable one at a time.
+"""The packed artifact: one folder, written atomically, every file checksummed, read one layer at a time.
 
     NAME.hexq/
       manifest.json                 format + version, model summary, provenance, recipe, allocation, placement,
                                     byte accounting, and the SHA-256 and size of every other file (written last)
       config.json, tokenizer*.json  the source model's config and tokenizer, as they were
-      dense.safetensors             every non-expert tensor (smoothing folded into the norms); quantized linears
-                                    as 8-bit-or-less codes + scales + zeros, static activation ranges
-      stats.safetensors             loss tables, router counts / score sums / calibration top-k traces, importance
-      experts/layer_NNN.safetensors one layer's replica banks: for expert e at b bits, "eEEEE.bB.gate_up.codes"
-                                    (densely bit-packed, ceil(b*numel/8) bytes), ".scale" and ".zero" (float16,
-                                    one per group), same for "down"; static expert activation ranges if any
+      dense/top.safetensors         embeddings, final norm, LM head (absent when tied to the embeddings)
+      dense/layer_NNN.safetensors   one decoder layer's non-expert tensors under their model names (smoothing
+                                    folded into the norms); quantized linears as "<name>.weight.codes/.scale/.zero"
+                                    plus a static activation range "<name>.act_range"; a dense layer's MLP too
+      stats.safetensors             per MoE layer: loss tables, router counts / score sums / calibration top-k
+                                    traces, importance, placement
+      experts/layer_NNN.safetensors one MoE layer's stored replicas: for expert e at b bits,
+                                    "eEEEE.bB.gate_up.codes" (densely bit-packed, ceil(b*numel/8) bytes), ".scale"
+                                    and ".zero" (float16, one per group), same for "down"; static expert activation
+                                    ranges if any. Every expert keeps its allocated width plus the `bank` widths
 
-Why per-layer expert shards: a file's SHA-256 is checked the first time it is opened, so reading one expert
-checks one layer's shard, not the whole artifact; inside a shard safetensors reads only the requested tensors
-(mmap). Scales and zeros are stored as float16: the weights computed by every consumer of the artifact are
-`dequantize_replica` of these bytes, which is the model's definition from here on.
+Layer numbers in file names are the model's; the allocation, placement and statistics have one row per MoE layer
+(`model.moe_layers` gives their model indices), so dense layers (e.g. DeepSeek's first layers) take no row.
+
+Why per-layer shards: a file's SHA-256 is checked the first time it is opened, so reading one layer checks one
+layer's shards, not the whole artifact; inside a shard safetensors reads only the requested tensors (mmap). Scales
+and zeros are stored as float16: the weights computed by every consumer of the artifact are `dequantize_packed` of
+these bytes, which is the model's definition from here on.
 """
 
 from __future__ import annotations
@@ -38,9 +45,9 @@ from hexq.errors import HexqError
 from hexq.io import write_bytes_atomic, write_json_atomic
 
 FORMAT = "hexq-artifact"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: per-layer dense shards, MoE-layer rows, only the allocated + bank widths stored
 MANIFEST = "manifest.json"
-DENSE_SHARD = "dense.safetensors"
+TOP_SHARD = "dense/top.safetensors"
 STATS_SHARD = "stats.safetensors"
 SCALE_DTYPE = torch.float16
 PROJECTIONS = ("gate_up", "down")
@@ -48,6 +55,17 @@ PROJECTIONS = ("gate_up", "down")
 
 def expert_shard(layer: int) -> str:
     return f"experts/layer_{layer:03d}.safetensors"
+
+
+def dense_shard(layer: int) -> str:
+    return f"dense/layer_{layer:03d}.safetensors"
+
+
+def layer_of(name: str) -> int | None:
+    """The decoder layer a model parameter belongs to (model.layers.N....), or None for a top-level one."""
+    if name.startswith("model.layers."):
+        return int(name.split(".")[2])
+    return None
 
 
 def replica_key(expert: int, bits: int, projection: str) -> str:
@@ -179,6 +197,9 @@ def read_artifact_manifest(path: Path) -> dict:
     if not isinstance(version, int) or version > FORMAT_VERSION:
         raise HexqError(f"{path} has artifact format version {version}, newer than this hexq reads "
                         f"({FORMAT_VERSION}); upgrade hexq (it is {__version__})")
+    if version < FORMAT_VERSION:
+        raise HexqError(f"{path} has artifact format version {version}; this hexq reads version {FORMAT_VERSION}: "
+                        "pack the calibration again")
     return manifest
 
 
@@ -193,6 +214,7 @@ class Artifact:
         self._verified: set[str] = set()
         self._lock = threading.Lock()
         self._handles: dict[str, object] = {}
+        self._keys: dict[str, set[str]] = {}
 
     # --- integrity
 
@@ -249,18 +271,28 @@ class Artifact:
     def tensor(self, shard: str, key: str) -> torch.Tensor:
         return self._handle(shard).get_tensor(key)
 
-    def keys(self, shard: str) -> list[str]:
-        return list(self._handle(shard).keys())
+    def keys(self, shard: str) -> set[str]:
+        keys = self._keys.get(shard)
+        if keys is None:
+            keys = self._keys[shard] = set(self._handle(shard).keys())
+        return keys
 
     def shard_tensors(self, shard: str) -> dict[str, torch.Tensor]:
         handle = self._handle(shard)
-        return {key: handle.get_tensor(key) for key in handle.keys()}
+        return {key: handle.get_tensor(key) for key in sorted(handle.keys())}
 
     # --- model facts
 
     @property
     def num_layers(self) -> int:
+        """Decoder layers of the model (dense ones included)."""
         return self.manifest["model"]["num_layers"]
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """Model indices of the MoE layers, in order: row r of the allocation, placement and stats is layer
+        moe_layers[r]."""
+        return self.manifest["model"]["moe_layers"]
 
     @property
     def num_experts(self) -> int:
@@ -268,26 +300,74 @@ class Artifact:
 
     @property
     def replica_bits(self) -> list[int]:
+        """Widths the calibration made (the loss table's columns)."""
         return self.manifest["experts"]["replica_bits"]
 
     @property
+    def bank_bits(self) -> list[int]:
+        """Widths stored for every expert besides its allocated one."""
+        return self.manifest["experts"]["bank_bits"]
+
+    @property
     def allocation(self) -> list[list[int]]:
+        """[MoE layer row][expert] allocated widths (0: skipped)."""
         return self.manifest["allocation"]["bits"]
+
+    def stored_bits(self, row: int, expert: int) -> list[int]:
+        """Widths stored for one expert of MoE layer row `row`."""
+        own = self.allocation[row][expert]
+        return sorted({b for b in (own, *self.bank_bits) if b})
 
     def expert_shape(self, projection: str) -> tuple[int, int]:
         return tuple(self.manifest["experts"]["shapes"][projection])
 
-    def packed_expert(self, layer: int, expert: int, bits: int, projection: str) -> PackedWeight:
-        """One stored replica matrix, read from its layer's shard only."""
-        if bits not in self.replica_bits:
-            raise HexqError(f"{self.path} has expert replicas at {self.replica_bits} bits, not {bits}")
-        shard, prefix = expert_shard(layer), replica_key(expert, bits, projection)
+    def packed_expert(self, row: int, expert: int, bits: int, projection: str) -> PackedWeight:
+        """One stored replica matrix of MoE layer row `row`, read from its layer's shard only."""
+        if bits not in self.stored_bits(row, expert):
+            raise HexqError(f"{self.path} stores expert {expert} of layer {self.moe_layers[row]} at "
+                            f"{self.stored_bits(row, expert)} bits, not {bits}; pack with --bank {bits} to keep it")
+        shard, prefix = expert_shard(self.moe_layers[row]), replica_key(expert, bits, projection)
         return PackedWeight(self.tensor(shard, f"{prefix}.codes"), self.tensor(shard, f"{prefix}.scale"),
                             self.tensor(shard, f"{prefix}.zero"), bits, self.expert_shape(projection))
 
-    def expert_weights(self, layer: int, expert: int, bits: int,
+    def expert_weights(self, row: int, expert: int, bits: int,
                        dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up [2I, H], down [H, I]) of one expert at `bits`, dequantized; bits 0 gives zeros (skipped)."""
         if bits == 0:
             return tuple(torch.zeros(self.expert_shape(p), dtype=dtype) for p in PROJECTIONS)
-        return tuple(dequantize_packed(self.packed_expert(layer, expert, bits, p), dtype) for p in PROJECTIONS)
+        return tuple(dequantize_packed(self.packed_expert(row, expert, bits, p), dtype) for p in PROJECTIONS)
+
+    # --- dense weights (hexq.streaming.LayerSource)
+
+    def _dense_file(self, name: str) -> str:
+        layer = layer_of(name)
+        return TOP_SHARD if layer is None else dense_shard(layer)
+
+    def has_param(self, name: str) -> bool:
+        name = self.manifest["dense"]["aliases"].get(name, name)
+        shard = self._dense_file(name)
+        return shard in self.files and (name in self.keys(shard) or f"{name}.codes" in self.keys(shard))
+
+    def read_param(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """A non-expert parameter by its model name: stored tensors as they are, quantized linears dequantized
+        (float32), tied parameters through their alias."""
+        name = self.manifest["dense"]["aliases"].get(name, name)
+        shard = self._dense_file(name)
+        bits = self.manifest["dense"]["quantized_linears"].get(name)
+        if bits is not None:
+            weight = PackedWeight(self.tensor(shard, f"{name}.codes"), self.tensor(shard, f"{name}.scale"),
+                                  self.tensor(shard, f"{name}.zero"), bits, tuple(shape))
+            return dequantize_packed(weight)
+        if shard not in self.files or name not in self.keys(shard):
+            raise HexqError(f"{self.path}: tensor {name} is not in {shard}")
+        tensor = self.tensor(shard, name)
+        if tuple(tensor.shape) != tuple(shape):
+            raise HexqError(f"{self.path / shard}: tensor {name} has shape {list(tensor.shape)}, the model's config "
+                            f"needs {list(shape)}")
+        return tensor
+
+    def act_range(self, linear: str) -> torch.Tensor | None:
+        """Static input range of a quantized linear (name without .weight), if the artifact stores one."""
+        shard = self._dense_file(linear)
+        key = f"{linear}.act_range"
+        return self.tensor(shard, key) if key in self.keys(shard) else None

@@ -10,7 +10,9 @@ from hexq.artifact.format import MANIFEST, Artifact
 
 def part_of(name: str) -> str:
     if name.startswith("experts/"):
-        return "experts (replica banks)"
+        return "experts"
+    if name.startswith("dense/"):
+        return "dense (attention, norms, routers, embeddings, head)"
     if name.endswith(".safetensors"):
         return name.removesuffix(".safetensors")
     return "config + tokenizer"
@@ -32,7 +34,8 @@ def summarize(path: str | Path) -> dict:
     allocation = manifest["allocation"]
     costs = {int(b): n for b, n in manifest["accounting"]["expert_bytes_by_bits"].items()}
     hot = manifest["placement"]["hot"]
-    layers = [{"layer": index, "histogram": {str(b): n for b, n in sorted(Counter(row).items())},
+    moe_layers = manifest["model"]["moe_layers"]
+    layers = [{"layer": moe_layers[index], "histogram": {str(b): n for b, n in sorted(Counter(row).items())},
                "average_bits": sum(row) / len(row), "bytes": sum(costs[b] for b in row), "hot": hot[index]}
               for index, row in enumerate(allocation["bits"])]
     budget = allocation["budget"]
@@ -49,7 +52,12 @@ def summarize(path: str | Path) -> dict:
                        "bytes": manifest["accounting"]["allocated_expert_bytes"],
                        "budget_bytes": budget["total_bytes"], "layers": layers},
         "placement": {key: manifest["placement"][key] for key in ("scheme", "hot_per_layer")},
-        "accounting": {"banks": sum(manifest["accounting"]["bank_bytes_by_bits"].values()),
+        "accounting": {"stored_experts": manifest["accounting"]["stored_expert_bytes"],
+                       "bank_bits": manifest["experts"]["bank_bits"],
+                       "bf16_experts": manifest["accounting"]["bf16_expert_bytes"],
+                       "experts_vs_bf16": manifest["accounting"]["stored_expert_bytes"]
+                       / manifest["accounting"]["bf16_expert_bytes"],
+                       "dense": manifest["accounting"]["dense_bytes"],
                        "files": sum(entry["bytes"] for entry in artifact.files.values()) + manifest_bytes},
         "files": files,
         "checksums_ok": all(files.values()),

@@ -6,7 +6,13 @@ Per layer, from the calibration's router statistics and loss table:
               under an average-bit budget per layer, or one byte budget split across layers uniformly or by
               004's cosine depth schedule (§4.3)
   placement   the hot experts for the fast tier, 003 Algorithm 2 scheme 1, 2 or 3 (hexq.algos.placement)
-and every expert's whole replica bank is stored, so the runtime can change an expert's precision later.
+Every expert is stored at its allocated width, plus the `bank` widths the run policies that will serve it need
+(`hexq run --policy online|context|depth` changes precision at run time), so a 3-bit artifact's experts take about
+3/16 of their bf16 size plus scales instead of every replica of the calibration.
+
+Streamed: the statistics of every MoE layer are read first (small); then one layer at a time, its dense part is
+materialized from the source checkpoint (hexq.streaming), smoothing folded in, and written with the calibration's
+quantized codes; its experts' stored widths are sliced from the calibration's packed bank without reading the rest.
 """
 
 from __future__ import annotations
@@ -28,23 +34,20 @@ from hexq.algos.allocation import (
 )
 from hexq.algos.importance import importance, importance_order
 from hexq.algos.placement import frequency_placement, path_placement, two_stage_placement
-from hexq.algos.quant import QuantMeta
 from hexq.artifact.format import (
-    DENSE_SHARD,
     PROJECTIONS,
     STATS_SHARD,
+    TOP_SHARD,
     ArtifactWriter,
+    dense_shard,
     expert_shard,
-    pack_weight,
     packed_weight_nbytes,
     replica_key,
 )
 from hexq.calib.capture import quantized_linears
-from hexq.calib.smooth import fold_scales, smoothing_groups
-from hexq.calib.store import load_layer, model_fingerprint, read_manifest
+from hexq.calib.store import bank_prefix, model_fingerprint, open_layer, read_manifest
 from hexq.errors import HexqError
-from hexq.models import load_model
-from hexq.recipe import Pack, Recipe, recipe_from_dict, recipe_to_dict
+from hexq.recipe import Pack, recipe_from_dict, recipe_to_dict
 
 Progress = Callable[[str, int, int], None]
 # Files of the source model folder copied into the artifact (config and tokenizer; weights are re-packed).
@@ -115,62 +118,57 @@ def place_hot_experts(scheme: str, topk: torch.Tensor, counts: torch.Tensor, hot
 # ------------------------------------------------------------------------------------------ tensors
 
 
-def dense_tensors(model, adapter, layer_tensors: list[dict], recipe: Recipe) -> tuple[dict, dict]:
-    """Every non-expert tensor of the calibrated model (smoothing folded) and the names of the quantized linears.
-
-    Quantized linears are stored as their calibration codes ("<name>.weight.codes/.scale/.zero") plus static
-    activation ranges ("<name>.act_range"); other tensors in bfloat16 when that is exact, else float32. Tied
-    tensors (embeddings shared with lm_head) are stored once: the model built from the config ties them again.
-    """
-    quantized: dict[str, int] = {}
-    packed: dict[str, torch.Tensor] = {}
-    expert_params = set()
-    for index, layer in enumerate(model.model.layers):
-        tensors = layer_tensors[index]
-        for group in smoothing_groups(layer, adapter):
-            fold_scales(group, tensors[f"smooth.{group.name}"])
-        prefix = f"model.layers.{index}."
-        experts = f"{prefix}{adapter.moe}.{adapter.experts}."
-        expert_params |= {experts + "gate_up_proj", experts + "down_proj"}
-        for name in quantized_linears(layer, adapter):
-            codes, scale = tensors[f"linear.{name}.codes"], tensors[f"linear.{name}.scale"]
-            meta = QuantMeta(scale, tensors[f"linear.{name}.zero"], codes.shape[1] // scale.shape[1],
-                             recipe.weights.bits)
-            packed.update(pack_weight(codes, meta).tensors(f"{prefix}{name}.weight"))
-            quantized[f"{prefix}{name}.weight"] = recipe.weights.bits
-            if f"act.{name}" in tensors:
-                packed[f"{prefix}{name}.act_range"] = tensors[f"act.{name}"].float()
-    seen: dict[int, str] = {}
-    aliases: dict[str, str] = {}
-    for key, tensor in model.state_dict(keep_vars=False).items():
-        if key in expert_params or key in quantized:
-            continue
-        if tensor.data_ptr() in seen:
-            aliases[key] = seen[tensor.data_ptr()]
-            continue
-        seen[tensor.data_ptr()] = key
-        as_bf16 = tensor.detach().to(torch.bfloat16)
-        packed[key] = as_bf16 if torch.equal(as_bf16.float(), tensor.detach().float()) else tensor.detach().float()
-    return packed, {"quantized_linears": quantized, "aliases": aliases}
+def stored_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A non-quantized tensor as stored: bfloat16 when that is exact, else float32 (integers as they are)."""
+    if not tensor.is_floating_point():
+        return tensor.detach().cpu()
+    as_bf16 = tensor.detach().to(torch.bfloat16)
+    return (as_bf16 if torch.equal(as_bf16.float(), tensor.detach().float()) else tensor.detach().float()).cpu()
 
 
-def layer_expert_tensors(tensors: dict, bits_list: list[int], num_experts: int) -> tuple[dict, dict[int, int]]:
-    """One layer's replica banks as stored tensors, and the stored bytes per width (all experts)."""
+def dense_layer_tensors(loaded, adapter, calibration: dict, prefix: str, bits: int) -> tuple[dict, dict[str, int]]:
+    """One materialized layer's non-expert tensors for the artifact (smoothing folded by the caller): quantized
+    linears as the calibration's packed codes plus static activation ranges, everything else `stored_tensor`;
+    returns the tensors and {quantized weight name: bits}."""
     out: dict[str, torch.Tensor] = {}
-    nbytes: dict[int, int] = {b: 0 for b in bits_list}
-    for bits in bits_list:
-        for projection in PROJECTIONS:
-            prefix = f"experts.{projection}.b{bits}"
-            codes, scale, zero = tensors[f"{prefix}.codes"], tensors[f"{prefix}.scale"], tensors[f"{prefix}.zero"]
-            group = codes.shape[-1] // scale.shape[-1]
-            for expert in range(num_experts):
-                weight = pack_weight(codes[expert], QuantMeta(scale[expert], zero[expert], group, bits))
-                out.update(weight.tensors(replica_key(expert, bits, projection)))
-                nbytes[bits] += weight.nbytes
+    quantized: dict[str, int] = {}
+    linears = quantized_linears(loaded.module, adapter)
+    for name in linears:
+        for part in ("codes", "scale", "zero"):
+            out[f"{prefix}{name}.weight.{part}"] = calibration[f"linear.{name}.{part}"]
+        quantized[f"{prefix}{name}.weight"] = bits
+        if f"act.{name}" in calibration:
+            out[f"{prefix}{name}.act_range"] = calibration[f"act.{name}"].float()
+    skip = {f"{name}.weight" for name in linears}
+    for name, tensor in loaded.module.state_dict().items():
+        if name not in skip:
+            out[prefix + name] = stored_tensor(tensor)
+    return out, quantized
+
+
+def layer_expert_tensors(calibration, widths_of: list[set[int]]) -> tuple[dict, dict[int, int]]:
+    """One MoE layer's stored replicas: expert e at each width in widths_of[e], sliced from the calibration's
+    packed bank (a safe_open handle: only those rows are read); returns tensors and stored bytes per width."""
+    out: dict[str, torch.Tensor] = {}
+    nbytes: dict[int, int] = {}
+    for expert, widths in enumerate(widths_of):
+        for bits in sorted(widths):
+            for projection in PROJECTIONS:
+                prefix = bank_prefix(projection, bits)
+                for part in ("codes", "scale", "zero"):
+                    tensor = calibration.get_slice(f"{prefix}.{part}")[expert]
+                    out[f"{replica_key(expert, bits, projection)}.{part}"] = tensor
+                    nbytes[bits] = nbytes.get(bits, 0) + tensor.numel() * tensor.element_size()
     for name, key in (("input", "act.experts.input"), ("mid", "act.experts.mid")):
-        if key in tensors:
-            out[f"act.{name}"] = tensors[key].float()
+        if key in calibration.keys():
+            out[f"act.{name}"] = calibration.get_tensor(key).float()
     return out, nbytes
+
+
+def load_layer_dense(calib_dir: Path, index: int) -> tuple[dict, None]:
+    """A calibration layer's tensors without its expert bank (smoothing factors, quantized linears, ranges)."""
+    with open_layer(calib_dir, index) as handle:
+        return {key: handle.get_tensor(key) for key in handle.keys() if not key.startswith("experts.")}, None
 
 
 def allocated_bytes(allocation: list[list[int]], costs_by_bits: dict[int, int]) -> int:
@@ -215,17 +213,16 @@ class Plan:
         return sum(map(sum, self.allocation)) / (len(self.allocation) * len(self.allocation[0]))
 
 
-def read_layers(calib_dir: Path, num_layers: int, progress: Progress | None) -> tuple[list[dict], dict]:
-    """Every layer's calibration tensors, and the statistics stacked over layers ([L, ...] per key)."""
-    layer_tensors, stats = [], {key: [] for key in STATS_KEYS}
-    for index in range(num_layers):
-        tensors, _ = load_layer(calib_dir, index)
-        layer_tensors.append(tensors)
-        for key in STATS_KEYS:
-            stats[key].append(tensors[key])
+def read_stats(calib_dir: Path, moe_layers: list[int], progress: Progress | None) -> dict:
+    """The statistics of every MoE layer stacked over layers ([L_moe, ...] per key), read without the banks."""
+    stats: dict[str, list] = {key: [] for key in STATS_KEYS}
+    for position, index in enumerate(moe_layers):
+        with open_layer(calib_dir, index) as handle:
+            for key in STATS_KEYS:
+                stats[key].append(handle.get_tensor(key))
         if progress:
-            progress("read", index + 1, num_layers)
-    return layer_tensors, {key: torch.stack(values) for key, values in stats.items()}
+            progress("read", position + 1, len(moe_layers))
+    return {key: torch.stack(values) for key, values in stats.items()}
 
 
 def make_plan(stats: dict, table_bits: list[int], settings: Pack, budget: Budget,
@@ -242,10 +239,43 @@ def make_plan(stats: dict, table_bits: list[int], settings: Pack, budget: Budget
     return Plan(scores, orders, losses, costs, allocation, hot, placement)
 
 
+def bank_widths(requested: tuple[str, ...], plan: Plan, stats: dict, table_bits: list[int], settings: Pack,
+                top_k: int) -> list[int]:
+    """The widths stored for every expert besides its allocated one: each --bank item is a width, "all" (every
+    calibrated width) or a run policy (the widths `hexq run --policy NAME` may ask for with its defaults)."""
+    from hexq.runtime.policy import POLICIES, PolicyContext, make_policy
+
+    widths: set[int] = set()
+    context = None
+    for item in requested:
+        if item == "all":
+            widths |= set(table_bits)
+        elif item in POLICIES:
+            if context is None:
+                context = PolicyContext(allocation=plan.allocation, loss_table=stats["loss_table"].float(),
+                                        skip_loss=stats["loss_table.skip"].float(), table_bits=tuple(table_bits),
+                                        avg_bits=plan.average_bits, hot_fraction=settings.hot_fraction, top_k=top_k)
+            widths |= make_policy(item, context).widths()
+        else:
+            try:
+                bits = int(item)
+            except ValueError:
+                raise HexqError(f"--bank {item!r} is neither a width, 'all', nor a policy "
+                                f"({', '.join(POLICIES)})") from None
+            if bits not in table_bits:
+                raise HexqError(f"--bank {bits}: the calibration has replicas at {table_bits} bits only")
+            widths.add(bits)
+    return sorted(widths - {0})
+
+
 def pack(calib_dir: str | Path, out: str | Path, settings: Pack | None = None, budget: Budget | None = None,
-         overwrite: bool = False, progress: Progress | None = None) -> PackSummary:
-    """Pack the calibration in `calib_dir` into the artifact folder `out` (atomically; see module docstring).
-    settings: the pack section to use (default: the calibration recipe's); budget: overrides settings.avg_bits."""
+         overwrite: bool = False, progress: Progress | None = None, bank: tuple[str, ...] = ()) -> PackSummary:
+    """Pack the calibration in `calib_dir` into the artifact folder `out` (atomically; see module docstring), one
+    layer at a time. settings: the pack section to use (default: the calibration's recipe's); budget: overrides
+    settings.avg_bits; bank: widths kept for every expert besides its allocated one (see `bank_widths`)."""
+    from hexq.calib.pipeline import open_model
+    from hexq.calib.smooth import fold_scales, smoothing_groups
+
     started = time.time()
     calib_dir, out = Path(calib_dir), Path(out)
     manifest = read_manifest(calib_dir)
@@ -254,43 +284,64 @@ def pack(calib_dir: str | Path, out: str | Path, settings: Pack | None = None, b
     recipe = replace(recipe, pack=settings)  # the artifact records the pack settings it was made with
     budget = budget or Budget(avg_bits=settings.avg_bits)
     model_path = check_calibration(manifest, calib_dir, settings)
-    model, _tokenizer, adapter = load_model(model_path, "cpu")
+    streamed, _tokenizer = open_model(model_path, torch.device("cpu"))
+    adapter = streamed.adapter
     num_layers, num_experts = manifest["model"]["layers"], manifest["model"]["num_experts"]
+    moe_layers = manifest["model"]["moe_layers"]
     table_bits = manifest["expert_bits"]
     group_size = recipe.expert_weights.group_size
-    experts = getattr(getattr(model.model.layers[0], adapter.moe), adapter.experts)
-    shapes = {"gate_up": tuple(experts.gate_up_proj.shape[1:]), "down": tuple(experts.down_proj.shape[1:])}
-    layer_tensors, stats = read_layers(calib_dir, num_layers, progress)
+    _num, gate_up_shape, down_shape = streamed.expert_shapes(moe_layers[0])
+    shapes = {"gate_up": gate_up_shape, "down": down_shape}
+    stats = read_stats(calib_dir, moe_layers, progress)
     plan = make_plan(stats, table_bits, settings, budget, shapes, group_size)
     bytes_by_bits = dict(zip(settings.bits, plan.costs, strict=True))
     used = allocated_bytes(plan.allocation, bytes_by_bits)
+    banked = bank_widths(bank, plan, stats, table_bits, settings, manifest["model"]["top_k"])
+    bf16_bytes = len(moe_layers) * num_experts * sum(rows * cols for rows, cols in shapes.values()) * 2
 
     with ArtifactWriter(out, overwrite) as writer:
-        dense, dense_meta = dense_tensors(model, adapter, layer_tensors, recipe)
-        writer.add_tensors(DENSE_SHARD, dense)
-        bank_bytes = {b: 0 for b in table_bits}
+        quantized: dict[str, int] = {}
+        stored_bytes: dict[int, int] = {}
+        dense_bytes = 0
         for index in range(num_layers):
-            tensors, nbytes = layer_expert_tensors(layer_tensors[index], table_bits, num_experts)
-            writer.add_tensors(expert_shard(index), tensors)
-            for b, n in nbytes.items():
-                bank_bytes[b] += n
+            tensors, _ = load_layer_dense(calib_dir, index)
+            with streamed.layer(index, experts=False) as loaded:
+                for group in smoothing_groups(loaded.module, adapter):
+                    fold_scales(group, tensors[f"smooth.{group.name}"])
+                dense, names = dense_layer_tensors(loaded, adapter, tensors, f"model.layers.{index}.",
+                                                   recipe.weights.bits)
+            quantized |= names
+            writer.add_tensors(dense_shard(index), dense)
+            dense_bytes += writer.files[dense_shard(index)]["bytes"]
+            if index in moe_layers:
+                row = plan.allocation[moe_layers.index(index)]
+                widths_of = [{b for b in (row[e], *banked) if b} for e in range(num_experts)]
+                with open_layer(calib_dir, index) as handle:
+                    experts, nbytes = layer_expert_tensors(handle, widths_of)
+                writer.add_tensors(expert_shard(index), experts)
+                for b, n in nbytes.items():
+                    stored_bytes[b] = stored_bytes.get(b, 0) + n
             if progress:
                 progress("pack", index + 1, num_layers)
+        top, aliases = top_tensors(streamed)
+        writer.add_tensors(TOP_SHARD, top)
+        dense_bytes += writer.files[TOP_SHARD]["bytes"]
         writer.add_tensors(STATS_SHARD, {**stats, "importance": plan.scores.float(), "placement": plan.placement})
         for name in MODEL_FILES:
             if (model_path / name).is_file():
                 writer.add_file(name, model_path / name)
         writer.finish({
             "model": {"model_type": manifest["model"]["model_type"], "num_layers": num_layers,
-                      "num_experts": num_experts, "top_k": manifest["model"]["top_k"],
+                      "moe_layers": moe_layers, "num_experts": num_experts, "top_k": manifest["model"]["top_k"],
                       "moe": adapter.moe, "experts": adapter.experts},
             "provenance": {"model_sha256": manifest["fingerprint"]["model"],
                            "data_sha256": manifest["fingerprint"]["data"],
                            "calibration_recipe_sha256": manifest["fingerprint"]["recipe"],
                            "calibration_data": manifest["data"], "calibrated_with": manifest["hexq_version"]},
             "recipe": recipe_to_dict(recipe),
-            "dense": dense_meta,
-            "experts": {"replica_bits": table_bits, "shapes": {p: list(s) for p, s in shapes.items()},
+            "dense": {"quantized_linears": quantized, "aliases": aliases},
+            "experts": {"replica_bits": table_bits, "bank_bits": banked,
+                        "shapes": {p: list(s) for p, s in shapes.items()},
                         "group_size": group_size, "symmetric": recipe.expert_weights.symmetric,
                         "scale_dtype": "float16"},
             "allocation": {
@@ -302,11 +353,26 @@ def pack(calib_dir: str | Path, out: str | Path, settings: Pack | None = None, b
                 "importance_order": plan.orders},
             "placement": {"scheme": settings.placement, "hot_per_layer": plan.hot,
                           "hot": [torch.where(row)[0].tolist() for row in plan.placement]},
-            "accounting": {"dense_bytes": writer.files[DENSE_SHARD]["bytes"],
-                           "bank_bytes_by_bits": {str(b): n for b, n in bank_bytes.items()},
+            "accounting": {"dense_bytes": dense_bytes,
+                           "stored_expert_bytes_by_bits": {str(b): n for b, n in sorted(stored_bytes.items())},
+                           "stored_expert_bytes": sum(stored_bytes.values()),
                            "expert_bytes_by_bits": {str(b): n for b, n in bytes_by_bits.items()},
                            "allocated_expert_bytes": used,
+                           "bf16_expert_bytes": bf16_bytes,
                            "files_bytes": sum(f["bytes"] for f in writer.files.values())},
         })
     return PackSummary(out, num_layers, num_experts, plan.average_bits, used,
                        sum(f.stat().st_size for f in out.rglob("*") if f.is_file()), time.time() - started)
+
+
+def top_tensors(streamed) -> tuple[dict, dict[str, str]]:
+    """Embeddings, final norm and head as stored in the source checkpoint; a tied head is an alias."""
+    source, out, aliases = streamed.source, {}, {}
+    for name, param in streamed.model.named_parameters():
+        if name.startswith("model.layers."):
+            continue
+        if name == "lm_head.weight" and getattr(streamed.config, "tie_word_embeddings", False):
+            aliases[name] = "model.embed_tokens.weight"
+            continue
+        out[name] = stored_tensor(source.read_param(name, tuple(param.shape)))
+    return out, aliases

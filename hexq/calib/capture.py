@@ -1,10 +1,12 @@
-"""Statistics captured while calibration windows run through one decoder layer (hooks removed in `finally`).
+"""Statistics of the calibration windows at one decoder layer: Hessians, input ranges, routing.
 
-Per linear input: the Hessian H = 2 sum_t x_t x_t^T (GPTQ eq. 4's proxy), the token count, and the input range
-(for static activation scales). Per routed expert: the Hessians of its gate/up input and of its down input
-(the intermediate), from the tokens routed to it only. Per layer: router counts, routing-score sums and every
-token's top-k ids (the activation paths of 003 §III.C.2), the MoE-input Hessian over all tokens (the fallback for
-cold experts) and a token subsample of the MoE input.
+Per linear input (attention, shared expert, a dense layer's MLP): the Hessian H = 2 sum_t x_t x_t^T (GPTQ eq. 4's
+proxy), the token count and the input range (for static activation scales), gathered by forward pre-hooks that are
+removed in `finally`. Per routed expert: the Hessians of its gate/up input and of its down input (the
+intermediate) from the tokens routed to it only, computed expert by expert from what the experts received
+(hexq.simulate.RoutedTokens) rather than inside the forward pass, so only one chunk of experts' Hessians exists at
+a time. Hessians are accumulated in float32 on the device of the activations (float64 is reserved for a
+factorization that fails in float32, hexq.algos.gptq).
 """
 
 from __future__ import annotations
@@ -15,138 +17,77 @@ from dataclasses import dataclass, field
 import torch
 
 from hexq.adapters import MoEAdapter
-from hexq.calib.routing import add_routing
-from hexq.simulate import expert_intermediate
+from hexq.simulate import RoutedTokens, expert_intermediate
+
+# Routed rows multiplied at once when accumulating one expert's Hessians (bounds the [rows, I] intermediate).
+TOKEN_CHUNK = 4096
 
 
 @dataclass
 class SiteStats:
     """Running statistics of one input site (a linear's input)."""
 
-    hessian: torch.Tensor  # [C, C] float64, 2 sum x x^T
+    hessian: torch.Tensor  # [C, C] float32, 2 sum x x^T
     tokens: int = 0
     low: float = float("inf")
     high: float = float("-inf")
     abs_max: torch.Tensor | None = None  # [C] per-channel max |x|
 
     @classmethod
-    def empty(cls, channels: int) -> SiteStats:
-        return cls(torch.zeros(channels, channels, dtype=torch.float64))
+    def empty(cls, channels: int, device: torch.device) -> SiteStats:
+        return cls(torch.zeros(channels, channels, dtype=torch.float32, device=device))
 
     def add(self, x: torch.Tensor) -> None:
-        x = x.detach().reshape(-1, x.shape[-1]).double().cpu()
-        self.hessian += 2 * x.T @ x
+        x = x.detach().reshape(-1, x.shape[-1]).float()
+        self.hessian.addmm_(x.T, x, alpha=2.0)
         self.tokens += x.shape[0]
         if x.numel():
             self.low, self.high = min(self.low, float(x.min())), max(self.high, float(x.max()))
-            channel_max = x.abs().amax(dim=0).float()
+            channel_max = x.abs().amax(dim=0)
             self.abs_max = channel_max if self.abs_max is None else torch.maximum(self.abs_max, channel_max)
 
 
-@dataclass
-class ExpertStats:
-    """Per routed expert: Hessians of the gate/up input [E, H, H] and down input [E, I, I], tokens routed."""
-
-    gate_up: torch.Tensor
-    down: torch.Tensor
-    tokens: torch.Tensor  # [E] int64
-    input_abs_max: torch.Tensor  # [E, H] per-channel max |x| of routed tokens (act_order "max_activation")
-    mid_abs_max: torch.Tensor  # [E, I]
-    input_low: float = float("inf")
-    input_high: float = float("-inf")
-    mid_low: float = float("inf")
-    mid_high: float = float("-inf")
-
-
-@dataclass
-class LayerCapture:
-    linears: dict[str, SiteStats] = field(default_factory=dict)  # name relative to the layer -> stats
-    experts: ExpertStats | None = None
-    moe_input: SiteStats | None = None  # every token reaching the MoE block (cold-expert fallback)
-    moe_sample: list[torch.Tensor] = field(default_factory=list)
-    router_counts: torch.Tensor | None = None  # [E]
-    router_score_sums: torch.Tensor | None = None  # [E]
-    router_topk: list[torch.Tensor] = field(default_factory=list)  # [T, k] per batch
-
-
 def quantized_linears(layer: torch.nn.Module, adapter: MoEAdapter) -> dict[str, torch.nn.Linear]:
-    """Every linear hexq quantizes outside the routed experts: attention and shared expert (names relative to the
-    layer). Routers and Qwen2-MoE's shared_expert_gate stay in full precision."""
+    """Every linear hexq quantizes outside the routed experts (names relative to the layer): attention, the shared
+    expert, and on a dense layer the MLP in the MoE block's place. Routers and Qwen2-MoE's shared_expert_gate stay in
+    full precision."""
     found = {}
     attention = getattr(layer, adapter.attention)
     for name, module in attention.named_modules():
         if isinstance(module, torch.nn.Linear):
             found[f"{adapter.attention}.{name}"] = module
     moe = getattr(layer, adapter.moe)
-    if adapter.shared_expert and hasattr(moe, adapter.shared_expert):
-        for name, module in getattr(moe, adapter.shared_expert).named_modules():
+    if hasattr(moe, adapter.experts):
+        if adapter.shared_expert and hasattr(moe, adapter.shared_expert):
+            for name, module in getattr(moe, adapter.shared_expert).named_modules():
+                if isinstance(module, torch.nn.Linear):
+                    found[f"{adapter.moe}.{adapter.shared_expert}.{name}"] = module
+    else:  # a dense layer: its whole MLP is quantized like the attention
+        for name, module in moe.named_modules():
             if isinstance(module, torch.nn.Linear):
-                found[f"{adapter.moe}.{adapter.shared_expert}.{name}"] = module
+                found[f"{adapter.moe}.{name}"] = module
     return found
 
 
 @contextmanager
-def capture_layer(layer: torch.nn.Module, adapter: MoEAdapter, moe_sample_every: int = 8):
-    """Within the block, every forward of `layer` adds to the yielded LayerCapture."""
-    capture = LayerCapture()
+def capture_linears(linears: dict[str, torch.nn.Linear]):
+    """Within the block, every call of the given linears adds its input to the yielded {name: SiteStats}."""
+    stats: dict[str, SiteStats] = {}
     handles = []
 
-    def linear_hook(name: str):
+    def hook_for(name: str):
         def hook(module, args):
-            stats = capture.linears.setdefault(name, SiteStats.empty(module.in_features))
-            stats.add(args[0])
+            x = args[0]
+            if name not in stats:
+                stats[name] = SiteStats.empty(module.in_features, x.device)
+            stats[name].add(x)
 
         return hook
 
-    for name, module in quantized_linears(layer, adapter).items():
-        handles.append(module.register_forward_pre_hook(linear_hook(name)))
-
-    moe = getattr(layer, adapter.moe)
-    experts = getattr(moe, adapter.experts)
-    router = getattr(moe, adapter.router)
-    num_experts = experts.gate_up_proj.shape[0]
-
-    def experts_hook(module, args):
-        hidden, top_k_index = args[0].detach(), args[1]
-        flat = hidden.reshape(-1, hidden.shape[-1])
-        if capture.experts is None:
-            capture.experts = ExpertStats(
-                torch.zeros(num_experts, flat.shape[1], flat.shape[1], dtype=torch.float64),
-                torch.zeros(num_experts, module.down_proj.shape[2], module.down_proj.shape[2], dtype=torch.float64),
-                torch.zeros(num_experts, dtype=torch.long),
-                torch.zeros(num_experts, flat.shape[1]), torch.zeros(num_experts, module.down_proj.shape[2]))
-            capture.moe_input = SiteStats.empty(flat.shape[1])
-        stats = capture.experts
-        capture.moe_input.add(flat)
-        capture.moe_sample.append(flat[::moe_sample_every].float().cpu())
-        stats.input_low, stats.input_high = min(stats.input_low, float(flat.min())), max(stats.input_high,
-                                                                                          float(flat.max()))
-        for expert in top_k_index.unique().tolist():
-            if not 0 <= expert < num_experts:
-                continue
-            token = torch.where(top_k_index == expert)[0]
-            x = flat[token].double()
-            stats.gate_up[expert] += 2 * x.T @ x
-            stats.tokens[expert] += x.shape[0]
-            stats.input_abs_max[expert] = torch.maximum(stats.input_abs_max[expert], x.abs().amax(dim=0).float())
-            mid = expert_intermediate(flat[token], module.gate_up_proj[expert], module.act_fn).double()
-            stats.down[expert] += 2 * mid.T @ mid
-            stats.mid_abs_max[expert] = torch.maximum(stats.mid_abs_max[expert], mid.abs().amax(dim=0).float())
-            stats.mid_low, stats.mid_high = min(stats.mid_low, float(mid.min())), max(stats.mid_high,
-                                                                                      float(mid.max()))
-
-    def router_hook(_module, _args, outputs):
-        _logits, scores, indices = outputs
-        if capture.router_counts is None:
-            capture.router_counts = torch.zeros(num_experts, dtype=torch.long)
-            capture.router_score_sums = torch.zeros(num_experts, dtype=torch.float64)
-        add_routing(capture.router_counts, capture.router_score_sums, scores, indices)
-        capture.router_topk.append(indices.reshape(-1, indices.shape[-1]).to(torch.int16).cpu())
-
-    handles.append(experts.register_forward_pre_hook(experts_hook))
-    handles.append(router.register_forward_hook(router_hook))
+    for name, module in linears.items():
+        handles.append(module.register_forward_pre_hook(hook_for(name)))
     try:
-        yield capture
+        yield stats
     finally:
         for handle in handles:
             handle.remove()
@@ -167,3 +108,63 @@ def capture_norm_outputs(norms: dict[str, torch.nn.Module]):
     finally:
         for handle in handles:
             handle.remove()
+
+
+@dataclass
+class ExpertChunkStats:
+    """Per expert of one chunk: Hessians of the gate/up input [n, H, H] and down input [n, I, I] (float32, from
+    routed tokens only), routed token counts, per-channel max |x| of both inputs (act_order "max_activation")."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    tokens: list[int]
+    input_abs_max: torch.Tensor  # [n, H]
+    mid_abs_max: torch.Tensor  # [n, I]
+    mid_low: float = float("inf")
+    mid_high: float = float("-inf")
+
+
+def expert_statistics(routed: RoutedTokens, experts: list[int], gate_up: torch.Tensor, act_fn) -> ExpertChunkStats:
+    """Hessians and ranges of the experts in `experts` from the tokens routed to each; gate_up [n, 2I, H] are those
+    experts' (smoothed, full-precision) weights in the compute dtype, used for the intermediate."""
+    n, hidden, inner = len(experts), routed.x.shape[1], gate_up.shape[1] // 2
+    device = routed.x.device
+    stats = ExpertChunkStats(
+        torch.zeros(n, hidden, hidden, dtype=torch.float32, device=device),
+        torch.zeros(n, inner, inner, dtype=torch.float32, device=device),
+        [routed.count(e) for e in experts],
+        torch.zeros(n, hidden, dtype=torch.float32, device=device),
+        torch.zeros(n, inner, dtype=torch.float32, device=device))
+    for j, expert in enumerate(experts):
+        token, _slot = routed.rows(expert)
+        for rows in token.split(TOKEN_CHUNK):
+            x = routed.x[rows].float()
+            stats.gate_up[j].addmm_(x.T, x, alpha=2.0)
+            stats.input_abs_max[j] = torch.maximum(stats.input_abs_max[j], x.abs().amax(dim=0))
+            mid = expert_intermediate(x, gate_up[j], act_fn).float()
+            stats.down[j].addmm_(mid.T, mid, alpha=2.0)
+            stats.mid_abs_max[j] = torch.maximum(stats.mid_abs_max[j], mid.abs().amax(dim=0))
+            stats.mid_low, stats.mid_high = min(stats.mid_low, float(mid.min())), max(stats.mid_high,
+                                                                                      float(mid.max()))
+    return stats
+
+
+@dataclass
+class RoutingStats:
+    """Router statistics of one layer: per-expert counts and routing-score sums, every token's top-k ids (the
+    activation paths of 003 §III.C.2)."""
+
+    counts: torch.Tensor  # [E] int64
+    score_sums: torch.Tensor  # [E] float64
+    topk: torch.Tensor  # [T, k] int16
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, routed: RoutedTokens) -> RoutingStats:
+        from hexq.calib.routing import add_routing
+
+        num_experts = routed.num_experts
+        counts = torch.zeros(num_experts, dtype=torch.long)
+        score_sums = torch.zeros(num_experts, dtype=torch.float64)
+        add_routing(counts, score_sums, routed.weights, routed.index)
+        return cls(counts, score_sums, routed.index.to(torch.int16).cpu())

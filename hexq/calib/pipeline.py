@@ -1,15 +1,19 @@
-"""`hexq calibrate`: calibration windows through an MoE model layer by layer (the GPTQ schedule: layer l is
-calibrated on the outputs of the already-quantized layers below it; only one layer's activations are held).
+"""`hexq calibrate`: calibration windows through an MoE model layer by layer, streamed from its checkpoint (the GPTQ
+schedule: layer l is calibrated on the outputs of the already-quantized layers below it).
 
-Per layer, three passes over the calibration windows:
-  A. smoothing (003 §III.B.1, eq. 1-3): collect the two norms' outputs, choose s per smoothing group (HAQ grid
-     search of e in s = max|X|^e, SmoothQuant's fixed alpha, or none) and fold s into the norm and its readers;
-  B. capture on the smoothed layer: Hessians of every quantized linear's input, per-expert Hessians from the tokens
-     routed to each expert, router statistics; then GPTQ (eq. 4-6) or RTN for attention / shared-expert linears
-     and, for every routed expert, one replica per bit width from one Hessian and one Cholesky factor (002 Alg. 1);
-  C. the quantized layer (dequantized weights + activation fake quantization, experts at `propagate_bits`)
-     produces the next layer's inputs, while a hook measures the loss table L(l, e, b): MSE between each replica's
-     expert output and the full-precision expert output on the tokens routed to that expert (002 §4.2).
+Only one decoder layer is ever materialized (hexq.streaming.StreamedModel): its dense part in float32, its routed
+experts in the checkpoint's dtype, upcast one chunk of experts at a time. Per layer, three passes over the
+calibration windows, the experts stood in for by an ExpertTap that records what they receive:
+  A. smoothing (003 §III.B.1, eq. 1-3): the norms' outputs and the experts' routing give each smoothing group its s
+     (HAQ grid search of e in s = max|X|^e, SmoothQuant's fixed alpha, or none); s is folded into the norm and its
+     dense readers, and kept as a column scale for the routed experts (applied when a chunk is upcast);
+  B. capture on the smoothed layer: Hessians of every quantized linear's input (attention, shared expert, a dense
+     layer's MLP) and router statistics; then GPTQ (eq. 4-6) or RTN for those linears, and for the routed experts,
+     chunk by chunk, per-expert Hessians from the tokens routed to each and one replica per width from one Hessian
+     and one factorization (002 Alg. 1), bit-packed as soon as they exist;
+  C. the quantized layer (dequantized weights + activation fake quantization) runs again; what the experts received
+     gives, chunk by chunk, the loss table L(l, e, b) (MSE of each replica against the full-precision expert on the
+     tokens routed to it, 002 §4.2) and the experts' output at `propagate_bits`, which makes the next layer's inputs.
 """
 
 from __future__ import annotations
@@ -25,44 +29,61 @@ from hexq import __version__
 from hexq.adapters import MoEAdapter
 from hexq.algos.gptq import gptq_replicas
 from hexq.algos.hessian import blend_cold_hessian
-from hexq.algos.quant import QuantMeta, dequantize, quantize
+from hexq.algos.quant import QuantMeta, quantize
 from hexq.algos.smoothing import search_exponent, smoothquant_scales
-from hexq.calib.capture import ExpertStats, capture_layer, capture_norm_outputs, quantized_linears
-from hexq.calib.layer_io import LayerBatch, layer_inputs, run_layer
+from hexq.artifact.format import dequantize_packed
+from hexq.calib.capture import (
+    RoutingStats,
+    SiteStats,
+    capture_linears,
+    capture_norm_outputs,
+    expert_statistics,
+    quantized_linears,
+)
 from hexq.calib.smooth import ATTN_IN, MOE_IN, fold_scales, smoothing_groups
 from hexq.calib.store import (
     FORMAT,
     FORMAT_VERSION,
+    ExpertBank,
+    bank_weights,
     check_output_folder,
     load_layer,
     model_fingerprint,
+    packed_matrix,
+    put_packed,
     read_manifest,
     save_layer,
     tensor_fingerprint,
     write_progress,
 )
+from hexq.checkpoint import Checkpoint
 from hexq.data import calibration_windows
 from hexq.errors import HexqError
 from hexq.io import write_json_atomic
-from hexq.models import load_model
-from hexq.recipe import (
-    Recipe,
-    WeightQuant,
-    calibration_hash,
-    recipe_from_dict,
-    recipe_to_dict,
-    validate_for_model,
-)
+from hexq.recipe import Recipe, WeightQuant, calibration_hash, recipe_from_dict, recipe_to_dict, validate_for_model
 from hexq.simulate import (
-    SimulatedExperts,
+    RoutedTokens,
     act_quantizer,
     attach_input_quant,
     expert_intermediate,
     expert_output,
+    quantized_expert_output,
+)
+from hexq.streaming import (
+    ExpertCompute,
+    HiddenStore,
+    LoadedLayer,
+    StreamedModel,
+    expert_chunk,
+    run_layer,
 )
 
 GROUP_OF_SECTION = {"attention": ATTN_IN, "moe": MOE_IN}
+PROJECTIONS = ("gate_up", "down")
 Progress = Callable[[str, int, int], None]  # (what, done, total)
+# Working memory for one chunk of experts' GPTQ (weights of every width stacked, Hessians and factors, float32).
+GPTQ_CHUNK_BYTES = 1 << 30
+MOE_SAMPLE_EVERY = 8  # every 8th MoE-input token: the layer-wide sample for cold experts' fallbacks
 
 
 @dataclass(frozen=True)
@@ -72,6 +93,20 @@ class CalibrationSummary:
     resumed_from: int  # layers found finished at start (-1: the run was already complete)
     fallback_experts: int
     seconds: float
+
+
+def expert_bits_list(recipe: Recipe) -> tuple[int, ...]:
+    if recipe.experts.mode == "replicas":
+        return recipe.experts.replica_bits
+    return (recipe.expert_weights.bits,)
+
+
+def default_expert_bits(recipe: Recipe) -> int:
+    return recipe.experts.propagate_bits if recipe.experts.mode == "replicas" else recipe.expert_weights.bits
+
+
+def group_size_of(setting: WeightQuant, cols: int) -> int:
+    return setting.group_size or cols
 
 
 # ------------------------------------------------------------------------------------------ quantizing weights
@@ -88,250 +123,326 @@ def quantize_bank(weight: torch.Tensor, hessian: torch.Tensor, setting: WeightQu
     return {bits: (r.codes, r.meta) for bits, r in results.items()}
 
 
-def put_quantized(tensors: dict, prefix: str, codes: torch.Tensor, meta: QuantMeta) -> None:
-    tensors[f"{prefix}.codes"] = codes
-    tensors[f"{prefix}.scale"] = meta.scale.float()
-    tensors[f"{prefix}.zero"] = meta.zero.float()
+def quantize_expert_chunk(weights: torch.Tensor, hessians: torch.Tensor, setting: WeightQuant,
+                          bits_list: tuple[int, ...], channel_max: torch.Tensor
+                          ) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Every width of a chunk of experts' weights [n, rows, cols] -> {bits: (codes [n, rows, cols], scale, zero)}."""
+    per_expert = [quantize_bank(weights[j], hessians[j], setting, bits_list, channel_max[j])
+                  for j in range(weights.shape[0])]
+    return {bits: (torch.stack([bank[bits][0] for bank in per_expert]),
+                   torch.stack([bank[bits][1].scale for bank in per_expert]),
+                   torch.stack([bank[bits][1].zero for bank in per_expert])) for bits in bits_list}
 
 
-def get_dequantized(tensors: dict, prefix: str, bits: int) -> torch.Tensor:
-    codes, scale = tensors[f"{prefix}.codes"], tensors[f"{prefix}.scale"]
-    group = codes.shape[-1] // scale.shape[-1]
-    if codes.ndim == 3:  # a fused expert tensor [E, out, in]
-        return torch.stack([dequantize(c, QuantMeta(s, z, group, bits))
-                            for c, s, z in zip(codes, scale, tensors[f"{prefix}.zero"], strict=True)])
-    return dequantize(codes, QuantMeta(scale, tensors[f"{prefix}.zero"], group, bits))
-
-
-def expert_bits_list(recipe: Recipe) -> tuple[int, ...]:
-    if recipe.experts.mode == "replicas":
-        return recipe.experts.replica_bits
-    return (recipe.expert_weights.bits,)
-
-
-def default_expert_bits(recipe: Recipe) -> int:
-    return recipe.experts.propagate_bits if recipe.experts.mode == "replicas" else recipe.expert_weights.bits
+def gptq_chunk_size(shapes: dict[str, tuple[int, int]], widths: int, budget: int = GPTQ_CHUNK_BYTES) -> int:
+    """Experts per chunk so that every width's weights (stacked, ~3 live copies) and the Hessian with its factor fit
+    `budget` bytes of float32 for the larger projection."""
+    per_expert = max(4 * (3 * widths * rows * cols + 2 * cols * cols) for rows, cols in shapes.values())
+    return max(1, budget // per_expert)
 
 
 # ------------------------------------------------------------------------------------------ pass A: smoothing
 
 
-def smooth_layer(layer, adapter: MoEAdapter, batches: list[LayerBatch], recipe: Recipe, seed: int,
-                 tensors: dict) -> dict:
-    """Choose and fold smoothing factors for the recipe's groups; returns the per-group report."""
+def smooth_layer(loaded: LoadedLayer, adapter: MoEAdapter, hidden: HiddenStore, kwargs: list[dict], recipe: Recipe,
+                 seed: int, tensors: dict) -> tuple[dict, torch.Tensor | None]:
+    """Choose and fold smoothing factors for the recipe's groups; returns the per-group report and the column scale
+    the routed experts' gate_up must take (None when the MoE group is not smoothed or the layer is dense)."""
+    layer = loaded.module
     groups = {group.name: group for group in smoothing_groups(layer, adapter)}
     for group in groups.values():
         tensors[f"smooth.{group.name}"] = torch.ones(group.channels)
     method = recipe.smoothing.method
     if method == "none":
-        return {}
+        return {}, None
     selected = [GROUP_OF_SECTION[section] for section in recipe.smoothing.groups]
     with capture_norm_outputs({name: groups[name].norm for name in selected}) as outputs:
-        run_layer(layer, batches)
-    report = {}
+        run_layer(loaded, hidden, kwargs, None, experts=None)
+    report, expert_scale = {}, None
     generator = torch.Generator().manual_seed(seed)
     for name in selected:
-        group, x = groups[name], torch.cat(outputs[name])
+        group, x = groups[name], torch.cat(outputs.pop(name))
         act_max = x.abs().amax(dim=0)
         median = float(act_max.median().clamp(min=1e-12))
         entry = {"method": method, "act_max_over_median": round(float(act_max.max()) / median, 3)}
         w_setting, a_setting = ((recipe.weights, recipe.activations) if name == ATTN_IN
                                 else (recipe.expert_weights, recipe.expert_activations))
+        weights, quantized = group.weights(), group.quantized()
+        if name == MOE_IN and loaded.is_moe:  # the routed experts are read from their stored copy, not the module
+            weights.insert(1, loaded.gate_up.reshape(-1, loaded.gate_up.shape[-1]))
+            quantized.insert(1, True)
         if method == "smoothquant":
-            s = smoothquant_scales(act_max, group.weights(), recipe.smoothing.alpha)
+            s = smoothquant_scales(act_max, weights, recipe.smoothing.alpha)
             entry["alpha"] = recipe.smoothing.alpha
         elif not a_setting.enabled:
             entry["skipped"] = "activations of this group are not quantized: the W8A8 objective has nothing to fix"
             continue
         else:
-            sample = x[torch.randperm(x.shape[0], generator=generator)[: recipe.smoothing.max_tokens]]
+            picked = torch.randperm(x.shape[0], generator=generator)[: recipe.smoothing.max_tokens]
+            sample = x[picked.to(x.device)]
             bits = default_expert_bits(recipe) if name == MOE_IN else None
-            search = search_exponent(group.weights(), sample, act_max, recipe.smoothing.grid_step,
+            search = search_exponent(weights, sample, act_max, recipe.smoothing.grid_step,
                                      w_spec=w_setting.spec(bits), a_bits=a_setting.bits,
-                                     a_symmetric=a_setting.symmetric, quantize_weights=group.quantized())
+                                     a_symmetric=a_setting.symmetric, quantize_weights=quantized)
             s = search.scales
             entry.update(exponent=search.exponent, error=search.error, error_without_smoothing=search.baseline_error)
         fold_scales(group, s)
-        tensors[f"smooth.{name}"] = s.float()
+        if name == MOE_IN and loaded.is_moe:
+            expert_scale = s.float()
+        tensors[f"smooth.{name}"] = s.float().cpu()
         report[name] = entry
-    return report
+    return report, expert_scale
 
 
 # ------------------------------------------------------------------------------------------ pass B: quantization
 
 
-def down_hessian_fallback(sample: torch.Tensor, gate_up: torch.Tensor, act_fn) -> torch.Tensor:
-    """Layer-wide Hessian of one expert's down input: the MoE-input sample pushed through that expert's gate/up."""
-    mid = expert_intermediate(sample, gate_up, act_fn).double()
-    return 2 * mid.T @ mid
+def compute_experts(loaded: LoadedLayer, expert_scale: torch.Tensor | None, device: torch.device):
+    """weights_of for the layer's full-precision experts: a chunk upcast to float32, gate_up's columns multiplied by
+    the MoE group's smoothing factor (eq. 1's W s, in float32 like the dense readers)."""
+
+    def weights_of(experts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        gate_up = loaded.gate_up[experts].to(device=device, dtype=torch.float32)
+        if expert_scale is not None:
+            gate_up = gate_up * expert_scale.to(device)
+        return gate_up, loaded.down[experts].to(device=device, dtype=torch.float32)
+
+    return weights_of
 
 
-def quantize_experts(experts, stats: ExpertStats, moe_input, moe_sample: torch.Tensor, recipe: Recipe,
-                     tensors: dict) -> list[int]:
-    """Replica banks for every routed expert; returns the experts that used the cold-expert fallback."""
+def quantize_dense_linears(layer: torch.nn.Module, adapter: MoEAdapter, stats: dict[str, SiteStats],
+                           recipe: Recipe, tensors: dict) -> None:
+    for name, module in quantized_linears(layer, adapter).items():
+        site = stats[name]
+        (result,) = quantize_bank(module.weight, site.hessian, recipe.weights, (recipe.weights.bits,),
+                                  site.abs_max).values()
+        put_packed(tensors, f"linear.{name}", *result)
+        tensors[f"act.{name}"] = torch.tensor([site.low, site.high])
+
+
+def quantize_routed_experts(loaded: LoadedLayer, routed: RoutedTokens, weights_of, recipe: Recipe, tensors: dict,
+                            moe_sample: torch.Tensor, progress: Progress | None) -> list[int]:
+    """Replica banks for every routed expert, chunk by chunk; returns the experts that used the cold fallback."""
     setting, bits_list = recipe.expert_weights, expert_bits_list(recipe)
-    banks: dict[str, dict[int, list]] = {"gate_up": {b: [] for b in bits_list}, "down": {b: [] for b in bits_list}}
-    fallback = []
+    num_experts = loaded.gate_up.shape[0]
+    shapes = {"gate_up": tuple(loaded.gate_up.shape[1:]), "down": tuple(loaded.down.shape[1:])}
+    groups = {p: group_size_of(setting, cols) for p, (_rows, cols) in shapes.items()}
+    bank = ExpertBank(num_experts, shapes, bits_list, groups)
+    moe_input = SiteStats.empty(routed.x.shape[1], routed.x.device)
+    moe_input.add(routed.x)
     min_tokens, blend = recipe.experts.min_tokens, recipe.experts.fallback_blend
-    for expert in range(experts.gate_up_proj.shape[0]):
-        n = int(stats.tokens[expert])
-        gate_up, down = experts.gate_up_proj[expert].detach(), experts.down_proj[expert].detach()
-        h_in, cold = blend_cold_hessian(stats.gate_up[expert], n, moe_input.hessian, moe_input.tokens,
-                                        min_tokens, blend)
-        h_down = stats.down[expert] / max(n, 1)
-        if cold:
-            fallback.append(expert)
-            h_layer_down = down_hessian_fallback(moe_sample, gate_up, experts.act_fn)
-            h_down, _ = blend_cold_hessian(stats.down[expert], n, h_layer_down, moe_sample.shape[0], min_tokens, blend)
-        for part, weight, hessian, channel_max in (("gate_up", gate_up, h_in, stats.input_abs_max[expert]),
-                                                   ("down", down, h_down, stats.mid_abs_max[expert])):
-            for bits, result in quantize_bank(weight, hessian, setting, bits_list, channel_max).items():
-                banks[part][bits].append(result)
-    for part, by_bits in banks.items():
-        for bits, results in by_bits.items():
-            prefix = f"experts.{part}.b{bits}"
-            tensors[f"{prefix}.codes"] = torch.stack([codes for codes, _ in results])
-            tensors[f"{prefix}.scale"] = torch.stack([meta.scale.float() for _, meta in results])
-            tensors[f"{prefix}.zero"] = torch.stack([meta.zero.float() for _, meta in results])
-    tensors["experts.tokens"] = stats.tokens.clone()
-    tensors["act.experts.input"] = torch.tensor([stats.input_low, stats.input_high])
-    tensors["act.experts.mid"] = torch.tensor([stats.mid_low, stats.mid_high])
+    fallback: list[int] = []
+    input_low, input_high = float(routed.x.min()), float(routed.x.max())
+    mid_low, mid_high = float("inf"), float("-inf")
+    chunk = gptq_chunk_size(shapes, len(bits_list))
+    for start in range(0, num_experts, chunk):
+        experts = list(range(start, min(start + chunk, num_experts)))
+        gate_up, down = weights_of(experts)
+        stats = expert_statistics(routed, experts, gate_up, loaded.act_fn)
+        mid_low, mid_high = min(mid_low, stats.mid_low), max(mid_high, stats.mid_high)
+        h_in, h_down = torch.empty_like(stats.gate_up), torch.empty_like(stats.down)
+        for j, expert in enumerate(experts):
+            n = stats.tokens[j]
+            h_in[j], cold = blend_cold_hessian(stats.gate_up[j], n, moe_input.hessian, moe_input.tokens, min_tokens,
+                                               blend)
+            h_down[j] = stats.down[j] / max(n, 1)
+            if cold:
+                fallback.append(expert)
+                sample_mid = expert_intermediate(moe_sample, gate_up[j], loaded.act_fn).float()
+                h_layer_down = 2 * sample_mid.T @ sample_mid
+                h_down[j], _ = blend_cold_hessian(stats.down[j], n, h_layer_down, moe_sample.shape[0], min_tokens,
+                                                  blend)
+        for projection, weight, hessian, channel_max in (("gate_up", gate_up, h_in, stats.input_abs_max),
+                                                         ("down", down, h_down, stats.mid_abs_max)):
+            for bits, (codes, scale, zero) in quantize_expert_chunk(weight, hessian, setting, bits_list,
+                                                                    channel_max).items():
+                bank.put(projection, bits, experts, codes, scale, zero)
+        del gate_up, down, stats, h_in, h_down
+        if progress:
+            progress("experts", experts[-1] + 1, num_experts)
+    tensors.update(bank.tensors)
+    tensors["experts.tokens"] = torch.tensor([routed.count(e) for e in range(num_experts)], dtype=torch.long)
+    tensors["act.experts.input"] = torch.tensor([input_low, input_high])
+    tensors["act.experts.mid"] = torch.tensor([mid_low, mid_high])
     return fallback
 
 
-def quantize_layer(layer, adapter: MoEAdapter, batches: list[LayerBatch], recipe: Recipe,
-                   tensors: dict) -> tuple[dict, torch.Tensor]:
-    """Pass B; returns the layer report and a token sample of the MoE input (every 8th token)."""
-    with torch.no_grad(), capture_layer(layer, adapter) as capture:
-        run_layer(layer, batches)
-    for name, module in quantized_linears(layer, adapter).items():
-        stats = capture.linears[name]
-        (result,) = quantize_bank(module.weight, stats.hessian, recipe.weights, (recipe.weights.bits,),
-                                  stats.abs_max).values()
-        put_quantized(tensors, f"linear.{name}", *result)
-        tensors[f"act.{name}"] = torch.tensor([stats.low, stats.high])
-    experts = getattr(getattr(layer, adapter.moe), adapter.experts)
-    moe_sample = torch.cat(capture.moe_sample)
-    fallback = quantize_experts(experts, capture.experts, capture.moe_input, moe_sample, recipe, tensors)
-    tensors["router.counts"] = capture.router_counts
-    tensors["router.score_sums"] = capture.router_score_sums
-    tensors["router.topk"] = torch.cat(capture.router_topk)
-    report = {"fallback_experts": fallback, "expert_tokens": capture.experts.tokens.tolist(),
-              "tokens": int(capture.moe_input.tokens)}
-    return report, moe_sample
+def quantize_layer(loaded: LoadedLayer, adapter: MoEAdapter, hidden: HiddenStore, kwargs: list[dict],
+                   recipe: Recipe, weights_of, tensors: dict,
+                   progress: Progress | None) -> tuple[dict, torch.Tensor | None]:
+    """Pass B; returns the layer report and a sample of the MoE input (every 8th token; None on a dense layer),
+    the inputs a never-routed expert is measured on."""
+    layer = loaded.module
+    with torch.no_grad(), capture_linears(quantized_linears(layer, adapter)) as stats:
+        routed = run_layer(loaded, hidden, kwargs, None, experts=None)
+    quantize_dense_linears(layer, adapter, stats, recipe, tensors)
+    if routed is None:
+        return {"dense": True}, None
+    routing = RoutingStats.of(routed)
+    tensors["router.counts"], tensors["router.score_sums"] = routing.counts, routing.score_sums
+    tensors["router.topk"] = routing.topk
+    moe_sample = routed.x[::MOE_SAMPLE_EVERY].float()
+    fallback = quantize_routed_experts(loaded, routed, weights_of, recipe, tensors, moe_sample, progress)
+    return {"fallback_experts": fallback, "expert_tokens": tensors["experts.tokens"].tolist(),
+            "tokens": int(routed.x.shape[0])}, moe_sample
 
 
 # ------------------------------------------------------------------------------------------ applying a layer
 
 
 @torch.no_grad()
-def apply_layer(layer, adapter: MoEAdapter, tensors: dict, recipe: Recipe, expert_bits: int,
-                fold: bool) -> None:
-    """Make `layer` compute as quantized: (fold the smoothing factors,) dequantized weights, activation fake
-    quantization, and routed experts at `expert_bits` through SimulatedExperts."""
+def apply_dense_part(loaded: LoadedLayer, adapter: MoEAdapter, tensors: dict, recipe: Recipe, fold: bool) -> None:
+    """Make the materialized layer's dense part compute as quantized: (fold the smoothing factors,) dequantized
+    weights and activation fake quantization on every quantized linear."""
+    layer = loaded.module
     if fold:
         for group in smoothing_groups(layer, adapter):
             fold_scales(group, tensors[f"smooth.{group.name}"])
     for name, module in quantized_linears(layer, adapter).items():
-        module.weight.copy_(get_dequantized(tensors, f"linear.{name}", recipe.weights.bits).to(module.weight.dtype))
+        weight = dequantize_packed(packed_matrix(tensors, f"linear.{name}", tuple(module.weight.shape),
+                                                 recipe.weights.bits))
+        module.weight.copy_(weight.to(module.weight.dtype))
         quantizer = act_quantizer(recipe.activations, tensors.get(f"act.{name}"))
         if quantizer is not None:
-            attach_input_quant(module, quantizer)
-    moe = getattr(layer, adapter.moe)
-    experts = getattr(moe, adapter.experts)
-    dtype = experts.gate_up_proj.dtype
-    setattr(moe, adapter.experts, SimulatedExperts(
-        get_dequantized(tensors, f"experts.gate_up.b{expert_bits}", expert_bits).to(dtype),
-        get_dequantized(tensors, f"experts.down.b{expert_bits}", expert_bits).to(dtype),
-        experts.act_fn,
-        act_quantizer(recipe.expert_activations, tensors.get("act.experts.input")),
-        act_quantizer(recipe.expert_activations, tensors.get("act.experts.mid")),
-    ))
+            loaded.hooks.append(attach_input_quant(module, quantizer))
+
+
+def calibrated_experts(loaded: LoadedLayer, tensors: dict, recipe: Recipe, bits: int,
+                       device: torch.device) -> ExpertCompute:
+    """The layer's routed experts as calibrated: the replica at `bits`, with the recipe's activation quantization."""
+    _num, gate_up_shape, down_shape = loaded.shapes
+    shapes = {"gate_up": gate_up_shape, "down": down_shape}
+
+    def weights_of(experts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        return tuple(bank_weights(tensors, p, bits, experts, shapes[p], torch.float32, device) for p in PROJECTIONS)
+
+    setting = recipe.expert_activations
+    return ExpertCompute(weights_of, act_quantizer(setting, tensors.get("act.experts.input")),
+                         act_quantizer(setting, tensors.get("act.experts.mid")),
+                         expert_chunk(shapes["gate_up"], shapes["down"], torch.float32))
 
 
 # ------------------------------------------------------------------------------------------ pass C: loss table
 
 
 @torch.no_grad()
-def propagate_with_loss_table(layer, adapter: MoEAdapter, batches: list[LayerBatch], fp_gate_up: torch.Tensor,
-                              fp_down: torch.Tensor, tensors: dict, bits_list: tuple[int, ...],
-                              moe_sample: torch.Tensor) -> list[LayerBatch]:
-    """Run the quantized layer (next layer's inputs) and fill tensors["loss_table"] [E, len(bits_list)] with the
-    output MSE of each replica against the full-precision expert on the tokens routed to it (002 §4.2), and
-    tensors["loss_table.skip"] [E] with the MSE of skipping the expert (output 0)."""
-    experts = getattr(getattr(layer, adapter.moe), adapter.experts)
-    num_experts = fp_gate_up.shape[0]
-    replicas = {b: (get_dequantized(tensors, f"experts.gate_up.b{b}", b),
-                    get_dequantized(tensors, f"experts.down.b{b}", b)) for b in bits_list}
+def loss_table(routed: RoutedTokens, weights_of, tensors: dict, bits_list: tuple[int, ...], propagate_bits: int,
+               quantizers: tuple, moe_sample: torch.Tensor, act_fn, chunk: int,
+               progress: Progress | None) -> torch.Tensor:
+    """Fill tensors["loss_table"] [E, len(bits_list)] with the output MSE of each replica against the
+    full-precision expert on the tokens routed to it (002 §4.2), tensors["loss_table.skip"] [E] with the MSE of
+    skipping the expert (output 0); return the experts' combined output [T, H] at the propagated width."""
+    num_experts = routed.num_experts
     sse = torch.zeros(num_experts, len(bits_list), dtype=torch.float64)
-    skip_sse = torch.zeros(num_experts, dtype=torch.float64)  # the expert left out (0 bits): output 0
-    tokens = torch.zeros(num_experts, dtype=torch.long)
-
-    def add(expert: int, x: torch.Tensor, counts: bool) -> None:
-        reference = expert_output(x, fp_gate_up[expert], fp_down[expert], experts.act_fn)
-        for column, bits in enumerate(bits_list):
-            gate_up, down = replicas[bits]
-            diff = expert_output(x, gate_up[expert], down[expert], experts.act_fn) - reference
-            sse[expert, column] += float(diff.double().pow(2).sum())
-        skip_sse[expert] += float(reference.double().pow(2).sum())
-        if counts:
-            tokens[expert] += x.shape[0]
-
-    def hook(_module, args):
-        hidden, top_k_index = args[0], args[1]
-        flat = hidden.reshape(-1, hidden.shape[-1])
-        for expert in top_k_index.unique().tolist():
-            if 0 <= expert < num_experts:
-                add(expert, flat[torch.where(top_k_index == expert)[0]], counts=True)
-
-    handle = experts.register_forward_pre_hook(hook)
-    try:
-        outputs = run_layer(layer, batches)
-    finally:
-        handle.remove()
-    for expert in torch.where(tokens == 0)[0].tolist():  # never routed: measure on the layer's MoE-input sample
-        add(expert, moe_sample, counts=False)
-    elements = torch.where(tokens > 0, tokens, moe_sample.shape[0]).double() * fp_down.shape[1]
+    skip_sse = torch.zeros(num_experts, dtype=torch.float64)
+    tokens = torch.tensor([routed.count(e) for e in range(num_experts)], dtype=torch.long)
+    out = torch.zeros_like(routed.x)
+    for start in range(0, num_experts, chunk):
+        experts = list(range(start, min(start + chunk, num_experts)))
+        fp_gate_up, fp_down = weights_of(experts)
+        replicas = {bits: (propagate_bank(tensors, "gate_up", bits, experts, fp_gate_up),
+                           propagate_bank(tensors, "down", bits, experts, fp_down)) for bits in bits_list}
+        propagated = replicas[propagate_bits]
+        for j, expert in enumerate(experts):
+            token, slot = routed.rows(expert)
+            x = routed.x[token] if len(token) else moe_sample  # never routed: measure on the layer's sample
+            reference = expert_output(x, fp_gate_up[j], fp_down[j], act_fn)
+            for column, bits in enumerate(bits_list):
+                gate_up, down = replicas[bits]
+                sse[expert, column] = float((expert_output(x, gate_up[j], down[j], act_fn) - reference)
+                                            .double().pow(2).sum())
+            skip_sse[expert] = float(reference.double().pow(2).sum())
+            if len(token):
+                y = quantized_expert_output(x, propagated[0][j], propagated[1][j], act_fn, *quantizers)
+                out.index_add_(0, token, (y * routed.weights[token, slot, None]).to(out.dtype))
+        del fp_gate_up, fp_down, replicas, propagated
+        if progress:
+            progress("loss table", experts[-1] + 1, num_experts)
+    hidden = routed.x.shape[1]
+    elements = torch.where(tokens > 0, tokens, moe_sample.shape[0]).double() * hidden
     tensors["loss_table"] = sse / elements[:, None]
     tensors["loss_table.skip"] = skip_sse / elements  # 004's "0 bits": the MSE of dropping the expert
     tensors["loss_table.tokens"] = tokens
     tensors["loss_table.bits"] = torch.tensor(bits_list, dtype=torch.int64)
-    return outputs
+    return out
+
+
+def propagate_bank(tensors: dict, projection: str, bits: int, experts: list[int], like: torch.Tensor) -> torch.Tensor:
+    return bank_weights(tensors, projection, bits, experts, tuple(like.shape[1:]), like.dtype, like.device)
 
 
 # ------------------------------------------------------------------------------------------ one layer, whole run
 
 
-def calibrate_layer(layer, adapter: MoEAdapter, batches: list[LayerBatch], recipe: Recipe,
-                    index: int) -> tuple[dict, dict, list[LayerBatch]]:
+def calibrate_layer(loaded: LoadedLayer, adapter: MoEAdapter, hidden: HiddenStore, kwargs: list[dict],
+                    recipe: Recipe, index: int, device: torch.device, activation_limit: int | None,
+                    spill_dir: Path | None, progress: Progress | None) -> tuple[dict, dict, HiddenStore]:
     tensors: dict[str, torch.Tensor] = {}
-    smoothing = smooth_layer(layer, adapter, batches, recipe, recipe.calibration.seed + index, tensors)
-    experts = getattr(getattr(layer, adapter.moe), adapter.experts)
-    fp_gate_up, fp_down = experts.gate_up_proj.detach().clone(), experts.down_proj.detach().clone()
-    quant_report, moe_sample = quantize_layer(layer, adapter, batches, recipe, tensors)
-    apply_layer(layer, adapter, tensors, recipe, default_expert_bits(recipe), fold=False)
-    outputs = propagate_with_loss_table(layer, adapter, batches, fp_gate_up, fp_down, tensors,
-                                        expert_bits_list(recipe), moe_sample)
-    meta = {"layer": index, "smoothing": smoothing, **quant_report}
+    smoothing, expert_scale = smooth_layer(loaded, adapter, hidden, kwargs, recipe, recipe.calibration.seed + index,
+                                           tensors)
+    weights_of = compute_experts(loaded, expert_scale, device) if loaded.is_moe else None
+    report, moe_sample = quantize_layer(loaded, adapter, hidden, kwargs, recipe, weights_of, tensors, progress)
+    apply_dense_part(loaded, adapter, tensors, recipe, fold=False)
+    outputs = HiddenStore(activation_limit, spill_dir)
+    routed = run_layer(loaded, hidden, kwargs, outputs, experts=None)
+    if routed is not None:
+        propagate = calibrated_experts(loaded, tensors, recipe, default_expert_bits(recipe), device)
+        experts_out = loss_table(routed, weights_of, tensors, expert_bits_list(recipe), default_expert_bits(recipe),
+                                 (propagate.input_quant, propagate.mid_quant), moe_sample, loaded.act_fn,
+                                 propagate.chunk, progress)
+        add_expert_outputs(outputs, routed, experts_out)
+    meta = {"layer": index, "smoothing": smoothing, **report}
     return tensors, meta, outputs
 
 
-def intermediate_widths(model, adapter: MoEAdapter) -> dict[str, int]:
-    layer = model.model.layers[0]
-    widths = {"expert intermediate size": getattr(getattr(layer, adapter.moe), adapter.experts).down_proj.shape[2]}
-    for name, module in quantized_linears(layer, adapter).items():
-        widths[f"{name} input"] = module.in_features
+def add_expert_outputs(outputs: HiddenStore, routed: RoutedTokens, experts_out: torch.Tensor) -> None:
+    """The layer's outputs with the experts stood in for by zeros, plus the experts' output (one batch at a time)."""
+    for index, part in enumerate(routed.split(experts_out)):
+        current = outputs[index]
+        outputs[index] = current + part.reshape(current.shape)
+
+
+def model_widths(streamed: StreamedModel) -> dict[str, int]:
+    """Every quantized input width of the model, named, for the recipe's group-size check."""
+    widths = {}
+    for index in range(streamed.num_layers):
+        shapes = streamed.expert_shapes(index)
+        if shapes is not None:
+            widths["expert intermediate size"] = shapes[2][1]
+        for name, module in quantized_linears(streamed.layers[index], streamed.adapter).items():
+            widths[f"{name.split('.', 1)[-1]} input"] = module.in_features
     return widths
 
 
+def open_model(model_path: Path, device: torch.device) -> tuple[StreamedModel, object]:
+    """(streamed model, tokenizer) of a local Hugging Face checkpoint folder."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from hexq.models import check_moe_folder
+
+    check_moe_folder(model_path)
+    checkpoint = Checkpoint(model_path)
+    try:
+        config = AutoConfig.from_pretrained(model_path, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise HexqError(f"cannot load model from {model_path}: {str(exc).splitlines()[0]}") from None
+    return StreamedModel(config, checkpoint, device), tokenizer
+
+
 def calibrate(model_path: str | Path, recipe: Recipe, data: str, out: str | Path, device: str | None = None,
-              batch_size: int = 8, progress: Progress | None = None) -> CalibrationSummary:
-    """Calibrate `model_path` with `recipe` on `data` into the folder `out`; resumes an interrupted run."""
+              batch_size: int = 8, progress: Progress | None = None,
+              activation_limit: int | None = None) -> CalibrationSummary:
+    """Calibrate `model_path` with `recipe` on `data` into the folder `out`; resumes an interrupted run.
+    activation_limit: bytes of activations kept in memory per layer boundary (the rest spills to disk)."""
+    from hexq.models import pick_device as resolve_device
+
     started = time.time()
     model_path, out = Path(model_path), Path(out)
-    model, tokenizer, adapter = load_model(model_path, device)
-    config = model.config
-    validate_for_model(recipe, config.hidden_size, intermediate_widths(model, adapter))
+    device = resolve_device(device)
+    streamed, tokenizer = open_model(model_path, device)
+    config = streamed.config
+    validate_for_model(recipe, config.hidden_size, model_widths(streamed))
     context = int(getattr(config, "max_position_embeddings", 0) or 0)
     if context and recipe.calibration.seqlen > context:
         raise HexqError(f"calibration seqlen {recipe.calibration.seqlen} exceeds the model's context of {context}")
@@ -340,34 +451,46 @@ def calibrate(model_path: str | Path, recipe: Recipe, data: str, out: str | Path
     fingerprint = {"model": model_fingerprint(model_path), "data": tensor_fingerprint(windows.ids),
                    "recipe": calibration_hash(recipe)}
     done = check_output_folder(out, fingerprint)
-    layers = model.model.layers
+    num_layers = streamed.num_layers
     if done == -1:
-        return CalibrationSummary(out, len(layers), -1, 0, time.time() - started)
+        return CalibrationSummary(out, num_layers, -1, 0, time.time() - started)
     out.mkdir(parents=True, exist_ok=True)
     write_progress(out, fingerprint, done)
-    batches = layer_inputs(model, windows.ids, batch_size)
+    spill_dir = out
+    hidden = HiddenStore(activation_limit, spill_dir)
+    kwargs = streamed.layer_inputs(windows.ids, batch_size, hidden)
     timings = {}
-    for index in range(done):  # resume: rebuild the quantized layers below from their saved results
-        tensors, _ = load_layer(out, index)
-        apply_layer(layers[index], adapter, tensors, recipe, default_expert_bits(recipe), fold=True)
-        batches = run_layer(layers[index], batches)
-        if progress:
-            progress("layers", index + 1, len(layers))
-    for index in range(done, len(layers)):
+    adapter = streamed.adapter
+    for index in range(num_layers):
         layer_started = time.time()
-        tensors, meta, batches = calibrate_layer(layers[index], adapter, batches, recipe, index)
-        save_layer(out, index, tensors, meta)
-        write_progress(out, fingerprint, index + 1)
-        timings[f"layer_{index:03d}"] = round(time.time() - layer_started, 2)
+        with streamed.layer(index, experts=index >= done) as loaded:
+            if index < done:  # resume: rebuild the quantized layer below from its saved results
+                tensors, _ = load_layer(out, index)
+                apply_dense_part(loaded, adapter, tensors, recipe, fold=True)
+                outputs = HiddenStore(activation_limit, spill_dir)
+                experts = (calibrated_experts(loaded, tensors, recipe, default_expert_bits(recipe), device)
+                           if loaded.is_moe else None)
+                run_layer(loaded, hidden, kwargs, outputs, experts)
+            else:
+                tensors, meta, outputs = calibrate_layer(loaded, adapter, hidden, kwargs, recipe, index, device,
+                                                         activation_limit, spill_dir, progress)
+                save_layer(out, index, tensors, meta)
+                write_progress(out, fingerprint, index + 1)
+                timings[f"layer_{index:03d}"] = round(time.time() - layer_started, 2)
+        hidden.close()
+        hidden = outputs
         if progress:
-            progress("layers", index + 1, len(layers))
-    summaries = [load_layer(out, index)[1] for index in range(len(layers))]
-    fallback = sum(len(meta["fallback_experts"]) for meta in summaries)
+            progress("layers", index + 1, num_layers)
+    hidden.close()
+    summaries = [load_layer(out, index)[1] for index in range(num_layers)]
+    fallback = sum(len(meta.get("fallback_experts", [])) for meta in summaries)
+    num_experts = next(s[0] for s in streamed.moe_shapes if s is not None)
     write_json_atomic(out / "timings.json", timings)
     write_json_atomic(out / "manifest.json", {
         "format": FORMAT, "format_version": FORMAT_VERSION, "hexq_version": __version__, "fingerprint": fingerprint,
-        "model": {"path": str(model_path.resolve()), "model_type": config.model_type, "layers": len(layers),
-                  "num_experts": getattr(config, adapter.num_experts_attr), "top_k": config.num_experts_per_tok},
+        "model": {"path": str(model_path.resolve()), "model_type": config.model_type, "layers": num_layers,
+                  "moe_layers": [index for index in range(num_layers) if streamed.is_moe(index)],
+                  "num_experts": num_experts, "top_k": config.num_experts_per_tok},
         "data": {"source": data, "num_samples": cal.num_samples, "seqlen": cal.seqlen, "seed": cal.seed,
                  "tokens_available": windows.tokens_available},
         "recipe": recipe_to_dict(recipe),
@@ -375,22 +498,34 @@ def calibrate(model_path: str | Path, recipe: Recipe, data: str, out: str | Path
         "fallback_experts": fallback,
         "layers": summaries,
     })
-    return CalibrationSummary(out, len(layers), done, fallback, time.time() - started)
+    return CalibrationSummary(out, num_layers, done, fallback, time.time() - started)
 
 
-def load_calibrated(calib_dir: str | Path, device: str | None = None, expert_bits: int | None = None):
-    """(model, tokenizer, manifest): the source model made to compute as the calibration's quantized model."""
-    calib_dir = Path(calib_dir)
+def calibration_plan(calib_dir: Path, expert_bits: int | None) -> tuple[dict, Recipe, int]:
+    """(manifest, recipe, expert width) of a finished calibration, after checking the source model is unchanged."""
     manifest = read_manifest(calib_dir)
     model_path = Path(manifest["model"]["path"])
+    if not model_path.is_dir():
+        raise HexqError(f"the source model of {calib_dir} is gone: {model_path}")
     if model_fingerprint(model_path) != manifest["fingerprint"]["model"]:
         raise HexqError(f"the model at {model_path} changed since {calib_dir} was calibrated (weights hash differs)")
     recipe = recipe_from_dict(manifest["recipe"])
     bits = default_expert_bits(recipe) if expert_bits is None else expert_bits
     if bits not in manifest["expert_bits"]:
         raise HexqError(f"{calib_dir} has expert replicas at {manifest['expert_bits']} bits, not {bits}")
-    model, tokenizer, adapter = load_model(model_path, device)
-    for index, layer in enumerate(model.model.layers):
-        tensors, _ = load_layer(calib_dir, index)
-        apply_layer(layer, adapter, tensors, recipe, bits, fold=True)
-    return model, tokenizer, manifest
+    return manifest, recipe, bits
+
+
+def calibrated_model(calib_dir: str | Path, device: torch.device, expert_bits: int | None = None):
+    """(streamed source model, tokenizer, prepare): the calibration's quantized model, layer by layer (smoothing
+    folded, dequantized dense weights with activation quantization, experts at `expert_bits`)."""
+    calib_dir = Path(calib_dir)
+    manifest, recipe, bits = calibration_plan(calib_dir, expert_bits)
+    streamed, tokenizer = open_model(Path(manifest["model"]["path"]), device)
+
+    def prepare(loaded: LoadedLayer) -> ExpertCompute | None:
+        tensors, _ = load_layer(calib_dir, loaded.index)
+        apply_dense_part(loaded, streamed.adapter, tensors, recipe, fold=True)
+        return calibrated_experts(loaded, tensors, recipe, bits, device) if loaded.is_moe else None
+
+    return streamed, tokenizer, prepare

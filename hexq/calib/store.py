@@ -5,6 +5,9 @@ manifest written last (its presence means the run is complete).
       manifest.json          recipe, source model + data fingerprints, per-layer summary (written last)
       progress.json          fingerprint and the number of finished layers (drives resume)
       layer_000.safetensors  smoothing scales, quantized codes/scales/zeros, replica banks, loss table, router stats
+                             (codes bit-packed exactly as in the artifact: hexq.artifact.format.pack_weight; a bank
+                             holds experts.<proj>.b<bits>.codes [E, bytes per expert] and .scale/.zero
+                             [E, rows, groups] float16)
       layer_000.json         smoothing exponents and errors, cold-expert fallbacks, damping, token counts
       timings.json           wall time per layer (the one file that differs between identical runs)
 
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -24,7 +28,7 @@ from hexq.errors import HexqError
 from hexq.io import write_bytes_atomic, write_json_atomic
 
 FORMAT = "hexq-calibration"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: bit-packed codes and float16 scales (1 stored one byte per code)
 
 
 def layer_paths(out: Path, index: int) -> tuple[Path, Path]:
@@ -44,6 +48,20 @@ def load_layer(out: Path, index: int) -> tuple[dict[str, torch.Tensor], dict]:
         return load_file(tensor_path), json.loads(meta_path.read_text())
     except Exception as exc:  # OSError, JSONDecodeError, and safetensors' own error types
         raise HexqError(f"calibration layer {index} in {out} is unreadable ({exc}); rerun hexq calibrate") from None
+
+
+@contextmanager
+def open_layer(out: Path, index: int):
+    """A safe_open handle on one calibration layer's tensors (reads only what is asked, slices included)."""
+    from safetensors import SafetensorError, safe_open
+
+    tensor_path, _ = layer_paths(Path(out), index)
+    try:
+        handle = safe_open(str(tensor_path), framework="pt")
+    except (OSError, SafetensorError) as exc:
+        raise HexqError(f"calibration layer {index} in {out} is unreadable ({exc}); rerun hexq calibrate") from None
+    with handle:
+        yield handle
 
 
 def sha256_files(paths: list[Path]) -> str:
@@ -105,6 +123,80 @@ def read_manifest(out: Path) -> dict:
     manifest = read_json(Path(out) / "manifest.json")
     if manifest is None or manifest.get("format") != FORMAT:
         raise HexqError(f"{out} is not a finished hexq calibration folder (no manifest.json)")
-    if manifest.get("format_version", 0) > FORMAT_VERSION:
-        raise HexqError(f"{out} was written by a newer hexq (format {manifest['format_version']}); upgrade hexq")
+    version = manifest.get("format_version", 0)
+    if version > FORMAT_VERSION:
+        raise HexqError(f"{out} was written by a newer hexq (format {version}); upgrade hexq")
+    if version < FORMAT_VERSION:
+        raise HexqError(f"{out} was written by an older hexq (calibration format {version}, this hexq reads "
+                        f"{FORMAT_VERSION}); calibrate again")
     return manifest
+
+
+# ------------------------------------------------------------------------------------------ packed weights
+
+
+def put_packed(tensors: dict, prefix: str, codes: torch.Tensor, meta) -> None:
+    """One quantized matrix [out, in] under `prefix`: bit-packed codes and float16 scale/zero."""
+    from hexq.artifact.format import pack_weight
+
+    tensors.update(pack_weight(codes, meta).tensors(prefix))
+
+
+def packed_matrix(tensors: dict, prefix: str, shape: tuple[int, int], bits: int):
+    """The PackedWeight stored under `prefix` by put_packed."""
+    from hexq.artifact.format import PackedWeight
+
+    return PackedWeight(tensors[f"{prefix}.codes"], tensors[f"{prefix}.scale"], tensors[f"{prefix}.zero"], bits,
+                        tuple(shape))
+
+
+class ExpertBank:
+    """One layer's replica bank being filled chunk by chunk: per (projection, bits), packed codes [E, bytes] and
+    float16 scale/zero [E, rows, groups], preallocated so a chunk's results are packed and placed at once."""
+
+    def __init__(self, num_experts: int, shapes: dict[str, tuple[int, int]], bits_list: tuple[int, ...],
+                 group_sizes: dict[str, int]) -> None:
+        from hexq.artifact.bitpack import packed_nbytes
+        from hexq.artifact.format import SCALE_DTYPE
+
+        self.shapes, self.group_sizes = shapes, group_sizes
+        self.tensors: dict[str, torch.Tensor] = {}
+        for projection, (rows, cols) in shapes.items():
+            groups = cols // group_sizes[projection]
+            for bits in bits_list:
+                prefix = bank_prefix(projection, bits)
+                self.tensors[f"{prefix}.codes"] = torch.zeros(num_experts, packed_nbytes(rows * cols, bits),
+                                                              dtype=torch.uint8)
+                self.tensors[f"{prefix}.scale"] = torch.zeros(num_experts, rows, groups, dtype=SCALE_DTYPE)
+                self.tensors[f"{prefix}.zero"] = torch.zeros(num_experts, rows, groups, dtype=SCALE_DTYPE)
+
+    def put(self, projection: str, bits: int, experts: list[int], codes: torch.Tensor, scale: torch.Tensor,
+            zero: torch.Tensor) -> None:
+        """codes [n, rows, cols] (uint8 on the grid), scale/zero [n, rows, groups] of the experts `experts`."""
+        from hexq.artifact.bitpack import pack_bits
+
+        prefix = bank_prefix(projection, bits)
+        store = self.tensors[f"{prefix}.codes"]
+        codes = codes.cpu()
+        if codes[0].numel() * bits % 8 == 0:  # whole bytes per expert: one stream for the chunk is identical
+            store[experts] = pack_bits(codes, bits).reshape(len(experts), -1)
+        else:
+            for j, expert in enumerate(experts):
+                store[expert] = pack_bits(codes[j], bits)
+        self.tensors[f"{prefix}.scale"][experts] = scale.to(self.tensors[f"{prefix}.scale"].dtype).cpu()
+        self.tensors[f"{prefix}.zero"][experts] = zero.to(self.tensors[f"{prefix}.zero"].dtype).cpu()
+
+
+def bank_prefix(projection: str, bits: int) -> str:
+    return f"experts.{projection}.b{bits}"
+
+
+def bank_weights(tensors: dict, projection: str, bits: int, experts: list[int], shape: tuple[int, int],
+                 dtype: torch.dtype = torch.float32, device: torch.device | None = None) -> torch.Tensor:
+    """The experts' replica at `bits`, dequantized [n, rows, cols] in `dtype` on `device`."""
+    from hexq.artifact.format import PackedWeight, dequantize_packed
+
+    prefix = bank_prefix(projection, bits)
+    codes, scale, zero = (tensors[f"{prefix}.{part}"] for part in ("codes", "scale", "zero"))
+    return torch.stack([dequantize_packed(PackedWeight(codes[e], scale[e], zero[e], bits, tuple(shape)), dtype)
+                        for e in experts]).to(device)

@@ -1,4 +1,9 @@
-"""Evaluate a model on several texts with the perplexity protocol: the library entry behind `hexq eval`."""
+"""Evaluate a model on several texts with the perplexity protocol: the library entry behind `hexq eval`.
+
+Every target is evaluated streamed (hexq.streaming.stream_nll): one decoder layer in memory at a time, every window
+through layer l before layer l+1 is read, so a model bigger than memory can be measured. The windows of all texts
+go through the layers together, so the model is read once.
+"""
 
 from __future__ import annotations
 
@@ -12,8 +17,7 @@ import torch
 
 from hexq.data import eval_text, tokenize
 from hexq.errors import HexqError
-from hexq.eval.perplexity import PerplexityResult, make_windows, perplexity
-from hexq.models import load_model
+from hexq.eval.perplexity import PerplexityResult, make_windows
 
 
 @dataclass(frozen=True)
@@ -25,39 +29,64 @@ class EvalRow:
         return {"data": self.data, **asdict(self.result)}
 
 
-def load_eval_target(path: Path, device: str | None, expert_bits: int | None):
-    """(model, tokenizer) for a HuggingFace model folder, a hexq calibration folder or a packed artifact (served by
-    the runtime, `hexq run`'s code path, with the static policy and room for every expert)."""
-    if (path / "manifest.json").exists() and '"hexq-artifact"' in (path / "manifest.json").read_text():
-        from hexq.runtime.engine import Runtime
+def is_artifact(path: Path) -> bool:
+    manifest = path / "manifest.json"
+    return manifest.is_file() and '"hexq-artifact"' in manifest.read_text()
+
+
+def open_target(path: Path, device: torch.device, expert_bits: int | None):
+    """(streamed model, tokenizer, prepare) for a HuggingFace model folder, a hexq calibration folder or a packed
+    artifact (its static allocation)."""
+    if is_artifact(path):
+        from hexq.runtime.model import artifact_model
 
         if expert_bits is not None:
             raise HexqError("--expert-bits applies to a calibration folder; an artifact runs at its allocation")
-        runtime = Runtime(path, device=device)
-        return runtime.model, runtime.tokenizer
+        return artifact_model(path, device)
     if (path / "manifest.json").exists():
-        from hexq.calib.pipeline import load_calibrated
+        from hexq.calib.pipeline import calibrated_model
 
-        model, tokenizer, _ = load_calibrated(path, device, expert_bits)
-        return model, tokenizer
+        return calibrated_model(path, device, expert_bits)
     if expert_bits is not None:
         raise HexqError("--expert-bits applies to a calibration folder, not to a model folder")
-    model, tokenizer, _ = load_model(path, device)
-    return model, tokenizer
+    from hexq.calib.pipeline import open_model
+    from hexq.streaming import full_precision_plan
+
+    streamed, tokenizer = open_model(path, device)
+    return streamed, tokenizer, full_precision_plan(streamed)
+
+
+def check_window_length(seqlen: int, context: int) -> None:
+    """The one check of a window length against the model's context (hexq eval and hexq run --ppl)."""
+    if context and seqlen > context:
+        raise HexqError(f"window length {seqlen} exceeds the model's context of {context} tokens")
 
 
 def evaluate_model(model_path: str | Path, data: list[str], seqlen: int, max_windows: int | None, batch_size: int,
-                   device: str | None = None,
+                   device: str | torch.device | None = None,
                    progress: Callable[[str, int, int], None] | None = None,
-                   expert_bits: int | None = None) -> list[EvalRow]:
-    """Perplexity of a model folder, or of a calibration folder's quantized model, on each data source (corpus
-    name or file), same protocol for all."""
-    model, tokenizer = load_eval_target(Path(model_path), device, expert_bits)
-    token_streams = {source: tokenize(tokenizer, eval_text(source)) for source in data}
-    rows = []
-    for source, ids in token_streams.items():
-        report = None if progress is None else (lambda done, total, s=source: progress(s, done, total))
-        rows.append(EvalRow(source, perplexity(model, ids, seqlen, max_windows, batch_size, report)))
+                   expert_bits: int | None = None, activation_limit: int | None = None) -> list[EvalRow]:
+    """Perplexity of a model folder, a calibration folder's quantized model, or an artifact, on each data source
+    (corpus name or file), same protocol for all."""
+    from hexq.models import pick_device
+
+    device = device if isinstance(device, torch.device) else pick_device(device)
+    streamed, tokenizer, prepare = open_target(Path(model_path), device, expert_bits)
+    streams = {source: tokenize(tokenizer, eval_text(source)) for source in data}
+    check_window_length(seqlen, int(getattr(streamed.config, "max_position_embeddings", 0) or 0))
+    windows = {source: make_windows(ids, seqlen, max_windows) for source, ids in streams.items()}
+    from hexq.streaming import stream_nll
+
+    nll = stream_nll(streamed, torch.cat(list(windows.values())), batch_size, prepare, activation_limit,
+                     progress=progress)
+    rows, start = [], 0
+    for source, cut in windows.items():
+        total = float(nll[start:start + cut.shape[0]].sum())
+        start += cut.shape[0]
+        scored = cut.shape[0] * (seqlen - 1)
+        mean = total / scored
+        rows.append(EvalRow(source, PerplexityResult(math.exp(mean), mean, seqlen, cut.shape[0], scored,
+                                                     int(streams[source].numel()))))
     return rows
 
 
@@ -65,6 +94,7 @@ def runtime_perplexity(runtime, ids: torch.Tensor, seqlen: int, max_windows: int
                        progress: Callable[[int, int], None] | None = None) -> tuple[float, int, float]:
     """(perplexity, tokens scored, seconds) of a hexq.runtime.engine.Runtime with the GPTQ protocol (the windows of
     `make_windows`), one window per forward pass so that the precision policy sees each as a sequence."""
+    check_window_length(seqlen, runtime.context)
     windows = make_windows(ids, seqlen, max_windows)
     nll, started = 0.0, time.perf_counter()
     for index, window in enumerate(windows):

@@ -37,6 +37,7 @@ from hexq.adapters import adapter_for
 from hexq.artifact.format import STATS_SHARD, Artifact
 from hexq.errors import HexqError
 from hexq.runtime.cache import CacheStats, ExpertCache, ExpertWeights
+from hexq.models import pick_device as resolve_device
 from hexq.runtime.model import build_model, expert_quantizers
 from hexq.runtime.policy import PolicyContext, make_policy
 from hexq.simulate import quantized_expert_output
@@ -45,7 +46,8 @@ MODES = ("cache", "ondemand")  # ondemand: no fast tier, every expert loaded fro
 
 
 class ArtifactSource:
-    """The slow tier: one expert at one width, read from the artifact, unpacked and dequantized on `device`."""
+    """The slow tier: one expert at one width, read from the artifact, unpacked and dequantized on `device`.
+    Layers are MoE rows (the artifact's allocation rows), as everywhere in the runtime."""
 
     def __init__(self, artifact: Artifact, dtype: torch.dtype = torch.float32, device: torch.device | None = None):
         self.artifact, self.dtype, self.device = artifact, dtype, device or torch.device("cpu")
@@ -237,6 +239,17 @@ def policy_context(artifact: Artifact, hot_fraction: float | None = None) -> Pol
                          hot_fraction=hot_fraction or pack["hot_fraction"], top_k=artifact.manifest["model"]["top_k"])
 
 
+def check_policy_widths(artifact: Artifact, policy) -> None:
+    """Every width the policy may ask for is stored for every expert, or a one-line error names the --bank."""
+    needed = policy.widths()
+    missing = sorted({b for b in needed for row in range(len(artifact.moe_layers))
+                      for e in range(artifact.num_experts) if b not in artifact.stored_bits(row, e)})
+    if missing:
+        raise HexqError(f"policy {policy.name} needs every expert at {sorted(needed)} bits but {artifact.path} "
+                        f"stores only the allocation plus {artifact.bank_bits or 'nothing'}; pack with "
+                        f"--bank {policy.name} (or --bank {','.join(map(str, missing))})")
+
+
 class Runtime:
     """An artifact loaded for serving: the model with CachedExperts, its cache, policy and counters."""
 
@@ -246,9 +259,10 @@ class Runtime:
         if mode not in MODES:
             raise HexqError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         self.artifact = Artifact(path)
-        num_layers, num_experts = self.artifact.num_layers, self.artifact.num_experts
+        num_layers, num_experts = len(self.artifact.moe_layers), self.artifact.num_experts
         self.state = RunState(prefetch=prefetch and mode == "cache", prefetch_top_t=prefetch_top_t, mode=mode)
         self.policy = make_policy(policy, policy_context(self.artifact, hot_fraction), **(policy_options or {}))
+        check_policy_widths(self.artifact, self.policy)
         source = ArtifactSource(self.artifact)
         self.expert_bytes = source.expert_nbytes * num_layers * num_experts
         budget = self.expert_bytes if budget_bytes is None else budget_bytes
@@ -266,8 +280,8 @@ class Runtime:
                                            expert_quantizers(self.artifact, layer))
             return modules[layer]
 
-        self.model, self.tokenizer, _ = build_model(self.artifact, factory, device)
-        layers = self.model.model.layers
+        self.model, self.tokenizer = build_model(self.artifact, factory, resolve_device(device), torch.float32)
+        layers = [self.model.model.layers[index] for index in self.artifact.moe_layers]
         routers = [getattr(getattr(layer, adapter.moe), adapter.router) for layer in layers]
         norms = [getattr(layer, adapter.post_attention_norm).weight.detach() for layer in layers]
         for layer, module in modules.items():  # look-ahead: layer l holds layer l+1's router

@@ -1,84 +1,117 @@
-"""A model computing as the artifact says: built from its config, non-expert weights from dense.safetensors
-(quantized linears dequantized, activation quantization attached), and each layer's routed-experts module
-replaced in one place by a module the caller chooses (all experts resident at the allocation, or the cache).
+"""A model computing as the artifact says, built on the meta device so that nothing is allocated that the artifact
+does not ask for.
+
+Two ways to run it:
+- `build_model` (`hexq run`): the dense part (attention, norms, routers, shared experts, dense layers, embeddings,
+  head) materialized for good from the artifact's dense shards in the serving dtype, quantized linears dequantized
+  with their activation quantization attached; each MoE layer's routed experts replaced, in one place, by a module
+  the caller chooses (the budgeted cache). The experts exist nowhere else.
+- `artifact_model` (`hexq eval ARTIFACT`): streamed like any other target (hexq.streaming.stream_nll), one layer's
+  dense part and its experts at the artifact's allocation at a time.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from hexq.adapters import adapter_for
-from hexq.artifact.format import DENSE_SHARD, Artifact, PackedWeight, dequantize_packed
-from hexq.errors import HexqError
-from hexq.models import pick_device
+from hexq.artifact.format import Artifact, expert_shard
 from hexq.recipe import recipe_from_dict
-from hexq.simulate import ActQuantizer, SimulatedExperts, act_quantizer, attach_input_quant
+from hexq.simulate import ActQuantizer, act_quantizer, attach_input_quant
+from hexq.streaming import ExpertCompute, LoadedLayer, StreamedModel, expert_chunk
 
-ExpertsFactory = Callable[[int, torch.nn.Module], torch.nn.Module]
+ExpertsFactory = Callable[[int, torch.nn.Module], torch.nn.Module]  # (MoE row, the family's module) -> replacement
 
 
-def expert_quantizers(artifact: Artifact, layer: int) -> tuple[ActQuantizer | None, ActQuantizer | None]:
-    """(input, intermediate) activation quantizers of a layer's routed experts, from the recipe."""
+def artifact_config(artifact: Artifact):
+    """The model config stored in the artifact (checked against the manifest first)."""
+    from transformers import AutoConfig
+
+    for name in ("config.json", "tokenizer.json"):
+        if name in artifact.files:
+            artifact.verify(name)
+    return AutoConfig.from_pretrained(artifact.path, local_files_only=True)
+
+
+def artifact_tokenizer(artifact: Artifact):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(artifact.path, local_files_only=True)
+
+
+def expert_quantizers(artifact: Artifact, row: int) -> tuple[ActQuantizer | None, ActQuantizer | None]:
+    """(input, intermediate) activation quantizers of MoE layer row `row`'s routed experts, from the recipe."""
     setting = recipe_from_dict(artifact.manifest["recipe"]).expert_activations
     if setting.bits is None:
         return None, None
-    shard = f"experts/layer_{layer:03d}.safetensors"
-    keys = set(artifact.keys(shard))
+    shard = expert_shard(artifact.moe_layers[row])
+    keys = artifact.keys(shard)
     ranges = [artifact.tensor(shard, key) if key in keys else None for key in ("act.input", "act.mid")]
     return act_quantizer(setting, ranges[0]), act_quantizer(setting, ranges[1])
 
 
-def resident_experts(artifact: Artifact, layer: int, bits: list[int], act_fn,
-                     dtype: torch.dtype = torch.float32) -> SimulatedExperts:
-    """All of a layer's experts dequantized at `bits[e]` (0: skipped, zero weights) in one fused module."""
-    weights = [artifact.expert_weights(layer, expert, b, dtype) for expert, b in enumerate(bits)]
-    return SimulatedExperts(torch.stack([w[0] for w in weights]), torch.stack([w[1] for w in weights]), act_fn,
-                            *expert_quantizers(artifact, layer))
-
-
-def load_dense(model: torch.nn.Module, artifact: Artifact) -> None:
-    """Load every non-expert tensor into `model` and attach activation quantization to the quantized linears."""
-    dense = artifact.shard_tensors(DENSE_SHARD)
-    meta = artifact.manifest["dense"]
+def attach_dense_quantizers(model: torch.nn.Module, artifact: Artifact, names: list[str]) -> list:
+    """Activation quantization on the quantized linears among `names` (weight names); returns the hook handles."""
     setting = recipe_from_dict(artifact.manifest["recipe"]).activations
-    state: dict[str, torch.Tensor] = {}
-    for key, bits in meta["quantized_linears"].items():
-        shape = tuple(model.get_parameter(key).shape)
-        state[key] = dequantize_packed(PackedWeight(dense.pop(f"{key}.codes"), dense.pop(f"{key}.scale"),
-                                                    dense.pop(f"{key}.zero"), bits, shape))
-        module = model.get_submodule(key.removesuffix(".weight"))
-        quantizer = act_quantizer(setting, dense.pop(f"{key.removesuffix('.weight')}.act_range", None))
+    handles = []
+    for weight_name in names:
+        linear = weight_name.removesuffix(".weight")
+        quantizer = act_quantizer(setting, artifact.act_range(linear))
         if quantizer is not None:
-            attach_input_quant(module, quantizer)
-    state.update({key: tensor.float() for key, tensor in dense.items()})
-    result = model.load_state_dict(state, strict=False)
-    experts = f".{artifact.manifest['model']['moe']}.{artifact.manifest['model']['experts']}."
-    missing = [key for key in result.missing_keys if experts not in key and key not in meta["aliases"]]
-    if missing or result.unexpected_keys:
-        raise HexqError(f"{artifact.path}: dense weights do not fit the model built from its config "
-                        f"(missing {missing[:5]}, unexpected {result.unexpected_keys[:5]})")
+            handles.append(attach_input_quant(model.get_submodule(linear), quantizer))
+    return handles
 
 
-def build_model(artifact: Artifact | str | Path, experts: ExpertsFactory | None = None, device: str | None = None):
-    """(model, tokenizer, artifact) in eval mode. `experts(layer, old_module)` returns each layer's routed-experts
-    module; by default every expert is resident at the artifact's allocation."""
-    artifact = artifact if isinstance(artifact, Artifact) else Artifact(artifact)
-    for name in ("config.json", "tokenizer.json"):
-        if name in artifact.files:
-            artifact.verify(name)
-    config = AutoConfig.from_pretrained(artifact.path)
-    adapter = adapter_for(config.model_type)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    load_dense(model, artifact)
-    allocation = artifact.allocation
-    for index, layer in enumerate(model.model.layers):
-        moe = getattr(layer, adapter.moe)
-        old = getattr(moe, adapter.experts)
-        new = experts(index, old) if experts else resident_experts(artifact, index, allocation[index], old.act_fn)
-        setattr(moe, adapter.experts, new)
-    tokenizer = AutoTokenizer.from_pretrained(artifact.path)
-    return model.to(pick_device(device)).eval(), tokenizer, artifact
+def artifact_model(path, device: torch.device, dtype: torch.dtype = torch.float32):
+    """(streamed model, tokenizer, prepare) of an artifact at its static allocation, for hexq.streaming.stream_nll."""
+    artifact = path if isinstance(path, Artifact) else Artifact(path)
+    streamed = StreamedModel(artifact_config(artifact), artifact, device, dtype)
+    rows = {layer: row for row, layer in enumerate(artifact.moe_layers)}
+    quantized = list(artifact.manifest["dense"]["quantized_linears"])
+
+    def prepare(loaded: LoadedLayer) -> ExpertCompute | None:
+        prefix = f"model.layers.{loaded.index}."
+        loaded.hooks += attach_dense_quantizers(streamed.model, artifact,
+                                                [name for name in quantized if name.startswith(prefix)])
+        if not loaded.is_moe:
+            return None
+        row = rows[loaded.index]
+        bits = artifact.allocation[row]
+
+        def weights_of(experts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+            pairs = [artifact.expert_weights(row, e, bits[e], dtype) for e in experts]
+            return (torch.stack([p[0] for p in pairs]).to(device), torch.stack([p[1] for p in pairs]).to(device))
+
+        _num, gate_up_shape, down_shape = loaded.shapes
+        return ExpertCompute(weights_of, *expert_quantizers(artifact, row),
+                             chunk=expert_chunk(gate_up_shape, down_shape, dtype))
+
+    return streamed, artifact_tokenizer(artifact), prepare
+
+
+def build_model(artifact: Artifact, experts: ExpertsFactory, device: torch.device,
+                dtype: torch.dtype = torch.bfloat16):
+    """(model, tokenizer) in eval mode: the dense part materialized in `dtype` on `device`, each MoE layer's routed
+    experts replaced by experts(row, family_module) (see the module docstring)."""
+    streamed = StreamedModel(artifact_config(artifact), artifact, device, dtype)
+    streamed.materialize_dense()
+    if getattr(streamed.config, "tie_word_embeddings", False):
+        streamed.model.lm_head.weight = streamed.model.model.embed_tokens.weight  # one copy, as the source had
+    attach_dense_quantizers(streamed.model, artifact, list(artifact.manifest["dense"]["quantized_linears"]))
+    adapter = streamed.adapter
+    for row, index in enumerate(artifact.moe_layers):
+        moe = getattr(streamed.layers[index], adapter.moe)
+        setattr(moe, adapter.experts, experts(row, getattr(moe, adapter.experts)))
+    return streamed.model.eval(), artifact_tokenizer(artifact)
+
+
+def dense_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every materialized parameter and buffer (the meta-device experts count nothing)."""
+    seen, total = set(), 0
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if tensor.device.type == "meta" or tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        total += tensor.numel() * tensor.element_size()
+    return total

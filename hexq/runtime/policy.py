@@ -139,6 +139,11 @@ class _Policy:
     def transitions(self) -> list[Transition]:
         return []
 
+    def widths(self) -> set[int]:
+        """Widths this policy may ask any expert for besides its allocated one (0 = skip needs no replica): what
+        an artifact must store for every expert (`hexq pack --bank`)."""
+        return set()
+
     def _check_routing(self, layer: int, indices: torch.Tensor, scores: torch.Tensor) -> None:
         if not 0 <= layer < self.context.num_layers:
             raise ValueError(f"layer {layer} is out of range 0..{self.context.num_layers - 1}")
@@ -261,6 +266,9 @@ class ContextPolicy(_Policy):
         pending, self._pending = self._pending, []
         return pending
 
+    def widths(self) -> set[int]:
+        return set(self.bits) - {0}
+
 
 # ------------------------------------------------------------------------------------------ online (001)
 
@@ -341,6 +349,9 @@ class OnlinePolicy(_Policy):
         queued, self._queue = self._queue, {}
         return [(layer, expert, bits) for (layer, expert), bits in queued.items()]
 
+    def widths(self) -> set[int]:
+        return {self.high_bits, self.low_bits} - {0}
+
 
 # ------------------------------------------------------------------------------------------ depth (004)
 
@@ -371,6 +382,9 @@ class DepthPolicy(_Policy):
         rank = torch.empty_like(order).scatter_(1, order, torch.arange(k, device=order.device).expand(T, k))
         high = rank < self.kept_slots(layer, k)
         return torch.where(high, self.high_bits, self.low_bits).long()
+
+    def widths(self) -> set[int]:
+        return {self.high_bits, self.low_bits} - {0}
 
 
 # ------------------------------------------------------------------------------------------ registry

@@ -1,0 +1,490 @@
+"""Running a model bigger than memory: one decoder layer at a time, every window through layer l before l+1.
+
+`StreamedModel` builds the model skeleton with its parameters on the meta device (no memory; buffers such as the
+rotary frequencies stay real) and materializes one decoder layer at a time from a `LayerSource` (a Hugging Face
+checkpoint, a calibration, an artifact): its dense part (attention, norms, router, shared expert, or a dense MLP)
+upcast to the compute dtype on the compute device, its routed experts left in their stored form for the caller
+to compute expert by expert (hexq.simulate.ExpertTap). Leaving the `layer()` block puts the layer back on the
+meta device, so peak memory is one layer plus the activations, whatever the depth of the model.
+
+Activations live in a `HiddenStore`: in memory up to a byte limit, spilled to files beyond it.
+
+The embedding and the head are materialized only for the step that needs them (`layer_inputs`, `head_nll`).
+This is the sequential onloading schedule of llm-compressor and GPTQ's layer-by-layer calibration.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from hexq.adapters import MoEAdapter, adapter_for
+
+Progress = Callable[[str, int, int], None]
+
+
+class LayerSource(Protocol):
+    """Where a streamed model's weights come from."""
+
+    def read_param(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """A parameter or persistent buffer by its full model name, in its stored dtype."""
+        ...
+
+
+# ------------------------------------------------------------------------------------------ activations
+
+
+class HiddenStore:
+    """Per-batch activations of one layer boundary: in memory until `limit_bytes`, then one file per batch in a
+    private spill folder (deleted by `close`). Indexing returns the tensor (read back from disk when spilled)."""
+
+    def __init__(self, limit_bytes: int | None = None, spill_dir: Path | None = None) -> None:
+        self.limit = limit_bytes
+        self.parent = spill_dir
+        self._items: list[torch.Tensor | Path] = []
+        self._memory = 0
+        self._folder: Path | None = None
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @property
+    def memory_bytes(self) -> int:
+        return self._memory
+
+    @property
+    def spilled(self) -> int:
+        return sum(isinstance(item, Path) for item in self._items)
+
+    def _spill_path(self, index: int) -> Path:
+        if self._folder is None:
+            if self.parent is not None:
+                self.parent.mkdir(parents=True, exist_ok=True)
+            self._folder = Path(tempfile.mkdtemp(prefix=".hexq-activations-", dir=self.parent))
+        return self._folder / f"{index:06d}.pt"
+
+    def append(self, tensor: torch.Tensor) -> None:
+        self._items.append(self._keep(len(self._items), tensor))
+
+    def __setitem__(self, index: int, tensor: torch.Tensor) -> None:
+        old = self._items[index]
+        if isinstance(old, torch.Tensor):
+            self._memory -= old.numel() * old.element_size()
+        self._items[index] = self._keep(index, tensor)
+
+    def _keep(self, index: int, tensor: torch.Tensor) -> torch.Tensor | Path:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.limit is None or self._memory + nbytes <= self.limit:
+            self._memory += nbytes
+            return tensor
+        path = self._spill_path(index)
+        torch.save(tensor.detach().cpu(), path)
+        return path
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        item = self._items[index]
+        if isinstance(item, Path):
+            return torch.load(item, weights_only=True)
+        return item
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return (self[i] for i in range(len(self)))
+
+    def close(self) -> None:
+        self._items.clear()
+        self._memory = 0
+        if self._folder is not None:
+            shutil.rmtree(self._folder, ignore_errors=True)
+            self._folder = None
+
+
+# ------------------------------------------------------------------------------------------ layer 0's inputs
+
+
+@dataclass
+class LayerBatch:
+    """One batch of windows at the input of a decoder layer."""
+
+    hidden: torch.Tensor  # [B, L, H]
+    kwargs: dict  # attention mask, position ids and embeddings, as the model passes them to every layer
+
+
+class Recorder(torch.nn.Module):
+    """Stands in for the decoder stack: records a layer's inputs and returns the hidden states unchanged, so the
+    model's own embedding, mask and rotary code produce layer 0's inputs (no family-specific copy of them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[LayerBatch] = []
+
+    def forward(self, hidden_states, **kwargs):
+        kept = {k: v for k, v in kwargs.items() if k not in {"past_key_values", "use_cache"}}
+        self.seen.append(LayerBatch(hidden_states, kept))
+        return hidden_states
+
+
+# ------------------------------------------------------------------------------------------ the skeleton
+
+
+@dataclass
+class LoadedLayer:
+    """A decoder layer materialized for computing. On a MoE layer the experts inside `module` are an ExpertTap
+    (`tap`), and `gate_up`/`down` hold the source's routed experts in their stored dtype ([E, 2I, H] / [E, H, I]),
+    or None when the layer was materialized without them (a source whose experts are served otherwise)."""
+
+    index: int
+    module: torch.nn.Module
+    gate_up: torch.Tensor | None
+    down: torch.Tensor | None
+    act_fn: Callable | None
+    tap: torch.nn.Module | None  # the hexq.simulate.ExpertTap standing in for the experts
+    shapes: tuple[int, tuple[int, int], tuple[int, int]] | None = None  # (experts, gate_up [2I, H], down [H, I])
+    hooks: list = field(default_factory=list)  # handles of hooks attached while materialized (removed at exit)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.tap is not None
+
+
+def _persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str]]:
+    found = []
+    for prefix, sub in module.named_modules():
+        for name in sub._buffers:
+            if name not in sub._non_persistent_buffers_set and sub._buffers[name] is not None:
+                found.append((f"{prefix}.{name}" if prefix else name, sub, name))
+    return found
+
+
+def _tensor_slots(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str, bool]]:
+    """(name relative to module, owner, attribute, is_parameter) of every parameter and persistent buffer."""
+    slots = []
+    for prefix, sub in module.named_modules():
+        for name, param in sub._parameters.items():
+            if param is not None:
+                slots.append((f"{prefix}.{name}" if prefix else name, sub, name, True))
+    slots += [(name, sub, attr, False) for name, sub, attr in _persistent_buffers(module)]
+    return slots
+
+
+def _put(owner: torch.nn.Module, attr: str, value: torch.Tensor, is_parameter: bool) -> None:
+    if is_parameter:
+        owner._parameters[attr] = torch.nn.Parameter(value, requires_grad=False)
+    else:
+        owner._buffers[attr] = value
+
+
+def _to_meta(module: torch.nn.Module) -> None:
+    """Put every parameter and persistent buffer back on the meta device (frees them); non-persistent buffers (e.g.
+    rotary frequencies computed at construction) are kept, since no source can give them back."""
+    for _name, owner, attr, is_parameter in _tensor_slots(module):
+        current = owner._parameters[attr] if is_parameter else owner._buffers[attr]
+        _put(owner, attr, torch.empty_like(current, device="meta"), is_parameter)
+
+
+class StreamedModel:
+    """The skeleton of a causal MoE model with parameters on the meta device; see the module docstring."""
+
+    def __init__(self, config, source: LayerSource, device: torch.device,
+                 compute_dtype: torch.dtype = torch.float32) -> None:
+        from accelerate import init_empty_weights
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        self.config, self.source, self.device, self.dtype = config, source, device, compute_dtype
+        self.adapter: MoEAdapter = adapter_for(config.model_type)
+        with init_empty_weights(include_buffers=False):  # parameters on meta; buffers (rotary) real
+            model = AutoModelForCausalLM.from_config(config)
+        for module in model.modules():  # non-persistent buffers (rotary inv_freq) to the compute device
+            for name, buffer in module._buffers.items():
+                if buffer is not None and buffer.device.type != "meta":
+                    module._buffers[name] = buffer.to(device)
+        self.model = model.eval()
+        # per layer: (num_experts, gate_up [2I, H], down [H, I]) from the skeleton, or None for a dense layer
+        self.moe_shapes: list[tuple[int, tuple[int, int], tuple[int, int]] | None] = []
+        for layer in self.layers:
+            experts = getattr(getattr(layer, self.adapter.moe, None), self.adapter.experts, None)
+            self.moe_shapes.append(None if experts is None else (
+                experts.gate_up_proj.shape[0], tuple(experts.gate_up_proj.shape[1:]),
+                tuple(experts.down_proj.shape[1:])))
+
+    # ------------------------------------------------------------------------------------------ structure
+
+    @property
+    def layers(self) -> torch.nn.ModuleList:
+        return self.model.model.layers
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def experts_module(self, index: int) -> torch.nn.Module | None:
+        """The routed-experts module of layer `index` (outside a `layer()` block), or None for a dense layer (e.g.
+        DeepSeek's first layers)."""
+        moe = getattr(self.layers[index], self.adapter.moe, None)
+        return getattr(moe, self.adapter.experts, None) if moe is not None else None
+
+    def is_moe(self, index: int) -> bool:
+        return self.moe_shapes[index] is not None
+
+    def expert_shapes(self, index: int) -> tuple[int, tuple[int, int], tuple[int, int]]:
+        """(num_experts, gate_up [2I, H], down [H, I]) of a MoE layer."""
+        return self.moe_shapes[index]
+
+    # ------------------------------------------------------------------------------------------ materializing
+
+    def _materialize(self, module: torch.nn.Module, prefix: str, skip: str | None = None) -> None:
+        for name, owner, attr, is_parameter in _tensor_slots(module):
+            if skip is not None and (name == skip or name.startswith(skip + ".")):
+                continue
+            current = owner._parameters[attr] if is_parameter else owner._buffers[attr]
+            stored = self.source.read_param(prefix + name, tuple(current.shape))
+            dtype = self.dtype if stored.is_floating_point() else stored.dtype
+            _put(owner, attr, stored.to(device=self.device, dtype=dtype), is_parameter)
+
+    @contextmanager
+    def layer(self, index: int, experts: bool = True) -> Iterator[LoadedLayer]:
+        """Layer `index` materialized (dense part in the compute dtype on the device; routed experts, when
+        `experts`, in their stored dtype on the CPU, behind an ExpertTap), put back on meta when the block ends."""
+        from hexq.simulate import ExpertTap
+
+        layer = self.layers[index]
+        prefix = f"model.layers.{index}."
+        original = self.experts_module(index)
+        gate_up = down = act_fn = tap = loaded = None
+        try:
+            if original is None:
+                self._materialize(layer, prefix)
+            else:
+                num, gate_up_shape, down_shape = self.expert_shapes(index)
+                self._materialize(layer, prefix, skip=self.experts_path)
+                if experts:
+                    gate_up, down = self.source.read_fused_experts(prefix + self.experts_path, num, gate_up_shape,
+                                                                   down_shape)
+                act_fn = original.act_fn
+                tap = ExpertTap(num)
+                setattr(getattr(layer, self.adapter.moe), self.adapter.experts, tap)
+            loaded = LoadedLayer(index, layer, gate_up, down, act_fn, tap, self.moe_shapes[index])
+            yield loaded
+        finally:
+            for handle in loaded.hooks if loaded is not None else []:
+                handle.remove()
+            if original is not None:
+                setattr(getattr(layer, self.adapter.moe), self.adapter.experts, original)
+            _to_meta(layer)
+
+    @property
+    def experts_path(self) -> str:
+        """The routed experts' module path relative to a decoder layer (e.g. mlp.experts)."""
+        return f"{self.adapter.moe}.{self.adapter.experts}"
+
+    def materialize_dense(self) -> None:
+        """Materialize, for good, every parameter except the routed experts (which stay on meta): the dense part a
+        server keeps resident (`hexq run`)."""
+        for index, layer in enumerate(self.layers):
+            self._materialize(layer, f"model.layers.{index}.", skip=self.experts_path if self.is_moe(index) else None)
+        for name in ("model.embed_tokens", "model.norm", "lm_head"):
+            self._materialize_top(self.model.get_submodule(name), name)
+
+    @contextmanager
+    def parts(self, *names: str) -> Iterator[None]:
+        """Materialize top-level modules (e.g. "model.embed_tokens", "model.norm", "lm_head") for the block."""
+        modules = [self.model.get_submodule(name) for name in names]
+        try:
+            for name, module in zip(names, modules, strict=True):
+                self._materialize_top(module, name)
+            yield
+        finally:
+            for module in modules:
+                _to_meta(module)
+
+    def _materialize_top(self, module: torch.nn.Module, name: str) -> None:
+        tied = name == "lm_head" and getattr(self.config, "tie_word_embeddings", False)
+        for rel, owner, attr, is_parameter in _tensor_slots(module):
+            current = owner._parameters[attr] if is_parameter else owner._buffers[attr]
+            key = f"{name}.{rel}"
+            if tied and not self.source_has(key):
+                key = "model.embed_tokens.weight"
+            stored = self.source.read_param(key, tuple(current.shape))
+            _put(owner, attr, stored.to(device=self.device, dtype=self.dtype), is_parameter)
+
+    def source_has(self, key: str) -> bool:
+        has = getattr(self.source, "has_param", None)
+        return bool(has(key)) if has is not None else True
+
+    # ------------------------------------------------------------------------------------------ the two ends
+
+    @torch.no_grad()
+    def layer_inputs(self, ids: torch.Tensor, batch_size: int, store: HiddenStore) -> list[dict]:
+        """Hidden states entering layer 0 for every batch of windows ids [N, L] (appended to `store`), and each
+        batch's layer kwargs (attention mask, position ids and embeddings), computed by the model's own code."""
+        base = self.model.model
+        layers, norm, recorder = base.layers, base.norm, Recorder()
+        with self.parts("model.embed_tokens"):
+            base.layers, base.norm = torch.nn.ModuleList([recorder]), torch.nn.Identity()
+            try:
+                for batch in ids.split(batch_size):
+                    base(input_ids=batch.to(self.device), use_cache=False)
+            finally:
+                base.layers, base.norm = layers, norm
+        kwargs = []
+        for seen in recorder.seen:
+            store.append(seen.hidden)
+            kwargs.append(seen.kwargs)
+        return kwargs
+
+    @torch.no_grad()
+    def head_nll(self, hidden: HiddenStore, ids: torch.Tensor, batch_size: int, positions: int = 1024) -> torch.Tensor:
+        """Summed next-token NLL of each window [N] (float64) from the last layer's outputs: final norm and head
+        materialized once, logits computed `positions` at a time so that a large vocabulary never needs
+        [batch, seqlen, vocab] at once."""
+        out = []
+        with self.parts("model.norm", "lm_head"):
+            norm, head = self.model.model.norm, self.model.lm_head
+            for index, batch in enumerate(ids.split(batch_size)):
+                states = norm(hidden[index].to(self.device))
+                flat = states[:, :-1].reshape(-1, states.shape[-1])
+                targets = batch[:, 1:].reshape(-1).to(self.device)
+                nll = torch.empty(targets.shape[0], dtype=torch.float32, device=self.device)
+                for start in range(0, targets.shape[0], positions):
+                    logits = head(flat[start:start + positions]).float()
+                    nll[start:start + positions] = F.cross_entropy(logits, targets[start:start + positions],
+                                                                   reduction="none")
+                out.append(nll.reshape(batch.shape[0], -1).sum(dim=1).double().cpu())
+        return torch.cat(out)
+
+
+# ------------------------------------------------------------------------------------------ one layer, all batches
+
+# Bytes of compute-ready expert weights materialized at once when experts are computed one chunk at a time.
+EXPERT_CHUNK_BYTES = 512 * 2**20
+
+
+def expert_chunk(gate_up_shape: tuple[int, int], down_shape: tuple[int, int], dtype: torch.dtype,
+                 budget_bytes: int = EXPERT_CHUNK_BYTES) -> int:
+    """How many experts fit in `budget_bytes` when materialized in `dtype` (at least one)."""
+    per_expert = (gate_up_shape[0] * gate_up_shape[1] + down_shape[0] * down_shape[1]) * torch.finfo(dtype).bits // 8
+    return max(1, budget_bytes // per_expert)
+
+
+def stored_weights(loaded: LoadedLayer, device: torch.device, dtype: torch.dtype):
+    """weights_of for a layer's own (full-precision) experts: the chunk upcast from the stored dtype."""
+
+    def weights_of(experts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        return (loaded.gate_up[experts].to(device=device, dtype=dtype),
+                loaded.down[experts].to(device=device, dtype=dtype))
+
+    return weights_of
+
+
+@dataclass(frozen=True)
+class ExpertCompute:
+    """How a streamed layer's routed experts are computed: compute-ready weights per chunk of expert ids, the
+    activation quantizers of their inputs, and the chunk size."""
+
+    weights_of: Callable[[list[int]], tuple[torch.Tensor, torch.Tensor]]
+    input_quant: object | None = None
+    mid_quant: object | None = None
+    chunk: int = 1
+
+
+@torch.no_grad()
+def run_layer(loaded: LoadedLayer, hidden: HiddenStore, kwargs: list[dict], out: HiddenStore | None,
+              experts: ExpertCompute | None, progress: Callable[[int, int], None] | None = None):
+    """Every batch of `hidden` through the materialized layer, outputs appended to `out` (None: a pass whose
+    outputs are not needed, e.g. one that only feeds hooks). On a MoE layer the routed experts' output is added
+    expert by expert (hexq.simulate.routed_outputs) when `experts` is given; returns what the experts received
+    (hexq.simulate.RoutedTokens), or None on a dense layer."""
+    from hexq.simulate import routed_outputs
+
+    device = next(loaded.module.parameters()).device
+    for index in range(len(hidden)):
+        result = loaded.module(hidden[index].to(device), **kwargs[index])
+        if out is not None:
+            out.append(result[0] if isinstance(result, tuple) else result)
+    if not loaded.is_moe:
+        return None
+    routed = loaded.tap.take()
+    if experts is not None and out is not None:
+        y = routed_outputs(routed, experts.weights_of, loaded.act_fn, experts.input_quant, experts.mid_quant,
+                           experts.chunk, progress)
+        start = len(out) - len(hidden)
+        for offset, part in enumerate(routed.split(y)):
+            current = out[start + offset]
+            out[start + offset] = current + part.reshape(current.shape)
+    return routed
+
+
+LayerPlan = Callable[[LoadedLayer], "ExpertCompute | None"]
+
+
+@torch.no_grad()
+def stream_layers(streamed: StreamedModel, windows: torch.Tensor, batch_size: int, prepare: LayerPlan,
+                  activation_limit: int | None = None, spill_dir: Path | None = None,
+                  progress: Progress | None = None) -> HiddenStore:
+    """The last decoder layer's outputs for windows [N, L] (one entry per batch), every window through layer l
+    before layer l+1 is read. prepare(loaded) makes a materialized layer compute as the evaluated model does (e.g.
+    quantized weights) and says how its routed experts are computed; the source's own experts are read only if
+    prepare.reads_experts. The caller closes the returned store."""
+    reads_experts = getattr(prepare, "reads_experts", False)
+    hidden = HiddenStore(activation_limit, spill_dir)
+    try:
+        kwargs = streamed.layer_inputs(windows, batch_size, hidden)
+        for index in range(streamed.num_layers):
+            with streamed.layer(index, experts=reads_experts) as loaded:
+                experts = prepare(loaded)
+                outputs = HiddenStore(activation_limit, spill_dir)
+                run_layer(loaded, hidden, kwargs, outputs, experts)
+            hidden.close()
+            hidden = outputs
+            if progress:
+                progress("layers", index + 1, streamed.num_layers)
+    except BaseException:
+        hidden.close()
+        raise
+    return hidden
+
+
+def stream_nll(streamed: StreamedModel, windows: torch.Tensor, batch_size: int, prepare: LayerPlan,
+               activation_limit: int | None = None, spill_dir: Path | None = None,
+               progress: Progress | None = None) -> torch.Tensor:
+    """Summed next-token NLL of each window [N] (float64), streamed (see stream_layers)."""
+    hidden = stream_layers(streamed, windows, batch_size, prepare, activation_limit, spill_dir, progress)
+    try:
+        return streamed.head_nll(hidden, windows, batch_size)
+    finally:
+        hidden.close()
+
+
+@torch.no_grad()
+def stream_logits(streamed: StreamedModel, windows: torch.Tensor, prepare: LayerPlan,
+                  batch_size: int = 8) -> torch.Tensor:
+    """Logits [N, L, vocab] (float32) of windows, streamed: for checks on small models and few windows."""
+    hidden = stream_layers(streamed, windows, batch_size, prepare)
+    try:
+        with streamed.parts("model.norm", "lm_head"):
+            norm, head = streamed.model.model.norm, streamed.model.lm_head
+            return torch.cat([head(norm(h.to(streamed.device))).float().cpu() for h in hidden])
+    finally:
+        hidden.close()
+
+
+def full_precision_plan(streamed: StreamedModel) -> LayerPlan:
+    """The checkpoint's own model: experts upcast chunk by chunk to the compute dtype."""
+
+    def prepare(loaded: LoadedLayer) -> ExpertCompute | None:
+        if not loaded.is_moe:
+            return None
+        chunk = expert_chunk(tuple(loaded.gate_up.shape[1:]), tuple(loaded.down.shape[1:]), streamed.dtype)
+        return ExpertCompute(stored_weights(loaded, streamed.device, streamed.dtype), chunk=chunk)
+
+    prepare.reads_experts = True
+    return prepare
