@@ -137,8 +137,8 @@ class Checkpoint:
             return f"{prefix}.{expert}.{projection}.weight"
 
         first = self.read_param(expert_key(0, gate_name), (inner, gate_up_shape[1]))
-        gate_up = torch.empty((num_experts, *gate_up_shape), dtype=first.dtype)
-        down = torch.empty((num_experts, *down_shape), dtype=first.dtype)
+        gate_up = torch.empty((num_experts, *gate_up_shape), dtype=first.dtype, device=first.device)
+        down = torch.empty((num_experts, *down_shape), dtype=first.dtype, device=first.device)
         for expert in range(num_experts):
             gate_up[expert, :inner] = self.read_param(expert_key(expert, gate_name), (inner, gate_up_shape[1]))
             gate_up[expert, inner:] = self.read_param(expert_key(expert, up_name), (inner, gate_up_shape[1]))

@@ -146,8 +146,8 @@ def sample_windows(token_ids: torch.Tensor, n: int, seqlen: int, seed: int) -> T
     total = int(token_ids.numel())
     if total < seqlen + 1:
         raise HexqError(f"text too short: {total} tokens, need more than {seqlen} for one window")
-    generator = torch.Generator().manual_seed(seed)
-    starts = torch.randint(0, total - seqlen, (n,), generator=generator)
+    generator = torch.Generator(device=token_ids.device).manual_seed(seed)
+    starts = torch.randint(0, total - seqlen, (n,), generator=generator, device=generator.device)
     return TokenWindows(torch.stack([token_ids[s : s + seqlen] for s in starts.tolist()]), total)
 
 
@@ -156,7 +156,7 @@ def tokenize(tokenizer, text: str) -> torch.Tensor:
     if not text.strip():
         raise HexqError("text is empty")
     ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
-    return torch.tensor(ids, dtype=torch.long)
+    return torch.tensor(ids, dtype=torch.long, device="cpu")  # token ids are born on the CPU, like the text
 
 
 def calibration_windows(tokenizer, source: str, n: int, seqlen: int, seed: int = 0) -> TokenWindows:

@@ -54,8 +54,7 @@ class ActQuantizer:
         if self.dynamic:
             return fake_quantize_activations(x, self.bits, per_token=True, symmetric=self.symmetric)
         spec = QuantSpec(bits=self.bits, symmetric=self.symmetric)
-        scale, zero = grid_params(torch.tensor([[self.low, self.high]], dtype=torch.float32), spec)
-        scale, zero = scale.to(x.device), zero.to(x.device)
+        scale, zero = grid_params(torch.tensor([[self.low, self.high]], dtype=torch.float32, device=x.device), spec)
         return ((quantize_to_grid(x.float(), scale, zero, spec.qmax) - zero) * scale).to(x.dtype)
 
 

@@ -101,3 +101,47 @@ def mixed_artifact(mixed_calibration, tmp_path_factory):
     out = tmp_path_factory.mktemp("pack") / "mixed-2.5.hexq"
     pack(mixed_calibration[0], out, budget=Budget(avg_bits=2.5))
     return out
+
+
+class HexqFactoriesOnMeta:
+    """A torch function mode: every tensor factory (torch.zeros, torch.tensor, torch.arange, ...) called from hexq's
+    own code without an explicit device creates its tensor on the meta device, as `torch.set_default_device("meta")`
+    would, while third-party code (tokenizers, transformers) keeps the CPU default. A hexq tensor created without
+    the device of the data it joins then fails loudly when it meets that data - the bug that crashes a CUDA run,
+    caught on a machine without a GPU."""
+
+    def __init__(self):
+        from torch.overrides import TorchFunctionMode
+        from torch.utils._device import _device_constructors
+
+        # torch.asarray is left out: safetensors' get_slice calls it from native code on behalf of the reader (with
+        # no Python frame of its own), so it would look like a hexq call; hexq builds tensors with torch.tensor.
+        constructors = _device_constructors() - {torch.asarray}
+
+        class Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                if func in constructors and kwargs.get("device") is None and _called_from_hexq():
+                    kwargs["device"] = "meta"
+                return func(*args, **kwargs)
+
+        self.mode = Mode()
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)
+
+
+def _called_from_hexq() -> bool:
+    import sys
+
+    frame = sys._getframe(2)
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if not module.startswith("torch"):
+            return module == "hexq" or module.startswith("hexq.")
+        frame = frame.f_back
+    return False

@@ -89,7 +89,7 @@ def prefix_split(loss: torch.Tensor, order: Sequence[int] | torch.Tensor, avg_bi
         raise ValueError(f"avg_bits={avg_bits} is infeasible: every expert gets at least 1 bit, so the minimum "
                          f"is avg_bits=1 ({E} bits for {E} experts)")
     R = avg_bit_budget(avg_bits, E) - E
-    zero = torch.zeros(1, 3, dtype=torch.float64)
+    zero = torch.zeros(1, 3, dtype=torch.float64, device=table.device)
     C = torch.cat([zero, torch.cumsum(table[:, :1] - table[:, 1:], dim=0)]).T.tolist()  # C[b-2][k] = C_b(k)
     C2, C3, C4 = C
     best, best_n = -math.inf, (0, 0, 0)
@@ -136,7 +136,7 @@ def allocate(loss: torch.Tensor, bits: Sequence[int], order: Sequence[int] | tor
     if K == 1 or E == 0:
         return _to_experts([0] * E, bits, ids)
 
-    D = torch.cat([torch.zeros(1, K - 1, dtype=torch.float64),
+    D = torch.cat([torch.zeros(1, K - 1, dtype=torch.float64, device=table.device),
                    torch.cumsum(table[:, 1:] - table[:, :-1], dim=0)])  # D[m, k-1] = D_k(m)
     steps = [c2 - c1 for c1, c2 in zip(costs, costs[1:], strict=False)]
     g = math.gcd(*steps[1:]) if K > 2 else 1
@@ -148,9 +148,9 @@ def allocate(loss: torch.Tensor, bits: Sequence[int], order: Sequence[int] | tor
         raise ValueError(f"costs {costs} need a DP over {units + 1} budget units; costs above the lowest width "
                          "should share a large common divisor (bytes A * b + O do: A times the bit step)")
 
-    m = torch.arange(E + 1)
-    u = torch.arange(units + 1)
-    G = torch.zeros(E + 1, units + 1, dtype=torch.float64)
+    m = torch.arange(E + 1, device=table.device)
+    u = torch.arange(units + 1, device=table.device)
+    G = torch.zeros(E + 1, units + 1, dtype=torch.float64, device=table.device)
     choice: dict[int, torch.Tensor] = {}
     for k in range(K - 1, 1, -1):
         src = u[None, :] - m[:, None] * w[k - 2]
@@ -189,7 +189,7 @@ def assignment_loss(loss: torch.Tensor, bits: Sequence[int], assignment: Sequenc
     bits = [int(b) for b in bits]
     if len(assignment) != loss.shape[0] or any(int(b) not in bits for b in assignment):
         raise ValueError(f"assignment must give one width from {bits} per expert ({loss.shape[0]}), got {assignment}")
-    cols = torch.tensor([bits.index(int(b)) for b in assignment], dtype=torch.long)
+    cols = torch.tensor([bits.index(int(b)) for b in assignment], dtype=torch.long, device=loss.device)
     return float(loss.to(torch.float64).gather(1, cols[:, None]).sum())
 
 
@@ -202,7 +202,7 @@ def average_bits(assignment: Sequence[int]) -> float:
 
 def shuffled_like(bits_per_expert: Sequence[int], seed: int) -> list[int]:
     """Importance-blind baseline: the same widths (same histogram, same budget) randomly permuted across experts."""
-    perm = torch.randperm(len(bits_per_expert), generator=torch.Generator().manual_seed(seed))
+    perm = torch.randperm(len(bits_per_expert), generator=torch.Generator().manual_seed(seed), device="cpu")
     return [int(bits_per_expert[i]) for i in perm.tolist()]
 
 

@@ -52,7 +52,7 @@ def check_trace(topk: torch.Tensor, num_experts: int) -> None:
 
 def stack_trace(calls: list[list[torch.Tensor]]) -> torch.Tensor:
     """Per layer, a list of router calls [T_i, k] -> trace [L, T, k] (what `capture_router_topk` records)."""
-    layers = [torch.cat(layer_calls) if layer_calls else torch.zeros(0, 0, dtype=torch.int16) for layer_calls in calls]
+    layers = [torch.cat(layer_calls) if layer_calls else torch.zeros(0, 0, dtype=torch.int16, device="cpu") for layer_calls in calls]
     if len({tuple(layer.shape) for layer in layers}) != 1:
         shapes = ", ".join(str(tuple(layer.shape)) for layer in layers)
         raise ValueError(f"layers saw different tokens ({shapes}); a trace needs every layer to route the same ones")
@@ -70,7 +70,7 @@ def transition_counts(topk: torch.Tensor, num_experts: int) -> torch.Tensor:
     check_trace(topk, num_experts)
     E = num_experts
     ids = topk.long()
-    out = torch.zeros(ids.shape[0] - 1, E, E, dtype=torch.long)
+    out = torch.zeros(ids.shape[0] - 1, E, E, dtype=torch.long, device=ids.device)
     for layer in range(ids.shape[0] - 1):
         pairs = ids[layer][:, :, None] * E + ids[layer + 1][:, None, :]  # [T, k, k]: every (a, b) pair of a token
         out[layer] = torch.bincount(pairs.reshape(-1), minlength=E * E).view(E, E)
@@ -80,7 +80,7 @@ def transition_counts(topk: torch.Tensor, num_experts: int) -> torch.Tensor:
 def path_scores(topk: torch.Tensor, num_experts: int) -> torch.Tensor:
     """[L, E] int64: count of the hottest transition each expert lies on, into or out of its layer."""
     trans = transition_counts(topk, num_experts)
-    scores = torch.zeros(topk.shape[0], num_experts, dtype=torch.long)
+    scores = torch.zeros(topk.shape[0], num_experts, dtype=torch.long, device=topk.device)
     if trans.shape[0]:
         scores[:-1] = trans.amax(dim=2)  # out of layer l
         scores[1:] = torch.maximum(scores[1:], trans.amax(dim=1))  # into layer l+1
@@ -91,14 +91,14 @@ def ranked(*keys: torch.Tensor) -> torch.Tensor:
     """[L, E] expert ids of each layer, best first, by the [L, E] keys (most significant first, larger is better),
     remaining ties by ascending id: stable sorts from the least significant key up."""
     L, E = keys[0].shape
-    order = torch.arange(E).expand(L, E)
+    order = torch.arange(E, device=keys[0].device).expand(L, E)
     for key in reversed(keys):
         order = order.gather(1, torch.sort(key.gather(1, order), dim=1, descending=True, stable=True).indices)
     return order
 
 
 def first_k_mask(order: torch.Tensor, K: int) -> torch.Tensor:
-    return torch.zeros(order.shape, dtype=torch.bool).scatter_(1, order[:, :K], True)
+    return torch.zeros(order.shape, dtype=torch.bool, device=order.device).scatter_(1, order[:, :K], True)
 
 
 def check_k(K: int, num_experts: int) -> None:
@@ -118,7 +118,7 @@ def global_frequency_placement(counts: torch.Tensor, total: int) -> torch.Tensor
     L, E = counts.shape
     check_k(total, L * E)
     order = torch.sort(counts.reshape(-1), descending=True, stable=True).indices[:total]  # ties: layer, then id
-    return torch.zeros(L * E, dtype=torch.bool).scatter_(0, order, True).view(L, E)
+    return torch.zeros(L * E, dtype=torch.bool, device=order.device).scatter_(0, order, True).view(L, E)
 
 
 def path_placement(topk: torch.Tensor, num_experts: int, K: int) -> torch.Tensor:

@@ -164,7 +164,7 @@ class RoutingStats:
         from hexq.calib.routing import add_routing
 
         num_experts = routed.num_experts
-        counts = torch.zeros(num_experts, dtype=torch.long)
-        score_sums = torch.zeros(num_experts, dtype=torch.float64)
+        counts = torch.zeros(num_experts, dtype=torch.long, device="cpu")
+        score_sums = torch.zeros(num_experts, dtype=torch.float64, device="cpu")
         add_routing(counts, score_sums, routed.weights, routed.index)
         return cls(counts, score_sums, routed.index.to(torch.int16).cpu())

@@ -151,7 +151,7 @@ def smooth_layer(loaded: LoadedLayer, adapter: MoEAdapter, hidden: HiddenStore, 
     layer = loaded.module
     groups = {group.name: group for group in smoothing_groups(layer, adapter)}
     for group in groups.values():
-        tensors[f"smooth.{group.name}"] = torch.ones(group.channels)
+        tensors[f"smooth.{group.name}"] = torch.ones(group.channels, device="cpu")
     method = recipe.smoothing.method
     if method == "none":
         return {}, None
@@ -178,7 +178,7 @@ def smooth_layer(loaded: LoadedLayer, adapter: MoEAdapter, hidden: HiddenStore, 
             entry["skipped"] = "activations of this group are not quantized: the W8A8 objective has nothing to fix"
             continue
         else:
-            picked = torch.randperm(x.shape[0], generator=generator)[: recipe.smoothing.max_tokens]
+            picked = torch.randperm(x.shape[0], generator=generator, device="cpu")[: recipe.smoothing.max_tokens]
             sample = x[picked.to(x.device)]
             bits = default_expert_bits(recipe) if name == MOE_IN else None
             search = search_exponent(weights, sample, act_max, recipe.smoothing.grid_step,
@@ -217,7 +217,7 @@ def quantize_dense_linears(layer: torch.nn.Module, adapter: MoEAdapter, stats: d
         (result,) = quantize_bank(module.weight, site.hessian, recipe.weights, (recipe.weights.bits,),
                                   site.abs_max).values()
         put_packed(tensors, f"linear.{name}", *result)
-        tensors[f"act.{name}"] = torch.tensor([site.low, site.high])
+        tensors[f"act.{name}"] = torch.tensor([site.low, site.high], device="cpu")
 
 
 def quantize_routed_experts(loaded: LoadedLayer, routed: RoutedTokens, weights_of, recipe: Recipe, tensors: dict,
@@ -261,9 +261,10 @@ def quantize_routed_experts(loaded: LoadedLayer, routed: RoutedTokens, weights_o
         if progress:
             progress("experts", experts[-1] + 1, num_experts)
     tensors.update(bank.tensors)
-    tensors["experts.tokens"] = torch.tensor([routed.count(e) for e in range(num_experts)], dtype=torch.long)
-    tensors["act.experts.input"] = torch.tensor([input_low, input_high])
-    tensors["act.experts.mid"] = torch.tensor([mid_low, mid_high])
+    tensors["experts.tokens"] = torch.tensor([routed.count(e) for e in range(num_experts)], dtype=torch.long,
+                                            device="cpu")
+    tensors["act.experts.input"] = torch.tensor([input_low, input_high], device="cpu")
+    tensors["act.experts.mid"] = torch.tensor([mid_low, mid_high], device="cpu")
     return fallback
 
 
@@ -333,9 +334,9 @@ def loss_table(routed: RoutedTokens, weights_of, tensors: dict, bits_list: tuple
     full-precision expert on the tokens routed to it (002 §4.2), tensors["loss_table.skip"] [E] with the MSE of
     skipping the expert (output 0); return the experts' combined output [T, H] at the propagated width."""
     num_experts = routed.num_experts
-    sse = torch.zeros(num_experts, len(bits_list), dtype=torch.float64)
-    skip_sse = torch.zeros(num_experts, dtype=torch.float64)
-    tokens = torch.tensor([routed.count(e) for e in range(num_experts)], dtype=torch.long)
+    sse = torch.zeros(num_experts, len(bits_list), dtype=torch.float64, device="cpu")
+    skip_sse = torch.zeros(num_experts, dtype=torch.float64, device="cpu")
+    tokens = torch.tensor([routed.count(e) for e in range(num_experts)], dtype=torch.long, device="cpu")
     out = torch.zeros_like(routed.x)
     for start in range(0, num_experts, chunk):
         experts = list(range(start, min(start + chunk, num_experts)))
@@ -363,7 +364,7 @@ def loss_table(routed: RoutedTokens, weights_of, tensors: dict, bits_list: tuple
     tensors["loss_table"] = sse / elements[:, None]
     tensors["loss_table.skip"] = skip_sse / elements  # 004's "0 bits": the MSE of dropping the expert
     tensors["loss_table.tokens"] = tokens
-    tensors["loss_table.bits"] = torch.tensor(bits_list, dtype=torch.int64)
+    tensors["loss_table.bits"] = torch.tensor(bits_list, dtype=torch.int64, device="cpu")
     return out
 
 

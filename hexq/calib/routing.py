@@ -62,8 +62,8 @@ def on_router_calls(model, adapter: MoEAdapter, record: Callable[[int, torch.Ten
 def capture_router_counts(model, adapter: MoEAdapter, num_experts: int):
     """Within the block, every forward pass adds its routing decisions to the yielded RouterCounts."""
     layers = len(moe_routers(model, adapter))
-    stats = RouterCounts(torch.zeros(layers, num_experts, dtype=torch.long),
-                         torch.zeros(layers, num_experts, dtype=torch.float64))
+    stats = RouterCounts(torch.zeros(layers, num_experts, dtype=torch.long, device="cpu"),
+                         torch.zeros(layers, num_experts, dtype=torch.float64, device="cpu"))
 
     def record(layer: int, scores: torch.Tensor, indices: torch.Tensor) -> None:
         add_routing(stats.counts[layer], stats.score_sums[layer], scores, indices)

@@ -165,10 +165,10 @@ class ExpertBank:
             groups = cols // group_sizes[projection]
             for bits in bits_list:
                 prefix = bank_prefix(projection, bits)
-                self.tensors[f"{prefix}.codes"] = torch.zeros(num_experts, packed_nbytes(rows * cols, bits),
+                self.tensors[f"{prefix}.codes"] = torch.zeros(num_experts, packed_nbytes(rows * cols, bits), device="cpu",
                                                               dtype=torch.uint8)
-                self.tensors[f"{prefix}.scale"] = torch.zeros(num_experts, rows, groups, dtype=SCALE_DTYPE)
-                self.tensors[f"{prefix}.zero"] = torch.zeros(num_experts, rows, groups, dtype=SCALE_DTYPE)
+                self.tensors[f"{prefix}.scale"] = torch.zeros(num_experts, rows, groups, dtype=SCALE_DTYPE, device="cpu")
+                self.tensors[f"{prefix}.zero"] = torch.zeros(num_experts, rows, groups, dtype=SCALE_DTYPE, device="cpu")
 
     def put(self, projection: str, bits: int, experts: list[int], codes: torch.Tensor, scale: torch.Tensor,
             zero: torch.Tensor) -> None:

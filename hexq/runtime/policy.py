@@ -178,7 +178,7 @@ class StaticPolicy(_Policy):
 
     def __init__(self, context: PolicyContext):
         super().__init__(context)
-        self._widths = torch.tensor(context.allocation, dtype=torch.long)
+        self._widths = torch.tensor(context.allocation, dtype=torch.long, device="cpu")
 
     def choose(self, layer: int, indices: torch.Tensor, scores: torch.Tensor, prefill: bool) -> torch.Tensor:
         self._check_routing(layer, indices, scores)
@@ -225,7 +225,7 @@ class ContextPolicy(_Policy):
         self.bits = self._allowed_bits() if bits is None else sorted({self._width(b, b, "bits", True) for b in bits})
         if not self.bits or avg_bit_budget(context.avg_bits, context.num_experts) < context.num_experts * self.bits[0]:
             raise ValueError(f"avg_bits={context.avg_bits} is below the lowest allowed width of {self.bits}")
-        self._static = torch.tensor(context.allocation, dtype=torch.long)
+        self._static = torch.tensor(context.allocation, dtype=torch.long, device="cpu")
         self.begin_sequence()
 
     def _allowed_bits(self) -> list[int]:
@@ -234,8 +234,8 @@ class ContextPolicy(_Policy):
 
     def begin_sequence(self) -> None:
         shape = (self.context.num_layers, self.context.num_experts)
-        self._counts = torch.zeros(shape, dtype=torch.float64)
-        self._score_sums = torch.zeros(shape, dtype=torch.float64)
+        self._counts = torch.zeros(shape, dtype=torch.float64, device="cpu")
+        self._score_sums = torch.zeros(shape, dtype=torch.float64, device="cpu")
         self._plan: torch.Tensor | None = None  # [L, E] widths for the decode, set by end_prefill
         self._pending: list[Transition] = []
 
@@ -248,7 +248,7 @@ class ContextPolicy(_Policy):
                 continue  # the prompt told nothing about this layer: keep the artifact's plan
             loss = ctx.loss_columns(layer, self.bits)
             widths = context_widths(S[layer], ctx.allocation[layer], loss, self.bits, ctx.avg_bits, ctx.hot_experts)
-            plan[layer] = torch.tensor(widths)
+            plan[layer] = torch.tensor(widths, device="cpu")
         self._plan = plan
         promoted = (plan > self._static).nonzero().tolist()
         self._pending = [(layer, expert, int(plan[layer, expert])) for layer, expert in promoted]
@@ -294,10 +294,10 @@ class OnlinePolicy(_Policy):
             raise ValueError(f"low_bits={self.low_bits} is above high_bits={self.high_bits}")
         self.interval, self.beta, self.margin = interval, beta, margin
         L, E = context.num_layers, context.num_experts
-        self.hotness = torch.zeros(L, E, dtype=torch.float64)
-        self._counts = torch.zeros(L, E, dtype=torch.float64)  # routed (token, slot) pairs of the open interval
+        self.hotness = torch.zeros(L, E, dtype=torch.float64, device="cpu")
+        self._counts = torch.zeros(L, E, dtype=torch.float64, device="cpu")  # routed (token, slot) pairs of the open interval
         self._tokens = [0] * L  # tokens in the open interval
-        self.hot = torch.zeros(L, E, dtype=torch.bool)
+        self.hot = torch.zeros(L, E, dtype=torch.bool, device="cpu")
         for layer, row in enumerate(context.allocation):
             self.hot[layer, highest_width_experts(row, context.hot_experts)] = True
         self._queue: dict[tuple[int, int], int] = {}  # (layer, expert) -> bits; a later change replaces an earlier
@@ -312,7 +312,7 @@ class OnlinePolicy(_Policy):
     def _observe(self, layer: int, indices: torch.Tensor) -> None:
         """Count the tokens interval by interval, so a long prefill makes one EMA step per `interval` tokens."""
         E = self.context.num_experts
-        per_token = torch.zeros(indices.shape[0], E, dtype=torch.float64)
+        per_token = torch.zeros(indices.shape[0], E, dtype=torch.float64, device=indices.device)
         per_token.scatter_add_(1, indices, torch.ones_like(indices, dtype=torch.float64))
         start = 0
         while start < len(per_token):
