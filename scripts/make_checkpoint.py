@@ -496,7 +496,7 @@ def make_tensor(plan: TensorPlan, seed: int, alpha: float = 0.0) -> torch.Tensor
     rows = out.reshape(-1, plan.shape[-1]) if len(plan.shape) > 1 else out.reshape(1, -1)
     step = max(1, CHUNK_ELEMENTS // max(1, rows.shape[1]))
     for start in range(0, rows.shape[0], step):
-        chunk = torch.randn(rows[start:start + step].shape, generator=g, dtype=torch.float32) * plan.std
+        chunk = torch.randn(rows[start:start + step].shape, generator=g, dtype=torch.float32).mul_(plan.std)
         if plan.kind == "norm":
             chunk += 1.0
         elif scales is not None:  # rows of norm exactly s_e: logit std s_e on unit-RMS inputs, no chi noise
