@@ -3,70 +3,72 @@
     python scripts/make_checkpoint.py --family qwen3_moe --layers 2 --out DIR [--size published|tiny] [--seed 0]
         [--shard-size 2GB] [--skew 0.35] [--vocab N] [--force]
 
-From Python (tests and benchmarks): `from scripts.make_checkpoint import write_checkpoint`, then
-`write_checkpoint(out, "mixtral", size="tiny", layers=None, seed=0, **config_overrides) -> out`.
+From Python (tests, benchmarks): `from scripts.make_checkpoint import write_checkpoint` (run from the checkout root,
+as `python -m pytest` does), then `write_checkpoint(out, "mixtral", size="tiny", layers=None, seed=0,
+**config_overrides) -> out`; a tiny checkpoint of any family takes well under a second.
 
 What the folder holds
 - config.json: the published model's hub config.json (sources below) with these documented changes only:
   num_hidden_layers; the special token ids (bos/eos/pad) follow the tokenizer shipped in the folder (hexq's
-  byte-level BPE, id 0 = <|endoftext|>) while vocab_size keeps the published value, so embedding and head
-  shapes are real and every token id of the tokenizer stays valid; `auto_map` (remote code that is not shipped)
-  and DeepSeek-V3's fp8 `quantization_config` are dropped, since the weights are bf16 and transformers' own
-  classes load them; `architectures` names the transformers class (Phi-3.5-MoE's hub config names its remote
-  `PhiMoEForCausalLM`, transformers' class is `PhimoeForCausalLM`); DeepSeek-V3's multi-token-prediction layer
-  is not written (num_nextn_predict_layers 0); and for the DeepSeek families `first_k_dense_replace` is lowered
-  to layers - 1 when the requested layer count would otherwise hold no MoE layer.
-  --size tiny scales the same structure down (hidden 64, 8-16 experts, expert width 32, 2-3 layers with the
-  dense first layer where the family has one, vocab 8192) so a checkpoint is written and loaded in a second.
+  byte-level BPE, id 0 = <|endoftext|>) while vocab_size keeps the published value, so embedding and head shapes
+  are real and every token id of the tokenizer stays valid; `auto_map` (remote code, not shipped) and DeepSeek-V3's
+  fp8 `quantization_config` are dropped, since the weights are bf16 and transformers' own classes load them;
+  `architectures` names the transformers class (Phi-3.5-MoE's hub config names its remote `PhiMoEForCausalLM`);
+  DeepSeek-V3's multi-token-prediction layer is not written (num_nextn_predict_layers 0); for the DeepSeek families
+  `first_k_dense_replace` is lowered to layers - 1 when the layer count would otherwise hold no MoE layer.
+  --size tiny scales the same structure down (hidden 64, 8-16 experts, expert width 32, 2-3 layers with the dense
+  first layer where the family has one, vocab 8192; longrope factor lists resampled to the smaller head).
 - generation_config.json (the same token ids) and the tokenizer files (models/tokenizer).
-- The weights: bf16 safetensors, one tensor per expert and projection under the hub's key names (Mixtral and
-  PhiMoE `model.layers.{l}.block_sparse_moe.experts.{e}.w1/w2/w3.weight` with w1 = gate, w3 = up, w2 = down and
+- The weights: bf16 safetensors, one tensor per expert and projection under the hub's key names (Mixtral and PhiMoE
+  `model.layers.{l}.block_sparse_moe.experts.{e}.w1/w2/w3.weight`, w1 = gate, w3 = up, w2 = down, and
   `block_sparse_moe.gate.weight`; Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2/V3
-  `model.layers.{l}.mlp.experts.{e}.gate_proj/up_proj/down_proj.weight` and `mlp.gate.weight`), which
-  transformers 5.x fuses into `experts.gate_up_proj [E, 2I, H]` / `experts.down_proj [E, H, I]` on load.
-  Shards of about --shard-size (decimal units as on the hub: 2GB = 2e9 bytes) named
-  model-00001-of-0000N.safetensors, each with metadata {"format": "pt"}, and model.safetensors.index.json
-  {"metadata": {"total_size": bytes}, "weight_map": {key: shard}}; a checkpoint that fits one shard is a single
-  model.safetensors with no index, as save_pretrained writes it. Tensors go to shards in module order
-  (embeddings, layer 0 ... layer L-1, final norm, head), a new shard starting when the next tensor would overflow
-  the current one. Tiny checkpoints default to 1MB shards so that they are sharded like real ones.
+  `model.layers.{l}.mlp.experts.{e}.gate_proj/up_proj/down_proj.weight` and `mlp.gate.weight`), which transformers
+  5.x fuses into `experts.gate_up_proj [E, 2I, H]` / `experts.down_proj [E, H, I]` when loading. Shards of about
+  --shard-size (decimal units as on the hub: 2GB = 2e9 bytes) named model-00001-of-0000N.safetensors, each with
+  metadata {"format": "pt"}, and model.safetensors.index.json {"metadata": {"total_size": bytes}, "weight_map":
+  {key: shard}} with sorted keys; a checkpoint that fits one shard is a single model.safetensors without index, as
+  save_pretrained writes it. Tensors fill shards in module order (embeddings, layer 0 ... layer L-1, final norm,
+  head), a new shard starting when the next tensor would overflow. Tiny checkpoints default to 1MB shards, so they
+  are sharded like real ones.
 
-Weights (seeded, reproducible: every tensor has its own generator seeded from (seed, tensor name), so the same
-seed gives the same bytes whatever the shard size): linear weights N(0, 1/fan_in), so activations keep unit scale;
-the projections that write into the residual stream (o_proj, down_proj, w2) further scaled by 1/sqrt(2 L) for L
-decoder layers, as GPT-2 does, so that all the random blocks together add about as much as the token embedding at
-any depth; embeddings N(0, 1). Unit-RMS embeddings keep the token signal dominant in the random residual stream:
-with the usual N(0, 0.02^2) the common-mode output of the random attention swamps it, every token's router input
-points the same way, and a few experts take everything (tiny models, unskewed routers, forward pass over text:
-hottest quarter 46-66% of the slots, against 31-37% with unit embeddings). Norm weights 1 + N(0, 0.02^2) and
-biases N(0, 0.02^2) (not the init values 1 and 0, so a reader that silently skips a norm or a bias is caught by a
-value check); DeepSeek-V3's router `e_score_correction_bias` N(0, 0.01^2) in F32 as the hub stores it. Each tensor
-is generated (in float32 chunks of at most 16M elements), written through hexq.io.SafetensorsWriter and freed, so
-peak memory is about one bf16 tensor plus one chunk.
+Weights. Seeded and reproducible: each tensor has its own generator seeded from (seed, tensor name), so the same seed
+gives the same bytes whatever the shard size. Linear weights N(0, 1/fan_in), so activations keep unit scale; the
+projections that write into the residual stream (o_proj, down_proj, w2) further scaled by 1/sqrt(2 L) for L decoder
+layers, as GPT-2 does, so the random blocks together add about as much as the token embedding at any depth;
+embeddings N(0, 1). Unit-RMS embeddings keep the token signal dominant in the random residual stream: with the usual
+N(0, 0.02^2) the common-mode output of the random attention swamps it, every token's router input points the same
+way and a few experts take most slots (tiny models, unskewed routers, forward pass over text: hottest quarter 39-61%
+of the slots, against 32-35% with unit embeddings). Norm weights 1 + N(0, 0.02^2) and biases N(0, 0.02^2), not the
+init values 1 and 0, so a reader that silently skips a norm or a bias fails a value check; DeepSeek-V3's router
+`e_score_correction_bias` N(0, 0.01^2) in F32, as the hub stores it. Each tensor is generated in float32 chunks of
+at most 16M elements, written through hexq.io.SafetensorsWriter and freed: peak memory is about one bf16 tensor
+plus one chunk (measured with /usr/bin/time -f %M, one published layer: Qwen3-30B-A3B 0.97 GB RSS for a 2.49 GB
+checkpoint in 39 s, Mixtral-8x7B 0.64 GB for 3.43 GB in 45 s, on 2 shared cores; Python with torch alone: 0.23 GB).
 
-Router skew. Real routers are skewed: in hexq's trained reference models the hottest 25% of experts take
-~31-43% of the routed (token, slot) pairs. Here every router row e of layer l is scaled by s_e = exp(alpha * q_e),
-where q is the standard-normal quantiles at (i + 0.5)/E put in a seeded random order per layer (so each layer
-has its own hot experts): row e is a random direction of norm exactly s_e. On router inputs x of unit RMS
-(what an RMSNorm/LayerNorm with weights ~1 produces), the logits are close to independent N(0, s_e^2): an expert
-with a larger scale reaches the top-k more often. Row scaling is used for every family, rather than the router bias that only
-DeepSeek-V3 has (and that real V3 checkpoints use to cancel imbalance, not to create it), so one mechanism and
-one calibration serve all seven families. alpha is found by bisection so that, on independent N(0, s_e^2) logits
-(8 seeded orders of the scales x 4000 draws) pushed through the family's own selection rule (top-k; DeepSeek-V3's sigmoid + bias +
-group-limited top-k), the hottest quarter of experts takes --skew (default 0.35) of the routed slots; --skew 0.25
-writes unskewed routers. The script then measures the share on what it wrote: for --size tiny by a forward pass
-of the loaded model over real text (windows of the austen, pydocs and foldoc training text), for --size published
-on 16384 normalized random vectors (x = sqrt(H) g/|g|, g ~ N(0, I)) through the written router weights (both
-for tiny); it prints the mean over MoE layers and the range.
+Router skew. Real routers are skewed: in hexq's trained reference models the hottest 25% of experts take ~31-43% of
+the routed (token, slot) pairs. Here router row e of each layer is a random direction of norm s_e = exp(alpha q_e),
+q = the standard-normal quantiles at (i + 0.5)/E in a seeded order per layer (each layer has its own hot experts).
+On router inputs of unit RMS (what an RMSNorm/LayerNorm with weights ~1 produces) the logits are then close to
+independent N(0, s_e^2), and an expert with a larger scale reaches the top-k more often. Row scaling serves all
+seven families with one mechanism and one calibration; the router bias only DeepSeek-V3 has is what real V3
+checkpoints use to cancel imbalance, not to create it. alpha is found by bisection so that, on independent
+N(0, s_e^2) logits (8 seeded scale orders x 4000 draws) through the family's own selection rule (top-k of the
+logits; DeepSeek-V3's sigmoid + bias and group-limited top-k), the quarter of experts with the largest scales takes
+--skew (default 0.35) of the routed slots; --skew 0.25 writes unskewed routers. The script then measures what it
+wrote and prints the mean over MoE layers and the range: on 16384 normalized random vectors (x = sqrt(H) g/|g|)
+through the written router weights (every size), and for --size tiny also by a forward pass of the loaded model over
+the first 2 x 256 tokens of the austen, pydocs and foldoc training text (hooked router outputs). Measured: random
+vectors 0.34-0.37 on every family and size; text on tiny 0.35-0.42 (0.32-0.35 with --skew 0.25: repeated tokens
+route alike, so real text concentrates routing beyond the router's own skew, as it does in trained models).
 
-Config sources (hub config.json files; values cross-checked against public copies of those files):
-  qwen3_moe    Qwen/Qwen3-30B-A3B                  https://huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json
-  mixtral      mistralai/Mixtral-8x7B-v0.1         https://huggingface.co/mistralai/Mixtral-8x7B-v0.1/blob/main/config.json
-  olmoe        allenai/OLMoE-1B-7B-0924            https://huggingface.co/allenai/OLMoE-1B-7B-0924/blob/main/config.json
-  qwen2_moe    Qwen/Qwen1.5-MoE-A2.7B              https://huggingface.co/Qwen/Qwen1.5-MoE-A2.7B/blob/main/config.json
-  deepseek_v2  deepseek-ai/DeepSeek-V2-Lite        https://huggingface.co/deepseek-ai/DeepSeek-V2-Lite/blob/main/config.json
-  deepseek_v3  deepseek-ai/DeepSeek-V3             https://huggingface.co/deepseek-ai/DeepSeek-V3/blob/main/config.json
-  phimoe       microsoft/Phi-3.5-MoE-instruct      https://huggingface.co/microsoft/Phi-3.5-MoE-instruct/blob/main/config.json
+Config sources (hub config.json of each repository; values cross-checked against public copies of those files):
+  qwen3_moe    Qwen/Qwen3-30B-A3B               https://huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json
+  mixtral      mistralai/Mixtral-8x7B-v0.1      https://huggingface.co/mistralai/Mixtral-8x7B-v0.1/blob/main/config.json
+  olmoe        allenai/OLMoE-1B-7B-0924         https://huggingface.co/allenai/OLMoE-1B-7B-0924/blob/main/config.json
+  qwen2_moe    Qwen/Qwen1.5-MoE-A2.7B           https://huggingface.co/Qwen/Qwen1.5-MoE-A2.7B/blob/main/config.json
+  deepseek_v2  deepseek-ai/DeepSeek-V2-Lite     https://huggingface.co/deepseek-ai/DeepSeek-V2-Lite/blob/main/config.json
+  deepseek_v3  deepseek-ai/DeepSeek-V3          https://huggingface.co/deepseek-ai/DeepSeek-V3/blob/main/config.json
+  phimoe       microsoft/Phi-3.5-MoE-instruct   https://huggingface.co/microsoft/Phi-3.5-MoE-instruct/blob/main/config.json
 """
 
 from __future__ import annotations
@@ -313,6 +315,8 @@ def build_config(family: str, size: str = "tiny", layers: int | None = None, voc
     if size == "tiny":
         config.update(copy.deepcopy(spec.tiny))
         config["vocab_size"] = 8192
+    if "num_hidden_layers" in overrides:
+        raise HexqError("give the layer count as layers (--layers), not as a num_hidden_layers override")
     unknown = sorted(set(overrides) - set(config))
     if unknown:
         raise HexqError(f"unknown config key {unknown[0]!r} for {family}; known keys: {', '.join(sorted(config))}")

@@ -100,6 +100,15 @@ def test_wrong_tensor_raises_naming_it_and_leaves_nothing(tmp_path, bad, pattern
     assert leftovers(tmp_path) == []
 
 
+def test_wrong_tensor_without_a_with_block_also_removes_the_temporary_file(tmp_path):
+    path, w = declare(tmp_path)
+    with pytest.raises(HexqError, match="'b': shape"):
+        w.write("b", torch.zeros(5))
+    assert leftovers(tmp_path) == []
+    with pytest.raises(HexqError, match="already closed"):
+        w.write("a", torch.zeros(2, 3, dtype=torch.bfloat16))
+
+
 def test_duplicate_write_raises(tmp_path):
     path, w = declare(tmp_path)
     with pytest.raises(HexqError, match="'b' written twice"):
