@@ -247,3 +247,41 @@ def _fsync_dir(folder: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def cache_dir() -> Path:
+    """hexq's own cache folder: $HEXQ_CACHE_DIR, else $XDG_CACHE_HOME/hexq, else ~/.cache/hexq."""
+    env = os.environ.get("HEXQ_CACHE_DIR")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hexq"
+
+
+def file_sha256(path: Path, chunk_bytes: int = 1 << 24) -> str:
+    """SHA-256 of a file, remembered in hexq's cache by (real path, size, mtime, inode) so that a 60 GB checkpoint is
+    hashed once, not by every command that checks it is unchanged. An edit that changes neither size, mtime nor
+    inode goes unseen; the artifact's own integrity checks do not use this cache."""
+    import hashlib
+
+    path = Path(path).resolve()
+    stat = path.stat()
+    key = f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{stat.st_ino}"
+    index = cache_dir() / "sha256.json"
+    try:
+        known = json.loads(index.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key in known:
+        return known[key]
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(chunk_bytes), b""):
+            digest.update(chunk)
+    value = digest.hexdigest()
+    try:
+        known = {k: v for k, v in known.items() if not k.startswith(f"{path}|")}
+        known[key] = value
+        write_json_atomic(index, known)
+    except OSError:  # a read-only home still gets the right answer, only not remembered
+        pass
+    return value

@@ -52,7 +52,8 @@ def check_trace(topk: torch.Tensor, num_experts: int) -> None:
 
 def stack_trace(calls: list[list[torch.Tensor]]) -> torch.Tensor:
     """Per layer, a list of router calls [T_i, k] -> trace [L, T, k] (what `capture_router_topk` records)."""
-    layers = [torch.cat(layer_calls) if layer_calls else torch.zeros(0, 0, dtype=torch.int16, device="cpu") for layer_calls in calls]
+    layers = [torch.cat(layer_calls) if layer_calls else torch.zeros(0, 0, dtype=torch.int16, device="cpu")
+              for layer_calls in calls]
     if len({tuple(layer.shape) for layer in layers}) != 1:
         shapes = ", ".join(str(tuple(layer.shape)) for layer in layers)
         raise ValueError(f"layers saw different tokens ({shapes}); a trace needs every layer to route the same ones")

@@ -39,7 +39,8 @@ def inject_outliers(model, adapter: MoEAdapter, channels_per_norm: int = 4, fact
             if channels_per_norm > group.channels:
                 raise ValueError(f"channels_per_norm {channels_per_norm} exceeds the {group.channels} channels of "
                                  f"layer {layer_index} {group.name}")
-            channels = torch.randperm(group.channels, generator=generator, device="cpu")[:channels_per_norm].sort().values
+            picked = torch.randperm(group.channels, generator=generator, device="cpu")
+            channels = picked[:channels_per_norm].sort().values
             s = torch.ones(group.channels, dtype=torch.float64, device="cpu")
             s[channels] = 1.0 / factor  # norm.weight / s = weight * factor; readers' columns * s = / factor
             fold_scales(group, s)

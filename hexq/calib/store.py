@@ -64,19 +64,15 @@ def open_layer(out: Path, index: int):
         yield handle
 
 
-def sha256_files(paths: list[Path]) -> str:
-    digest = hashlib.sha256()
-    for path in sorted(paths):
-        digest.update(path.name.encode())
-        with path.open("rb") as handle:
-            for chunk in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(chunk)
-    return digest.hexdigest()
-
-
 def model_fingerprint(folder: Path) -> str:
-    """SHA-256 over the model's weights and config (not its tokenizer or card)."""
-    return sha256_files([*folder.glob("*.safetensors"), folder / "config.json"])
+    """SHA-256 over the names and SHA-256s of the model's weight shards and config (not its tokenizer or card);
+    each file's hash comes from hexq's stat-keyed cache (hexq.io.file_sha256) when the file has not changed."""
+    from hexq.io import file_sha256
+
+    digest = hashlib.sha256()
+    for path in sorted([*Path(folder).glob("*.safetensors"), Path(folder) / "config.json"]):
+        digest.update(f"{path.name}:{file_sha256(path)}\n".encode())
+    return digest.hexdigest()
 
 
 def tensor_fingerprint(tensor: torch.Tensor) -> str:
@@ -165,10 +161,11 @@ class ExpertBank:
             groups = cols // group_sizes[projection]
             for bits in bits_list:
                 prefix = bank_prefix(projection, bits)
-                self.tensors[f"{prefix}.codes"] = torch.zeros(num_experts, packed_nbytes(rows * cols, bits), device="cpu",
-                                                              dtype=torch.uint8)
-                self.tensors[f"{prefix}.scale"] = torch.zeros(num_experts, rows, groups, dtype=SCALE_DTYPE, device="cpu")
-                self.tensors[f"{prefix}.zero"] = torch.zeros(num_experts, rows, groups, dtype=SCALE_DTYPE, device="cpu")
+                self.tensors[f"{prefix}.codes"] = torch.zeros(num_experts, packed_nbytes(rows * cols, bits),
+                                                              dtype=torch.uint8, device="cpu")
+                for part in ("scale", "zero"):
+                    self.tensors[f"{prefix}.{part}"] = torch.zeros(num_experts, rows, groups, dtype=SCALE_DTYPE,
+                                                                   device="cpu")
 
     def put(self, projection: str, bits: int, experts: list[int], codes: torch.Tensor, scale: torch.Tensor,
             zero: torch.Tensor) -> None:

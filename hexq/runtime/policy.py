@@ -295,7 +295,8 @@ class OnlinePolicy(_Policy):
         self.interval, self.beta, self.margin = interval, beta, margin
         L, E = context.num_layers, context.num_experts
         self.hotness = torch.zeros(L, E, dtype=torch.float64, device="cpu")
-        self._counts = torch.zeros(L, E, dtype=torch.float64, device="cpu")  # routed (token, slot) pairs of the open interval
+        # routed (token, slot) pairs of the open interval
+        self._counts = torch.zeros(L, E, dtype=torch.float64, device="cpu")
         self._tokens = [0] * L  # tokens in the open interval
         self.hot = torch.zeros(L, E, dtype=torch.bool, device="cpu")
         for layer, row in enumerate(context.allocation):
