@@ -24,6 +24,7 @@ from hexq.algos.gptq import (
 )
 from hexq.algos.quant import QuantSpec, dequantize, grid_params
 from tests import gptq_reference as ref
+from tests.device_check import default_device_meta_and_no_implicit_device
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -303,27 +304,27 @@ def test_python_steps_do_not_grow_with_experts_or_widths(group_size: int | None)
 
 def test_runs_with_meta_default_device() -> None:
     """Every tensor is created on the inputs' device: with the default device set to meta, CPU inputs still give
-    the same CPU results (including the identity used for failed factors and the float64 retry)."""
+    the same CPU results (including the identity used for failed factors and the float64 retry), and no factory
+    function is called without device=."""
     W, H, importance = expert_batch(experts=3, n=32, seed=11, dtype=torch.float32)
     low_rank = torch.randn(32, 4, generator=_gen(12)) @ torch.randn(4, 64, generator=_gen(13))
     H[2] = 2 * low_rank @ low_rank.T
     H[2] -= 0.05 * torch.diagonal(H[2]).mean() * torch.eye(32)  # indefinite: needs escalation
     H[1, 4, :] = H[1, :, 4] = 0.0  # a dead channel
     spec = QuantSpec(bits=3, group_size=8, symmetric=True)
-    runs = []
-    previous = torch.get_default_device()
-    for device in ("cpu", "meta"):
-        torch.set_default_device(device)
-        try:
-            banks = [gptq_bank(W, H, [1, 3], spec, act_order=act_order, column_importance=importance)
-                     for act_order in ("none", "max_activation")]
-            single = gptq_quantize(W[0], H[0], spec)
-        finally:
-            torch.set_default_device(previous)
-        runs.append((banks, single))
-    for got, want in zip(runs[1][0], runs[0][0], strict=True):
+
+    def run():
+        banks = [gptq_bank(W, H, [1, 3], spec, act_order=act_order, column_importance=importance)
+                 for act_order in ("none", "max_activation")]
+        return banks, gptq_quantize(W[0], H[0], spec)
+
+    want = run()
+    with default_device_meta_and_no_implicit_device():
+        got = run()
+    for got_bank, want_bank in zip(got[0], want[0], strict=True):
         for bits in (1, 3):
-            assert got[bits].codes.device.type == "cpu"
-            assert torch.equal(got[bits].codes, want[bits].codes) and torch.equal(got[bits].loss, want[bits].loss)
-            assert torch.equal(got[bits].damp_used, want[bits].damp_used)
-    assert torch.equal(runs[1][1].codes, runs[0][1].codes)
+            assert got_bank[bits].codes.device.type == "cpu"
+            assert torch.equal(got_bank[bits].codes, want_bank[bits].codes)
+            assert torch.equal(got_bank[bits].loss, want_bank[bits].loss)
+            assert torch.equal(got_bank[bits].damp_used, want_bank[bits].damp_used)
+    assert torch.equal(got[1].codes, want[1].codes)
