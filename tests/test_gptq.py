@@ -8,6 +8,7 @@ import torch
 from hexq.algos import gptq as gptq_mod
 from hexq.algos.gptq import GPTQResult, factorize_hessian, gptq_quantize, gptq_replicas, inverse_hessian_cholesky
 from hexq.algos.quant import QuantSpec, dequantize, grid_params, quantize, quantize_to_grid
+from tests.gptq_reference import assert_same_up_to_ties
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -58,10 +59,11 @@ def _check_valid(res: GPTQResult, W: torch.Tensor, spec: QuantSpec) -> None:
 
 
 def _reference_obq(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, damp: float = 0.01,
-                   perm: torch.Tensor | None = None) -> torch.Tensor:
+                   perm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Column by column, eq. 5-6 with an explicit H_F^-1 shrunk by Gaussian elimination; no Cholesky, no blocks.
 
-    Returns codes in the original column order. With perm, grids are static over original groups.
+    Returns codes and the values w / scale + zero they were rounded from, in the original column order. With perm,
+    grids are static over original groups.
     """
     W = W.double().clone()
     out_features, n = W.shape
@@ -75,16 +77,19 @@ def _reference_obq(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, damp: floa
     order = perm if perm is not None else torch.arange(n)
     W, Hinv = W[:, order], torch.linalg.inv(_damped(H, damp)[order][:, order])
     codes = torch.empty(out_features, n, dtype=torch.uint8)
+    rounding = torch.empty(out_features, n, dtype=torch.float64)
     for i in range(n):
         g = int(order[i]) // group
         if not static and i % group == 0:
             scale[:, g], zero[:, g] = grid_params(W[:, i:i + group], spec)
         q = quantize_to_grid(W[:, i], scale[:, g], zero[:, g], spec.qmax)
         codes[:, i] = q.to(torch.uint8)
+        rounding[:, i] = W[:, i] / scale[:, g] + zero[:, g]
         err = (W[:, i] - (q - zero[:, g]) * scale[:, g]) / Hinv[i, i]
         W[:, i:] -= err[:, None] * Hinv[i, i:][None, :]
         Hinv = Hinv - torch.outer(Hinv[:, i], Hinv[i, :]) / Hinv[i, i]  # remove column i from F
-    return codes[:, torch.argsort(order)]
+    inverse = torch.argsort(order)
+    return codes[:, inverse], rounding[:, inverse]
 
 
 # (a) -------------------------------------------------------------------------------------------------------------
@@ -199,7 +204,7 @@ def test_act_order_argument_errors() -> None:
         gptq_quantize(W, H, QuantSpec(bits=4), act_order="max_activation", column_importance=torch.ones(7))
     # sum_of_squares defaults to diag(H)
     H2 = torch.diag(torch.arange(1.0, 9.0))
-    assert torch.equal(factorize_hessian(H2, act_order="sum_of_squares").perm, torch.arange(7, -1, -1))
+    assert torch.equal(factorize_hessian(H2, act_order="sum_of_squares").perm, torch.arange(7, -1, -1)[None])
 
 
 # (f) -------------------------------------------------------------------------------------------------------------
@@ -238,13 +243,13 @@ def test_dead_inputs_are_zeroed() -> None:
 # (g) -------------------------------------------------------------------------------------------------------------
 def test_replicas_factor_once(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
-    original = gptq_mod.inverse_hessian_cholesky
+    original = gptq_mod.factorize_hessians
 
     def counting(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(gptq_mod, "inverse_hessian_cholesky", counting)
+    monkeypatch.setattr(gptq_mod, "factorize_hessians", counting)
     W, X, H = _correlated(n_in=32, n_out=8, tokens=128, seed=10)
     template = QuantSpec(bits=4, group_size=16, symmetric=False)
     bank = gptq_replicas(W, H, [1, 2, 3, 4, 8], template)
@@ -269,7 +274,9 @@ def test_blocked_matches_unblocked_reference(group_size: int | None, symmetric: 
     W, _, H = _correlated(n_in=48, n_out=10, tokens=256, seed=11, dtype=torch.float64)
     spec = QuantSpec(bits=3, group_size=group_size, symmetric=symmetric)
     res = gptq_quantize(W, H, spec, block_size=10)  # block boundaries not aligned with groups
-    assert torch.equal(res.codes, _reference_obq(W, H, spec))
+    # identical codes, except that a row may take the other side of an exact rounding tie (symmetric grids put one
+    # in many groups) and then legitimately diverge: the blocked updates sum in a different order than OBQ's
+    assert_same_up_to_ties(res.codes, *_reference_obq(W, H, spec), torch.arange(48), tie=1e-9)
 
 
 def test_blocked_matches_reference_with_act_order() -> None:
@@ -278,7 +285,7 @@ def test_blocked_matches_reference_with_act_order() -> None:
     spec = QuantSpec(bits=3, group_size=16)
     res = gptq_quantize(W, H, spec, block_size=7, act_order="max_activation", column_importance=importance)
     perm = torch.argsort(importance, descending=True, stable=True)
-    assert torch.equal(res.codes, _reference_obq(W, H, spec, perm=perm))
+    assert_same_up_to_ties(res.codes, *_reference_obq(W, H, spec, perm=perm), perm, tie=1e-9)
 
 
 def test_input_validation() -> None:

@@ -2,18 +2,21 @@ import pytest
 import torch
 
 from hexq.adapters import adapter_for
+from hexq.algos import smoothing as smoothing_mod
 from hexq.algos.quant import QuantSpec, fake_quantize
 from hexq.algos.smoothing import (
     activation_channel_max,
     exponent_grid,
     joint_w8a8_error,
     search_exponent,
+    search_exponent_routed,
     smoothing_scales,
     smoothquant_scales,
     weight_channel_max,
 )
 from hexq.calib.smooth import ATTN_IN, MOE_IN, fold_scales, smoothing_groups
 from tests.conftest import TINY_CONFIGS, build_tiny_model
+from tests.device_check import default_device_meta_and_no_implicit_device
 
 W8 = QuantSpec(bits=8)
 
@@ -139,6 +142,99 @@ def test_smoothquant_search_reports_the_unsmoothed_baseline():
     assert result.baseline_error == joint_w8a8_error(weights, x, torch.ones(16), W8, 8)
     assert result.errors[2] == joint_w8a8_error(weights, x, smoothquant_scales(activation_channel_max(x), weights),
                                                 W8, 8)
+
+
+# ---- algos.smoothing: routed objective for the MoE group ------------------------------------------------------------
+
+
+def moe_group(experts: int = 5, seed: int = 2):
+    """x [64, 16] with outliers, top-2 routing [64, 2] (with ids -1 and E to ignore, and one duplicate), gate_up
+    [E, 12, 16], router [E, 16] (full precision) and a shared expert [8, 16] (quantized)."""
+    x = outlier_activations(seed=seed)
+    generator = torch.Generator().manual_seed(seed)
+    routing = torch.stack([torch.randperm(experts, generator=generator)[:2] for _ in range(64)])
+    routing[0, 1] = -1
+    routing[1, 0] = experts
+    routing[2] = routing[2, 0]  # the same expert listed twice counts once
+    routing[routing == experts - 1] = 0  # expert E-1 is never routed
+    gate_up, router, shared = random_weights([(experts, 12, 16), (experts, 16), (8, 16)], seed=seed)
+    return x, routing, gate_up, router, shared
+
+
+def brute_force_routed(x, routing, gate_up, router, shared, s, w_spec, a_bits):
+    """The routed objective written out: eq. 1 (joint_w8a8_error, itself checked against the written-out formula
+    above) for each expert on exactly the tokens that list it, one expert at a time, plus the dense readers."""
+    total = joint_w8a8_error([router, shared], x, s, w_spec, a_bits, quantize_weights=[False, True])
+    for expert in range(gate_up.shape[0]):
+        tokens = (routing == expert).any(dim=1)
+        if tokens.any():
+            total += joint_w8a8_error([gate_up[expert]], x[tokens], s, w_spec, a_bits)
+    return total
+
+
+@pytest.mark.parametrize(("w_spec", "a_bits"), [(W8, 8), (QuantSpec(bits=4, group_size=8, symmetric=False), 4)])
+def test_routed_search_matches_brute_force(w_spec, a_bits):
+    x, routing, gate_up, router, shared = moe_group()
+    act_max = activation_channel_max(x)
+    result = search_exponent_routed(x, routing, act_max, 0.25, experts=gate_up,
+                                    dense=[(router, False), (shared, True)], w_spec=w_spec, a_bits=a_bits,
+                                    chunk_elements=12 * 16 * 2)  # two experts per chunk, several token slices
+    brute = [brute_force_routed(x, routing, gate_up, router, shared, smoothing_scales(act_max, None, e), w_spec,
+                                a_bits) for e in exponent_grid(0.25)]
+    assert list(result.errors) == pytest.approx(brute, rel=1e-6)
+    assert result.exponent == result.grid[brute.index(min(brute))]
+    assert result.baseline_error == result.errors[0]
+    assert torch.equal(result.scales, smoothing_scales(act_max, None, result.exponent))
+
+
+def test_routed_search_with_every_token_routed_equals_search_exponent():
+    x, _, gate_up, router, shared = moe_group()
+    everyone = torch.arange(5).expand(64, 5)
+    routed = search_exponent_routed(x, everyone, None, 0.1, experts=gate_up, dense=[(router, False), (shared, True)])
+    old = search_exponent([router, gate_up.reshape(-1, 16), shared], x, None, 0.1,
+                          quantize_weights=[False, True, True])
+    assert list(routed.errors) == pytest.approx(list(old.errors), rel=1e-5)
+    assert routed.exponent == old.exponent and routed.baseline_error == pytest.approx(old.baseline_error, rel=1e-5)
+
+
+def test_routed_search_chunking_and_work_counts(monkeypatch):
+    """Chunk size changes nothing; targets are built once per search and each routed expert's weights are
+    quantized once per grid point (never-routed experts not at all)."""
+    x, routing, gate_up, router, shared = moe_group()
+    kwargs = dict(experts=gate_up, dense=[(router, False), (shared, True)])
+    whole = search_exponent_routed(x, routing, None, 0.25, **kwargs)
+    rows_quantized, builds = [], []
+    original_fq, original_chunks = smoothing_mod.fake_quantize, smoothing_mod._routed_chunks
+
+    def counting_fq(w, spec):
+        rows_quantized.append(w.shape[0])
+        return original_fq(w, spec)
+
+    def counting_chunks(*args):
+        chunks = original_chunks(*args)
+        builds.append([len(chunk.slices) for chunk in chunks])
+        return chunks
+
+    monkeypatch.setattr(smoothing_mod, "fake_quantize", counting_fq)
+    monkeypatch.setattr(smoothing_mod, "_routed_chunks", counting_chunks)
+    chunked = search_exponent_routed(x, routing, None, 0.25, chunk_elements=12 * 16, **kwargs)
+    assert list(chunked.errors) == pytest.approx(list(whole.errors), rel=1e-6)
+    assert len(builds) == 1 and len(builds[0]) == 4 and max(builds[0]) > 1  # 4 routed experts alone, sliced
+    assert sum(rows_quantized) == 5 * (4 * 12 + 8)  # per grid point: routed experts' rows and the shared expert
+
+
+def test_routed_search_rejects_bad_input_and_runs_with_meta_default_device():
+    x, routing, gate_up, router, shared = moe_group()
+    with pytest.raises(ValueError, match="experts must be"):
+        search_exponent_routed(x, routing, experts=gate_up[:, :, :8])
+    with pytest.raises(ValueError, match="routing"):
+        search_exponent_routed(x, routing[:10], experts=gate_up)
+    with pytest.raises(ValueError, match="routing"):
+        search_exponent_routed(x, routing.float(), experts=gate_up)
+    want = search_exponent_routed(x, routing, None, 0.25, experts=gate_up, dense=[(router, False), (shared, True)])
+    with default_device_meta_and_no_implicit_device():
+        got = search_exponent_routed(x, routing, None, 0.25, experts=gate_up, dense=[(router, False), (shared, True)])
+    assert got.errors == want.errors and got.scales.device.type == "cpu"
 
 
 # ---- calib.smooth: groups and folding on every family -------------------------------------------------------------

@@ -172,3 +172,136 @@ def search_exponent(weights: Sequence[torch.Tensor], x: torch.Tensor, act_max: t
         quantize_weights=quantize_weights, targets=targets)
     return SmoothingSearch(exponent=grid[best], scales=smoothing_scales(act_max, weight_max, grid[best]),
                            grid=grid, errors=errors, baseline_error=baseline)
+
+
+# ------------------------------------------------------------------------------------------ routed MoE objective
+
+# Elements of the largest temporary of `search_exponent_routed` (float32: 64 MiB): bounds experts per chunk
+# (their weights) and tokens per slice (their activations and outputs).
+ROUTED_CHUNK_ELEMENTS = 1 << 24
+
+
+@dataclass(frozen=True)
+class _RoutedSlice:
+    """A slice of the routed tokens of a chunk of experts, padded to a rectangle [ce, L]."""
+
+    tokens: torch.Tensor  # [ce, L] token ids (0 where padded)
+    mask: torch.Tensor  # [ce, L, 1] float, 0 where padded
+    target: torch.Tensor  # [ce, L, R] W_e X_e (0 where padded): the fp target, computed once
+
+
+@dataclass(frozen=True)
+class _RoutedChunk:
+    experts: torch.Tensor  # [ce] expert ids
+    slices: tuple[_RoutedSlice, ...]
+
+
+def _routed_pairs(routing: torch.Tensor, num_tokens: int, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token ids sorted by expert then token, tokens per expert [E]) of the routing [T, k]; ids outside [0, E) are
+    ignored and a token listing an expert twice counts once."""
+    routing = routing.reshape(num_tokens, -1).long()
+    token = torch.arange(num_tokens, device=routing.device)[:, None].expand_as(routing)
+    valid = (routing >= 0) & (routing < num_experts)
+    keys = torch.unique(routing[valid] * num_tokens + token[valid])  # sorted: expert-major, then token
+    counts = torch.bincount(keys // num_tokens, minlength=num_experts)
+    return keys % num_tokens, counts
+
+
+def _routed_chunks(x: torch.Tensor, routing: torch.Tensor, experts: torch.Tensor,
+                   chunk_elements: int) -> list[_RoutedChunk]:
+    """Split the routed (token, expert) pairs into chunks of experts and padded slices of their tokens whose
+    temporaries stay within chunk_elements.
+
+    Experts are taken in decreasing token count, so the experts of one chunk have similar counts and padding stays
+    small; their fp outputs W_e X_e are computed here once for the whole search.
+    """
+    num_experts, rows, channels = experts.shape
+    tokens_sorted, counts = _routed_pairs(routing, x.shape[0], num_experts)
+    offsets = torch.cumsum(counts, 0) - counts
+    by_count = torch.argsort(counts, descending=True, stable=True)
+    per_chunk = max(1, min(num_experts, chunk_elements // (rows * channels)))
+    chunks = []
+    for start in range(0, num_experts, per_chunk):
+        ids = by_count[start:start + per_chunk]
+        longest = int(counts[ids].max())
+        if longest == 0:  # the rest are never routed: nothing to measure
+            break
+        weights = experts[ids].float()
+        per_slice = max(1, chunk_elements // (len(ids) * max(rows, channels)))
+        slices = []
+        for first in range(0, longest, per_slice):
+            position = torch.arange(first, min(first + per_slice, longest), device=x.device)
+            inside = position[None, :] < counts[ids, None]  # [ce, L]
+            flat = (offsets[ids, None] + position[None, :]).clamp(max=max(len(tokens_sorted) - 1, 0))
+            tokens = torch.where(inside, tokens_sorted[flat], torch.zeros_like(flat))
+            mask = inside[..., None].to(x.dtype)
+            target = torch.bmm(x[tokens] * mask, weights.mT)
+            slices.append(_RoutedSlice(tokens=tokens, mask=mask, target=target))
+        chunks.append(_RoutedChunk(experts=ids, slices=tuple(slices)))
+    return chunks
+
+
+def _routed_experts_error(experts: torch.Tensor, xq: torch.Tensor, s: torch.Tensor, w_spec: QuantSpec | None,
+                         chunks: Sequence[_RoutedChunk]) -> float:
+    """sum_e || Q(W_e s) Q(X_e / s) - W_e X_e ||^2 over the routed experts (eq. 1 restricted to each expert's own
+    tokens), given the quantized activations xq = Q(x / s) [T, C] of every sampled token (per-token quantization
+    does not depend on which expert reads the token). Each expert's weights are fake-quantized once."""
+    total = 0.0
+    for chunk in chunks:
+        ws = experts[chunk.experts].float() * s
+        if w_spec is not None:  # row by row, as for each expert alone
+            ws = fake_quantize(ws.reshape(-1, ws.shape[-1]), w_spec).reshape(ws.shape)
+        for piece in chunk.slices:
+            out = torch.bmm(xq[piece.tokens] * piece.mask, ws.mT)
+            total += float(out.sub_(piece.target).square_().sum(dim=-1).double().sum())
+    return total
+
+
+def search_exponent_routed(x: torch.Tensor, routing: torch.Tensor, act_max: torch.Tensor | None = None,
+                           grid_step: float = 0.05, *, experts: torch.Tensor,
+                           dense: Sequence[tuple[torch.Tensor, bool]] = (), w_spec: QuantSpec | None = W8,
+                           a_bits: int = 8, a_symmetric: bool = False,
+                           chunk_elements: int = ROUTED_CHUNK_ELEMENTS) -> SmoothingSearch:
+    """HAQ's smoothing search (eq. 3) for an MoE smoothing group, with each routed expert scored on its own tokens.
+
+    The group reads x [T, C] (sampled tokens). error(e) = sum over the `dense` readers (router, shared experts:
+    (weight [out, C], quantized) pairs; an unquantized reader keeps full-precision weights but reads Q(X / s)) of
+    || Q(W s) Q(X / s) - W X ||^2 on all T tokens, plus sum over routed experts of
+    || Q(W_e s) Q(X_e / s) - W_e X_e ||^2 with X_e the tokens whose top-k ids `routing` [T, k] name e (ids outside
+    [0, E) are ignored). experts: [E, R, C], e.g. the fused gate_up [E, 2I, C]. search_exponent instead scores
+    every expert on every token, as if all were routed to it.
+
+    W X targets are computed once; per grid point the activations are quantized once and every routed expert's
+    weights once. Experts are processed in chunks, and their tokens in slices, so that the largest temporary has
+    at most chunk_elements values (a few such temporaries are alive at once); the stored targets take one value per
+    routed (token, expert) pair and expert row (T * k * R), plus T * out per dense reader. Ties go to the smallest e.
+    """
+    x = x.detach().reshape(-1, x.shape[-1]).float()
+    experts = experts.detach()
+    if experts.ndim != 3 or experts.shape[-1] != x.shape[1]:
+        raise ValueError(f"experts must be [E, R, {x.shape[1]}] for activations with {x.shape[1]} channels, "
+                         f"got {tuple(experts.shape)}")
+    if routing.shape[0] != x.shape[0] or routing.is_floating_point():
+        raise ValueError(f"routing must hold integer expert ids [T, k] for the {x.shape[0]} tokens, "
+                         f"got {tuple(routing.shape)} {routing.dtype}")
+    if chunk_elements < 1:
+        raise ValueError(f"chunk_elements must be positive, got {chunk_elements}")
+    if act_max is None:
+        act_max = activation_channel_max(x)
+    grid = exponent_grid(grid_step)
+    dense_weights = [weight for weight, _ in dense]
+    dense_flags = [quantized for _, quantized in dense]
+    dense_targets = full_precision_outputs(dense_weights, x)
+    chunks = _routed_chunks(x, routing.to(x.device), experts, chunk_elements)
+    errors = []
+    for exponent in grid:
+        s = smoothing_scales(act_max, None, exponent).to(x.device)
+        xq = fake_quantize_activations(x / s, a_bits, per_token=True, symmetric=a_symmetric)
+        error = _routed_experts_error(experts, xq, s, w_spec, chunks)
+        if dense_weights:
+            error += joint_w8a8_error(dense_weights, x, s, w_spec, a_bits, a_symmetric=a_symmetric,
+                                      quantize_weights=dense_flags, targets=dense_targets)
+        errors.append(error)
+    best = min(range(len(grid)), key=lambda i: (errors[i], i))  # ties -> smallest index -> smallest e
+    return SmoothingSearch(exponent=grid[best], scales=smoothing_scales(act_max, None, grid[best]), grid=grid,
+                           errors=tuple(errors), baseline_error=errors[0])
