@@ -57,6 +57,27 @@ def progress_bar() -> Progress:
                     TimeRemainingColumn(), console=err_console, transient=True)
 
 
+def staged(bar: Progress, title: str):
+    """A progress callback (what, done, total) for layer-by-layer work: one bar for the layers, with its ETA, and one
+    for the stage inside the current layer (expert groups, loss table), reset when the stage changes."""
+    layers = bar.add_task(title, total=None)
+    inner: dict[str, int] = {}
+
+    def report(what: str, done: int, total: int) -> None:
+        if what == "layers" or what not in inner:
+            for task in inner.values():
+                bar.remove_task(task)
+            inner.clear()
+        if what == "layers":
+            bar.update(layers, completed=done, total=total)
+            return
+        if what not in inner:
+            inner[what] = bar.add_task(f"  {what}", total=total)
+        bar.update(inner[what], completed=done, total=total)
+
+    return report
+
+
 @app.command()
 def version() -> None:
     """Print hexq's version."""
@@ -92,11 +113,7 @@ def calibrate(
                               seqlen=seqlen or chosen.calibration.seqlen)
         chosen = replace(chosen, calibration=calibration)
     with progress_bar() as bar:
-        task = bar.add_task(f"calibrate {model.name} ({chosen.name})", total=None)
-
-        def report(_what: str, done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total)
-
+        report = staged(bar, f"calibrate {model.name} ({chosen.name}): layers")
         summary = run_calibration(model, chosen, data, out, device, batch_size, report)
     if summary.resumed_from == -1:
         console.print(f"{out} already holds this calibration (same model, data and recipe); nothing to do")
@@ -196,6 +213,10 @@ def pack_command(
                                                "pack.schedule.")] = None,
     schedule: Annotated[str | None, typer.Option("--schedule", help="How --budget is split across layers: "
                                                  "uniform or cosine (deeper layers get less).")] = None,
+    bank: Annotated[str | None, typer.Option("--bank", help="Widths kept for every expert besides its allocated one, "
+                                             "for run policies that change precision: widths (2,4), policy names "
+                                             "(online, context, depth: what that policy needs) or all; "
+                                             "comma-separated. Default: the allocation only.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing artifact.")] = False,
 ) -> None:
     """Importance, hot-expert placement, bit allocation and one packed, checksummed artifact."""
@@ -214,14 +235,16 @@ def pack_command(
 
         base = settings or recipe_from_dict(read_manifest(calibration)["recipe"]).pack
         settings = replace(base, schedule=schedule)
-    chosen = Budget(total_bytes=parse_bytes(budget)) if budget else Budget(avg_bits=bits) if bits else None
+    chosen = (Budget(total_bytes=parse_bytes(budget)) if budget is not None
+              else Budget(avg_bits=bits) if bits is not None else None)
+    banked = tuple(item.strip() for item in bank.split(",") if item.strip()) if bank else ()
     with progress_bar() as bar:
         task = bar.add_task(f"pack {calibration.name}", total=None)
 
         def report(stage: str, done: int, total: int) -> None:
             bar.update(task, description=f"pack {calibration.name}: {stage}", completed=done, total=total)
 
-        summary = pack(calibration, out, settings, chosen, force, report)
+        summary = pack(calibration, out, settings, chosen, force, report, banked)
     console.print(f"packed {summary.layers} layers x {summary.experts} experts into {out}: "
                   f"{summary.average_bits:.3f} bits on average, experts at the allocation "
                   f"{format_bytes(summary.allocated_bytes)}, artifact {format_bytes(summary.artifact_bytes)} "

@@ -50,6 +50,7 @@ WEIGHT_METHODS = ("gptq", "rtn")
 SMOOTHING_METHODS = ("haq", "smoothquant", "none")
 SMOOTHING_GROUPS = ("attention", "moe")  # input norm -> q,k,v; post-attention norm -> router + experts + shared
 EXPERT_MODES = ("uniform", "replicas")
+MOE_OBJECTIVES = ("routed", "all")  # HAQ's MoE-group objective: experts on their routed tokens, or on every token
 PLACEMENT_SCHEMES = ("paths", "frequency", "two_stage")  # 003 Algorithm 2: schemes 1, 2 and 3
 BUDGET_SCHEDULES = ("uniform", "cosine")  # how one byte budget is split across layers (004 §4.3)
 
@@ -225,7 +226,9 @@ class Smoothing:
     """Migration of activation outliers into the weights, s folded into the norm before each smoothing group.
 
     haq: grid search of e in [0, 1] with step grid_step for s = max|X|^e minimising ||Q(W s) Q(X/s) - W X||^2
-    on at most max_tokens captured tokens per group (003 eq. 1-3). smoothquant: s = max|X|^alpha / max|W|^(1-alpha).
+    on at most max_tokens captured tokens per group (003 eq. 1-3); in the MoE group each routed expert is scored on
+    the sampled tokens routed to it (moe_objective "routed") or on all of them ("all").
+    smoothquant: s = max|X|^alpha / max|W|^(1-alpha).
     groups: which smoothing groups are smoothed ("attention": input norm -> q, k, v; "moe": post-attention norm ->
     router + experts + shared expert); stored in that canonical order.
     """
@@ -235,6 +238,7 @@ class Smoothing:
     grid_step: float = 0.05  # haq only
     max_tokens: int = 2048  # haq only
     groups: tuple[str, ...] = SMOOTHING_GROUPS
+    moe_objective: str = "routed"  # haq only: "routed" (each expert on its tokens) | "all" (every expert, every token)
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -243,8 +247,10 @@ class Smoothing:
         _check_unit("grid_step", self.grid_step, open_low=True)
         _check_at_least("max_tokens", self.max_tokens, 1)
         self._check_groups()
+        _check_choice("moe_objective", self.moe_objective, MOE_OBJECTIVES)
         _check_unused_at_default(self, "method", {"alpha": ("smoothquant",), "grid_step": ("haq",),
-                                                  "max_tokens": ("haq",), "groups": ("haq", "smoothquant")})
+                                                  "max_tokens": ("haq",), "groups": ("haq", "smoothquant"),
+                                                  "moe_objective": ("haq",)})
 
     def _check_groups(self) -> None:
         if not self.groups:

@@ -108,7 +108,8 @@ class HexqFactoriesOnMeta:
     own code without an explicit device creates its tensor on the meta device, as `torch.set_default_device("meta")`
     would, while third-party code (tokenizers, transformers) keeps the CPU default. A hexq tensor created without
     the device of the data it joins then fails loudly when it meets that data - the bug that crashes a CUDA run,
-    caught on a machine without a GPU."""
+    caught on a machine without a GPU. Because copying a meta tensor into a real one is a silent no-op, every such
+    call is also recorded, and leaving the block fails if there was any."""
 
     def __init__(self):
         from torch.overrides import TorchFunctionMode
@@ -117,12 +118,17 @@ class HexqFactoriesOnMeta:
         # torch.asarray is left out: safetensors' get_slice calls it from native code on behalf of the reader (with
         # no Python frame of its own), so it would look like a hexq call; hexq builds tensors with torch.tensor.
         constructors = _device_constructors() - {torch.asarray}
+        self.calls: list[str] = []
+        calls = self.calls
 
         class Mode(TorchFunctionMode):
             def __torch_function__(self, func, types, args=(), kwargs=None):
                 kwargs = kwargs or {}
-                if func in constructors and kwargs.get("device") is None and _called_from_hexq():
-                    kwargs["device"] = "meta"
+                if func in constructors and kwargs.get("device") is None:
+                    where = _hexq_caller()
+                    if where is not None:
+                        kwargs["device"] = "meta"
+                        calls.append(f"{getattr(func, '__name__', func)} at {where}")
                 return func(*args, **kwargs)
 
         self.mode = Mode()
@@ -131,17 +137,23 @@ class HexqFactoriesOnMeta:
         self.mode.__enter__()
         return self
 
-    def __exit__(self, *exc):
-        return self.mode.__exit__(*exc)
+    def __exit__(self, exc_type, *exc):
+        self.mode.__exit__(exc_type, *exc)
+        if exc_type is None:
+            assert not self.calls, f"tensors created without an explicit device: {sorted(set(self.calls))}"
+        return False
 
 
-def _called_from_hexq() -> bool:
+def _hexq_caller() -> str | None:
+    """module:line of the first non-torch frame calling a tensor factory, if that frame is hexq's."""
     import sys
 
     frame = sys._getframe(2)
     while frame is not None:
         module = frame.f_globals.get("__name__", "")
         if not module.startswith("torch"):
-            return module == "hexq" or module.startswith("hexq.")
+            if module == "hexq" or module.startswith("hexq."):
+                return f"{module}:{frame.f_lineno}"
+            return None
         frame = frame.f_back
-    return False
+    return None

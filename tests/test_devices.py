@@ -16,9 +16,12 @@ from tests.conftest import HexqFactoriesOnMeta, mixed_recipe, small_recipe
 def test_the_harness_catches_a_device_less_tensor():
     from hexq.algos.quant import QuantSpec, quantize
 
-    with HexqFactoriesOnMeta(), pytest.raises((NotImplementedError, RuntimeError)):
-        # hexq.simulate's own factory call, made device-less on purpose
-        torch.zeros(3, device="cpu") + _device_less_zeros()
+    with pytest.raises(AssertionError, match=r"without an explicit device: \['zeros at hexq.fake:3'\]"):
+        with HexqFactoriesOnMeta():
+            made = _device_less_zeros()  # hexq code creating a tensor without a device: it lands on meta
+            assert made.device.type == "meta"
+            with pytest.raises((NotImplementedError, RuntimeError)):  # and fails when it meets CPU data
+                torch.zeros(3, device="cpu") + made
     w = torch.randn(4, 8)
     with HexqFactoriesOnMeta():  # pure hexq math on CPU data still works: its tensors follow their inputs
         codes, meta = quantize(w, QuantSpec(bits=4))

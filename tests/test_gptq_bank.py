@@ -24,7 +24,7 @@ from hexq.algos.gptq import (
 )
 from hexq.algos.quant import QuantSpec, dequantize, grid_params
 from tests import gptq_reference as ref
-from tests.device_check import default_device_meta_and_no_implicit_device
+from tests.conftest import HexqFactoriesOnMeta
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -319,7 +319,7 @@ def test_runs_with_meta_default_device() -> None:
         return banks, gptq_quantize(W[0], H[0], spec)
 
     want = run()
-    with default_device_meta_and_no_implicit_device():
+    with HexqFactoriesOnMeta():
         got = run()
     for got_bank, want_bank in zip(got[0], want[0], strict=True):
         for bits in (1, 3):

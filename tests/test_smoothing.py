@@ -16,7 +16,7 @@ from hexq.algos.smoothing import (
 )
 from hexq.calib.smooth import ATTN_IN, MOE_IN, fold_scales, smoothing_groups
 from tests.conftest import TINY_CONFIGS, build_tiny_model
-from tests.device_check import default_device_meta_and_no_implicit_device
+from tests.conftest import HexqFactoriesOnMeta
 
 W8 = QuantSpec(bits=8)
 
@@ -232,7 +232,7 @@ def test_routed_search_rejects_bad_input_and_runs_with_meta_default_device():
     with pytest.raises(ValueError, match="routing"):
         search_exponent_routed(x, routing.float(), experts=gate_up)
     want = search_exponent_routed(x, routing, None, 0.25, experts=gate_up, dense=[(router, False), (shared, True)])
-    with default_device_meta_and_no_implicit_device():
+    with HexqFactoriesOnMeta():
         got = search_exponent_routed(x, routing, None, 0.25, experts=gate_up, dense=[(router, False), (shared, True)])
     assert got.errors == want.errors and got.scales.device.type == "cpu"
 

@@ -27,10 +27,10 @@ import torch
 
 from hexq import __version__
 from hexq.adapters import MoEAdapter
-from hexq.algos.gptq import gptq_replicas
+from hexq.algos.gptq import factorize_hessians, gptq_bank, gptq_replicas
 from hexq.algos.hessian import blend_cold_hessian
 from hexq.algos.quant import QuantMeta, quantize
-from hexq.algos.smoothing import search_exponent, smoothquant_scales
+from hexq.algos.smoothing import search_exponent, search_exponent_routed, smoothquant_scales
 from hexq.artifact.format import dequantize_packed
 from hexq.calib.capture import (
     RoutingStats,
@@ -124,20 +124,39 @@ def quantize_bank(weight: torch.Tensor, hessian: torch.Tensor, setting: WeightQu
 
 
 def quantize_expert_chunk(weights: torch.Tensor, hessians: torch.Tensor, setting: WeightQuant,
-                          bits_list: tuple[int, ...], channel_max: torch.Tensor
-                          ) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Every width of a chunk of experts' weights [n, rows, cols] -> {bits: (codes [n, rows, cols], scale, zero)}."""
-    per_expert = [quantize_bank(weights[j], hessians[j], setting, bits_list, channel_max[j])
-                  for j in range(weights.shape[0])]
-    return {bits: (torch.stack([bank[bits][0] for bank in per_expert]),
-                   torch.stack([bank[bits][1].scale for bank in per_expert]),
-                   torch.stack([bank[bits][1].zero for bank in per_expert])) for bits in bits_list}
+                          bits_list: tuple[int, ...], channel_max: torch.Tensor, budget: int | None = None,
+                          ) -> tuple[dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]], dict]:
+    """Every width of a chunk of experts' weights [n, rows, cols] -> {bits: (codes [n, rows, cols], scale, zero)} and a
+    report of the factorization (experts that needed more damping or float64).
+
+    GPTQ (003 eq. 4-6): one factorization per expert for every width, every width and expert of the chunk in one
+    column loop (hexq.algos.gptq.gptq_bank). GPTQ's rows are independent once the factor exists, so an expert too
+    large for `budget` bytes of stacked widths is quantized in row blocks that give the same result."""
+    n, rows, cols = weights.shape
+    if setting.method == "rtn":  # per-row grids: the chunk flattened to rows is the same quantization
+        flat = weights.reshape(n * rows, cols)
+        out = {}
+        for bits in bits_list:
+            codes, meta = quantize(flat, setting.spec(bits))
+            out[bits] = (codes.reshape(n, rows, cols), meta.scale.reshape(n, rows, -1), meta.zero.reshape(n, rows, -1))
+        return out, {}
+    importance = channel_max if setting.act_order == "max_activation" else None
+    factor = factorize_hessians(hessians, damp=setting.damp, act_order=setting.act_order, column_importance=importance)
+    budget = GPTQ_CHUNK_BYTES if budget is None else budget
+    row_block = max(1, min(rows, budget // (4 * 3 * len(bits_list) * cols * n)))
+    parts = [gptq_bank(weights[:, start:start + row_block], factor, bits_list, setting.spec(),
+                       block_size=setting.block_size) for start in range(0, rows, row_block)]
+    out = {bits: tuple(torch.cat([getattr(part[bits], name) for part in parts], dim=1)
+                       for name in ("codes", "scale", "zero")) for bits in bits_list}
+    report = {"damp": factor.damp_used.tolist(), "float64": factor.float64_used.tolist()}
+    return out, report
 
 
 def gptq_chunk_size(shapes: dict[str, tuple[int, int]], widths: int, budget: int = GPTQ_CHUNK_BYTES) -> int:
-    """Experts per chunk so that every width's weights (stacked, ~3 live copies) and the Hessian with its factor fit
-    `budget` bytes of float32 for the larger projection."""
-    per_expert = max(4 * (3 * widths * rows * cols + 2 * cols * cols) for rows, cols in shapes.values())
+    """Experts per chunk so that every width's weights (stacked, gptq_bank keeps ~2 copies alive), the float32
+    weights and the Hessians with their factors fit `budget` bytes for the larger projection; an expert larger than
+    that is split into row blocks by quantize_expert_chunk."""
+    per_expert = max(4 * (3 * widths * rows * cols + 3 * cols * cols) for rows, cols in shapes.values())
     return max(1, budget // per_expert)
 
 
@@ -147,7 +166,11 @@ def gptq_chunk_size(shapes: dict[str, tuple[int, int]], widths: int, budget: int
 def smooth_layer(loaded: LoadedLayer, adapter: MoEAdapter, hidden: HiddenStore, kwargs: list[dict], recipe: Recipe,
                  seed: int, tensors: dict) -> tuple[dict, torch.Tensor | None]:
     """Choose and fold smoothing factors for the recipe's groups; returns the per-group report and the column scale
-    the routed experts' gate_up must take (None when the MoE group is not smoothed or the layer is dense)."""
+    the routed experts' gate_up must take (None when the MoE group is not smoothed or the layer is dense).
+
+    The MoE group's HAQ objective (003 eq. 1) scores each routed expert on the tokens routed to it (the router's
+    top-k of the same sampled tokens), the router and shared expert on all of them (`smoothing.moe_objective:
+    routed`); `all` scores every expert on every token, as if each were routed everything."""
     layer = loaded.module
     groups = {group.name: group for group in smoothing_groups(layer, adapter)}
     for group in groups.values():
@@ -157,7 +180,7 @@ def smooth_layer(loaded: LoadedLayer, adapter: MoEAdapter, hidden: HiddenStore, 
         return {}, None
     selected = [GROUP_OF_SECTION[section] for section in recipe.smoothing.groups]
     with capture_norm_outputs({name: groups[name].norm for name in selected}) as outputs:
-        run_layer(loaded, hidden, kwargs, None, experts=None)
+        routed = run_layer(loaded, hidden, kwargs, None, experts=None)
     report, expert_scale = {}, None
     generator = torch.Generator().manual_seed(seed)
     for name in selected:
@@ -167,11 +190,11 @@ def smooth_layer(loaded: LoadedLayer, adapter: MoEAdapter, hidden: HiddenStore, 
         entry = {"method": method, "act_max_over_median": round(float(act_max.max()) / median, 3)}
         w_setting, a_setting = ((recipe.weights, recipe.activations) if name == ATTN_IN
                                 else (recipe.expert_weights, recipe.expert_activations))
+        routed_experts = name == MOE_IN and loaded.is_moe  # the experts are read from their stored copy
         weights, quantized = group.weights(), group.quantized()
-        if name == MOE_IN and loaded.is_moe:  # the routed experts are read from their stored copy, not the module
-            weights.insert(1, loaded.gate_up.reshape(-1, loaded.gate_up.shape[-1]))
-            quantized.insert(1, True)
         if method == "smoothquant":
+            if routed_experts:
+                weights.append(loaded.gate_up.reshape(-1, loaded.gate_up.shape[-1]))
             s = smoothquant_scales(act_max, weights, recipe.smoothing.alpha)
             entry["alpha"] = recipe.smoothing.alpha
         elif not a_setting.enabled:
@@ -181,13 +204,23 @@ def smooth_layer(loaded: LoadedLayer, adapter: MoEAdapter, hidden: HiddenStore, 
             picked = torch.randperm(x.shape[0], generator=generator, device="cpu")[: recipe.smoothing.max_tokens]
             sample = x[picked.to(x.device)]
             bits = default_expert_bits(recipe) if name == MOE_IN else None
-            search = search_exponent(weights, sample, act_max, recipe.smoothing.grid_step,
-                                     w_spec=w_setting.spec(bits), a_bits=a_setting.bits,
-                                     a_symmetric=a_setting.symmetric, quantize_weights=quantized)
+            common = dict(w_spec=w_setting.spec(bits), a_bits=a_setting.bits, a_symmetric=a_setting.symmetric)
+            if routed_experts and recipe.smoothing.moe_objective == "routed":
+                search = search_exponent_routed(sample, routed.index[picked.to(routed.index.device)], act_max,
+                                                recipe.smoothing.grid_step, experts=loaded.gate_up,
+                                                dense=list(zip(weights, quantized, strict=True)), **common)
+            else:
+                if routed_experts:  # every expert on every token (the objective before routing was considered)
+                    weights.insert(1, loaded.gate_up.reshape(-1, loaded.gate_up.shape[-1]))
+                    quantized.insert(1, True)
+                search = search_exponent(weights, sample, act_max, recipe.smoothing.grid_step,
+                                         quantize_weights=quantized, **common)
             s = search.scales
             entry.update(exponent=search.exponent, error=search.error, error_without_smoothing=search.baseline_error)
+            if routed_experts:
+                entry["objective"] = recipe.smoothing.moe_objective
         fold_scales(group, s)
-        if name == MOE_IN and loaded.is_moe:
+        if routed_experts:
             expert_scale = s.float()
         tensors[f"smooth.{name}"] = s.float().cpu()
         report[name] = entry
@@ -221,8 +254,9 @@ def quantize_dense_linears(layer: torch.nn.Module, adapter: MoEAdapter, stats: d
 
 
 def quantize_routed_experts(loaded: LoadedLayer, routed: RoutedTokens, weights_of, recipe: Recipe, tensors: dict,
-                            moe_sample: torch.Tensor, progress: Progress | None) -> list[int]:
-    """Replica banks for every routed expert, chunk by chunk; returns the experts that used the cold fallback."""
+                            moe_sample: torch.Tensor, progress: Progress | None) -> tuple[list[int], dict]:
+    """Replica banks for every routed expert, chunk by chunk; returns the experts that used the cold fallback and
+    the factorizations that needed more damping or float64."""
     setting, bits_list = recipe.expert_weights, expert_bits_list(recipe)
     num_experts = loaded.gate_up.shape[0]
     shapes = {"gate_up": tuple(loaded.gate_up.shape[1:]), "down": tuple(loaded.down.shape[1:])}
@@ -235,6 +269,7 @@ def quantize_routed_experts(loaded: LoadedLayer, routed: RoutedTokens, weights_o
     input_low, input_high = float(routed.x.min()), float(routed.x.max())
     mid_low, mid_high = float("inf"), float("-inf")
     chunk = gptq_chunk_size(shapes, len(bits_list))
+    escalated: dict[str, dict] = {}
     for start in range(0, num_experts, chunk):
         experts = list(range(start, min(start + chunk, num_experts)))
         gate_up, down = weights_of(experts)
@@ -254,9 +289,12 @@ def quantize_routed_experts(loaded: LoadedLayer, routed: RoutedTokens, weights_o
                                                   blend)
         for projection, weight, hessian, channel_max in (("gate_up", gate_up, h_in, stats.input_abs_max),
                                                          ("down", down, h_down, stats.mid_abs_max)):
-            for bits, (codes, scale, zero) in quantize_expert_chunk(weight, hessian, setting, bits_list,
-                                                                    channel_max).items():
+            results, factor = quantize_expert_chunk(weight, hessian, setting, bits_list, channel_max)
+            for bits, (codes, scale, zero) in results.items():
                 bank.put(projection, bits, experts, codes, scale, zero)
+            for j, expert in enumerate(experts):  # record what the Cholesky factorization needed beyond the recipe
+                if factor and (factor["float64"][j] or factor["damp"][j] > setting.damp):
+                    escalated[f"{projection}.{expert}"] = {"damp": factor["damp"][j], "float64": factor["float64"][j]}
         del gate_up, down, stats, h_in, h_down
         if progress:
             progress("experts", experts[-1] + 1, num_experts)
@@ -265,7 +303,7 @@ def quantize_routed_experts(loaded: LoadedLayer, routed: RoutedTokens, weights_o
                                             device="cpu")
     tensors["act.experts.input"] = torch.tensor([input_low, input_high], device="cpu")
     tensors["act.experts.mid"] = torch.tensor([mid_low, mid_high], device="cpu")
-    return fallback
+    return fallback, escalated
 
 
 def quantize_layer(loaded: LoadedLayer, adapter: MoEAdapter, hidden: HiddenStore, kwargs: list[dict],
@@ -283,9 +321,9 @@ def quantize_layer(loaded: LoadedLayer, adapter: MoEAdapter, hidden: HiddenStore
     tensors["router.counts"], tensors["router.score_sums"] = routing.counts, routing.score_sums
     tensors["router.topk"] = routing.topk
     moe_sample = routed.x[::MOE_SAMPLE_EVERY].float()
-    fallback = quantize_routed_experts(loaded, routed, weights_of, recipe, tensors, moe_sample, progress)
-    return {"fallback_experts": fallback, "expert_tokens": tensors["experts.tokens"].tolist(),
-            "tokens": int(routed.x.shape[0])}, moe_sample
+    fallback, escalated = quantize_routed_experts(loaded, routed, weights_of, recipe, tensors, moe_sample, progress)
+    return {"fallback_experts": fallback, "factorization": escalated,
+            "expert_tokens": tensors["experts.tokens"].tolist(), "tokens": int(routed.x.shape[0])}, moe_sample
 
 
 # ------------------------------------------------------------------------------------------ applying a layer
