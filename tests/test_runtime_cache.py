@@ -405,12 +405,15 @@ def test_slow_loader_never_exposes_a_partial_version(make_cache):
     try:
         for _ in range(3):
             deadline = time.monotonic() + 5
+            while cache.resident().get((0, 0)) != 2 and time.monotonic() < deadline:
+                time.sleep(0.001)  # the reader has (re)loaded and published the 2-bit version
             while cache.resident().get((0, 0)) != 8 and time.monotonic() < deadline:
                 # Background promotion while the reader keeps using the 2-bit version. It is dropped if the reader
                 # is reloading the 2-bit version at that moment, hence the retry.
                 cache.prefetch(0, 0, 8)
                 cache.wait_idle()
-            while not (seen and seen[-1][1] == 8) and time.monotonic() < deadline:
+            promoted = cache.handle(0, 0).resolve()
+            while not (seen and promoted and seen[-1][0] >= promoted.version) and time.monotonic() < deadline:
                 time.sleep(0.001)  # let the reader see the promoted version before it is evicted
             with cache.pinned(0, [1, 2]):  # evicts (0, 0) at 8 bits; the reader reloads it at 2 bits
                 cache.get(0, 1, 8)
