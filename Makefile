@@ -32,9 +32,10 @@ demo: setup
 lint: setup
 	$(BIN)/ruff check hexq cli tests scripts benchmarks
 
-# Unit and end-to-end tests (slow ones deselected), then the perplexity gate against tests/baselines/ppl.
+# Unit and end-to-end tests (slow ones deselected; -rs lists why any test skipped), then the perplexity gate
+# against tests/baselines/ppl.
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -rs
 	$(BIN)/python scripts/ppl_gate.py
 
 clean:

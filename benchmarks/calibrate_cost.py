@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import resource
 import subprocess
 import sys
@@ -19,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hexq.io import write_json_atomic
+from provenance import start_run, write_results
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = {"mixtral": ROOT / "models" / "hexq-tiny-mixtral", "qwen3moe": ROOT / "models" / "hexq-tiny-qwen3moe"}
@@ -60,6 +58,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=64)
     parser.add_argument("-o", "--out", type=Path, default=ROOT / "benchmarks" / "results" / "calibrate_cost.json")
     args = parser.parse_args()
+    record = start_run(args)
     rows = []
     for name in args.models:
         folder = str(MODELS[name])
@@ -76,7 +75,8 @@ def main() -> None:
                "time_ratio": round(hexq[0] / peer[0], 2), "rss_ratio": round(hexq[1] / peer[1], 2)}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    write_json_atomic(args.out, {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "rows": rows})
+        write_results(args.out, {"rows": rows}, record)
+    write_results(args.out, {"rows": rows}, record, complete=True)
 
 
 def child() -> None:

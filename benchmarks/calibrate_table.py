@@ -28,9 +28,10 @@ from hexq.calib.outliers import inject_outliers
 from hexq.calib.pipeline import calibrate, load_calibrated
 from hexq.data import calibration_windows, eval_text, tokenize
 from hexq.eval.perplexity import perplexity
-from hexq.io import write_json_atomic
 from hexq.models import load_model
 from hexq.recipe import ActivationQuant, Calibration, Experts, Recipe, Smoothing, WeightQuant
+
+from provenance import start_run, write_results
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = {"mixtral": ROOT / "models" / "hexq-tiny-mixtral", "qwen3moe": ROOT / "models" / "hexq-tiny-qwen3moe"}
@@ -95,7 +96,7 @@ def outlier_variant(folder: Path, work: Path) -> Path:
 
 
 def run(models: list[str], settings: list[str], samples: int, windows: int, outlier_settings: list[str],
-        peer: bool, out_json: Path, only_methods: list[str] | None = None) -> dict:
+        peer: bool, out_json: Path, only_methods: list[str] | None = None, record: dict | None = None) -> dict:
     work = Path(tempfile.mkdtemp(prefix="hexq-bench-"))
     results = {"protocol": {"seqlen": SEQLEN, "eval_windows": windows, "eval_data": list(EVAL_DATA),
                             "calibration": {"source": "bundled", "num_samples": samples, "seqlen": SEQLEN,
@@ -138,7 +139,8 @@ def run(models: list[str], settings: list[str], samples: int, windows: int, outl
                                **ppl(peer_model, streams, windows), "calib_seconds": round(seconds, 1)}
                         results["rows"].append(row)
                         print(json.dumps(row), flush=True)
-                    write_json_atomic(out_json, results)  # after every setting: a partial run keeps its rows
+                    if record is not None:  # after every setting: a partial run keeps its rows
+                        write_results(out_json, results, record)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return results
@@ -169,8 +171,10 @@ def main() -> None:
         for path in args.render:
             print(markdown(json.loads(path.read_text())))
         return
+    record = start_run(args)
     results = run(args.models, args.settings, args.samples, args.windows, args.outlier_settings, not args.no_peer,
-                  args.out, args.methods)
+                  args.out, args.methods, record)
+    write_results(args.out, results, record, complete=True)
     print(markdown(results))
 
 

@@ -27,10 +27,11 @@ from hexq.artifact.pack import Budget, pack
 from hexq.calib.pipeline import calibrate
 from hexq.data import eval_text, tokenize
 from hexq.eval.perplexity import perplexity
-from hexq.io import write_json_atomic
 from hexq.models import load_model
 from hexq.recipe import load_recipe
 from hexq.runtime.model import build_model, resident_experts
+
+from provenance import start_run, write_results
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = {"mixtral": ROOT / "models" / "hexq-tiny-mixtral", "qwen3moe": ROOT / "models" / "hexq-tiny-qwen3moe"}
@@ -105,10 +106,12 @@ def main() -> None:
     parser.add_argument("-o", "--out", type=Path, default=ROOT / "benchmarks" / "results" / "pack_quality.json")
     args = parser.parse_args()
     torch.manual_seed(0)
+    record = start_run(args)
     results = {"windows": args.windows, "seqlen": SEQLEN, "models": {}}
     for name in args.models:
         results["models"][name] = run_model(name, args.work, args.windows, lambda m: print(m, flush=True))
-        write_json_atomic(args.out, results)
+        write_results(args.out, results, record)
+    write_results(args.out, results, record, complete=True)
     print(render(results))
 
 

@@ -29,8 +29,9 @@ from hexq.algos.placement import (
 from hexq.calib.routing import capture_router_topk
 from hexq.data import calibration_windows, eval_text, tokenize
 from hexq.eval.perplexity import make_windows
-from hexq.io import write_json_atomic
 from hexq.models import load_model
+
+from provenance import start_run, write_results
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = {"mixtral": ROOT / "models" / "hexq-tiny-mixtral", "qwen3moe": ROOT / "models" / "hexq-tiny-qwen3moe"}
@@ -59,7 +60,7 @@ def placements(calib: torch.Tensor, num_experts: int, K: int) -> dict[str, torch
             "2g": global_frequency_placement(counts, K * calib.shape[0])}
 
 
-def run(models: list[str], out_json: Path) -> dict:
+def run(models: list[str], out_json: Path, record: dict | None = None) -> dict:
     results = {"protocol": {"calibration": {"source": "bundled", "windows": WINDOWS, "seqlen": SEQLEN, "seed": 0},
                             "heldout": {"source": "austen", "windows": WINDOWS, "seqlen": SEQLEN},
                             "fractions": list(FRACTIONS), "torch_threads": 1},
@@ -79,7 +80,8 @@ def run(models: list[str], out_json: Path) -> dict:
                     results["rows"].append({"model": name, "K": K, "fraction": fraction, "scheme": scheme,
                                             "trace": split, "per_layer_K": mask.sum(dim=1).tolist(),
                                             **placement_metrics(mask, trace).as_dict()})
-        write_json_atomic(out_json, results)  # after every model: a partial run keeps its rows
+        if record is not None:  # after every model: a partial run keeps its rows
+            write_results(out_json, results, record)
     return results
 
 
@@ -102,7 +104,10 @@ def main() -> None:
     parser.add_argument("-o", "--output", type=Path, default=ROOT / "benchmarks" / "results" / "placement.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    print_table(run(args.models, args.output))
+    record = start_run(args)
+    results = run(args.models, args.output, record)
+    write_results(args.output, results, record, complete=True)
+    print_table(results)
 
 
 if __name__ == "__main__":

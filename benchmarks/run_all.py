@@ -5,7 +5,9 @@
     python benchmarks/run_all.py --render-only   # rewrite README's tables from the JSON already there
 
 README.md holds each table between `<!-- bench:NAME -->` and `<!-- /bench:NAME -->`; this script replaces what is
-between the markers, together with the command and machine that produced it.
+between the markers. Under each table it writes what the results file says about the run that made it (the
+"provenance" records of benchmarks/provenance.py: exact command, date, duration, machine); a file without them is
+shown as "provenance not recorded", never with this machine's details.
 """
 
 from __future__ import annotations
@@ -13,12 +15,9 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
-import platform
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from hexq.io import write_bytes_atomic
@@ -33,17 +32,6 @@ BENCHMARKS = {
     "pack_quality": ("pack_quality.py", "pack_quality.json"),
     "runtime": ("runtime.py", "runtime.json"),
 }
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    return f"{cpu}, {os.cpu_count()} cores, no GPU" if not _has_cuda() else f"{cpu}, {os.cpu_count()} cores, CUDA"
-
-
-def _has_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def load_script(name: str):
@@ -82,17 +70,51 @@ def render(name: str, results: dict) -> str:
     return (module.markdown if name == "calibrate_table" else module.render)(results).strip()
 
 
-def update_readme(names: list[str], stamp: dict[str, str]) -> None:
+def describe_machine(machine: dict) -> str:
+    memory = machine.get("memory_bytes")
+    return (f"{machine.get('processor', 'processor unknown')}, {machine.get('cpu_count', '?')} CPUs "
+            f"({machine.get('cpus_usable', '?')} usable), "
+            f"{f'{memory / 2**30:.1f} GiB' if memory else 'memory unknown'}, {machine.get('cuda') or 'no GPU'}, "
+            f"{machine.get('platform', 'platform unknown')}, torch {machine.get('torch', '?')} "
+            f"({machine.get('torch_threads', '?')} threads)")
+
+
+def describe_run(run: dict) -> str:
+    seconds = run.get("seconds")
+    if not isinstance(seconds, int | float):
+        took = "duration unknown"
+    else:
+        took = f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
+    stopped = "" if run.get("complete") else ", stopped before the end"
+    commit = run.get("git_commit")
+    at = f" at {commit[:12]}{'+changes' if commit.endswith('+changes') else ''}" if commit else ""
+    return (f"`{run.get('command', 'command unknown')}` (started {run.get('started', '?')}, {took}{stopped}; "
+            f"{describe_machine(run.get('machine', {}))}; hexq {run.get('hexq_version', '?')}{at})")
+
+
+def provenance_line(name: str, results: dict) -> str:
+    """README's line under a table: the recorded runs of its results file, or that none were recorded."""
+    script, file = BENCHMARKS[name]
+    where = f"benchmarks/results/{file}"
+    runs = results.get("provenance")
+    if not isinstance(runs, list) or not runs or not all(isinstance(run, dict) for run in runs):
+        machine = results.get("machine")
+        also = f"; the file names its machine only as {machine!r}" if isinstance(machine, str) else ""
+        return (f"Results in {where}, written by `benchmarks/{script}`; provenance not recorded (the exact command, "
+                f"parameters, machine and date of the run are unknown{also}).")
+    label = "Reproduce" if len(runs) == 1 else f"Reproduce ({len(runs)} runs)"
+    return f"{label}: {'; '.join(describe_run(run) for run in runs)}. Results in {where}."
+
+
+def update_readme(names: list[str]) -> None:
     readme = ROOT / "README.md"
     text = readme.read_text()
     for name in names:
         path = RESULTS / BENCHMARKS[name][1]
         if not path.exists():
             continue
-        body = render(name, json.loads(path.read_text()))
-        command = f"python benchmarks/{BENCHMARKS[name][0]}"
-        ran = stamp.get(name, f"results in benchmarks/results/{BENCHMARKS[name][1]}, measured on {machine()}")
-        block = f"<!-- bench:{name} -->\n{body}\n\nReproduce: `{command}` ({ran}).\n"
+        results = json.loads(path.read_text())
+        block = f"<!-- bench:{name} -->\n{render(name, results)}\n\n{provenance_line(name, results)}\n"
         pattern = re.compile(rf"<!-- bench:{name} -->.*?(?=<!-- /bench:{name} -->)", re.S)
         if pattern.search(text):
             text = pattern.sub(lambda _m, b=block: b, text)
@@ -104,13 +126,10 @@ def main() -> None:
     parser.add_argument("--only", nargs="+", choices=list(BENCHMARKS), default=list(BENCHMARKS))
     parser.add_argument("--render-only", action="store_true")
     args = parser.parse_args()
-    stamp = {}
     if not args.render_only:
-        for name in args.only:
-            started = time.time()
+        for name in args.only:  # each script records its own command, machine and times in its results file
             subprocess.run([sys.executable, str(ROOT / "benchmarks" / BENCHMARKS[name][0])], check=True, cwd=ROOT)
-            stamp[name] = f"{time.strftime('%Y-%m-%d')}, {machine()}, {(time.time() - started) / 60:.0f} min"
-    update_readme(args.only, stamp)
+    update_readme(args.only)
     print(f"README tables updated: {', '.join(args.only)}")
 
 

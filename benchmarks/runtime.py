@@ -38,9 +38,10 @@ from hexq.artifact.pack import pack
 from hexq.calib.pipeline import calibrate
 from hexq.data import eval_text, tokenize
 from hexq.eval.perplexity import make_windows
-from hexq.io import write_json_atomic
 from hexq.recipe import Pack, load_recipe
 from hexq.runtime.engine import Runtime
+
+from provenance import start_run, write_results
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = {"mixtral": ROOT / "models" / "hexq-tiny-mixtral", "qwen3moe": ROOT / "models" / "hexq-tiny-qwen3moe"}
@@ -167,12 +168,14 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
+    record = start_run(args)
     results = {"decode": args.decode, "windows": args.windows, "threads": torch.get_num_threads(), "models": {}}
     for name in args.models:
         result = run_model(name, args.work, args.decode, args.windows, lambda m: print(m, flush=True))
         result["ratios"] = ratios(result)
         results["models"][name] = result
-        write_json_atomic(args.out, results)
+        write_results(args.out, results, record)
+    write_results(args.out, results, record, complete=True)
     print(render(results))
 
 

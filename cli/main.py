@@ -414,12 +414,14 @@ def report(
     placement_json: Annotated[Path | None, typer.Option("--placement-json", help="Held-out hit rates written by "
                                                         "benchmarks/placement.py (default: placement.json in the "
                                                         "results folder).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace a report hexq wrote earlier in the output "
+                                        "folder.")] = False,
 ) -> None:
     """An HTML page of plots: expert hotness, loss tables, bit allocation, hit rates, perplexity vs bits."""
     from hexq.report import write_report
 
     with err_console.status(f"report {artifact.name}"):
-        index = write_report(artifact, out, results, placement_json)
+        index = write_report(artifact, out, results, placement_json, force)
     console.print(str(index), highlight=False, soft_wrap=True)  # the bare path, unwrapped, for scripts
 
 

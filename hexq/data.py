@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from hexq.errors import HexqError
+
+if TYPE_CHECKING:  # importlib.resources.abc is Python >= 3.11; only the annotations need it
+    from importlib.resources.abc import Traversable
 
 TRAIN_CORPORA = ("austen", "pydocs", "foldoc")
 EVAL_ONLY_CORPORA = ("wikitext2",)
@@ -26,7 +31,19 @@ CORPUS_FILES = {
 HELDOUT_FRACTION = 0.10
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-CALIB_DIR = PROJECT_ROOT / "calib_data"
+
+
+def bundled_folder(name: str) -> Traversable:
+    """A data folder shipped with hexq: "recipes" or "calib_data".
+
+    They live at the top of the source tree; a regular install carries them inside the package as hexq/recipes and
+    hexq/calib_data (pyproject.toml maps them there), read through importlib.resources. A source checkout or an
+    editable install has no such folders in the package and reads the top-level ones."""
+    installed = resources.files("hexq").joinpath(name)
+    return installed if installed.is_dir() else PROJECT_ROOT / name
+
+
+CALIB_DIR = bundled_folder("calib_data")
 
 
 def corpora_dir() -> Path:
@@ -38,7 +55,7 @@ def corpora_dir() -> Path:
     return path
 
 
-def read_text(path: Path) -> str:
+def read_text(path: Path | Traversable) -> str:
     try:
         return path.read_text(encoding="utf-8")
     except FileNotFoundError:

@@ -43,13 +43,6 @@ def check_moe_folder(folder: Path) -> MoEAdapter:
     return adapter
 
 
-def pick_device(device: str | None = None) -> torch.device:
-    """CUDA when present, else CPU; an explicit choice wins."""
-    if device:
-        return torch.device(device)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
 def load_model(folder: str | Path, device: str | None = None, dtype: torch.dtype = torch.float32):
     """(model, tokenizer, adapter) from a local folder, offline, in eval mode and `dtype` (fp32 by default:
     the reference weights are stored in bf16 and every hexq computation runs on their fp32 upcast)."""
@@ -64,7 +57,9 @@ def load_model(folder: str | Path, device: str | None = None, dtype: torch.dtype
         model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=dtype)
     except OSError as exc:
         raise HexqError(f"cannot load model from {folder}: {str(exc).splitlines()[0]}") from None
-    model.to(pick_device(device)).eval()
+    from hexq.devices import resolve_device
+
+    model.to(resolve_device(device)).eval()
     return model, tokenizer, adapter
 
 

@@ -34,17 +34,20 @@ import typing
 from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from hexq.algos.gptq import ACT_ORDERS
 from hexq.algos.quant import QuantSpec
-from hexq.data import PROJECT_ROOT
+from hexq.data import bundled_folder
 from hexq.errors import HexqError
 
+if TYPE_CHECKING:  # importlib.resources.abc is Python >= 3.11; only the annotations need it
+    from importlib.resources.abc import Traversable
+
 RECIPE_VERSION = 1
-RECIPES_DIR = PROJECT_ROOT / "recipes"
+RECIPES_DIR = bundled_folder("recipes")  # the package's recipes/, or the checkout's
 
 WEIGHT_METHODS = ("gptq", "rtn")
 SMOOTHING_METHODS = ("haq", "smoothquant", "none")
@@ -516,8 +519,10 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 
 def bundled_recipes() -> list[str]:
-    """Names of the recipes shipped in the project's recipes/ folder (file stems)."""
-    return sorted(path.stem for path in RECIPES_DIR.glob("*.yaml")) if RECIPES_DIR.is_dir() else []
+    """Names of the recipes shipped with hexq (file stems of recipes/*.yaml)."""
+    if not RECIPES_DIR.is_dir():
+        return []
+    return sorted(entry.name.removesuffix(".yaml") for entry in RECIPES_DIR.iterdir() if entry.name.endswith(".yaml"))
 
 
 def _bundled_list() -> str:
@@ -525,7 +530,7 @@ def _bundled_list() -> str:
     return f"bundled recipes: {', '.join(names)}" if names else f"no bundled recipes found in {RECIPES_DIR}"
 
 
-def recipe_path(path_or_name: str | os.PathLike[str]) -> Path:
+def recipe_path(path_or_name: str | os.PathLike[str]) -> Path | Traversable:
     """The file behind a recipe argument: an existing file, else a bundled name (no folder part, no suffix)."""
     candidate = Path(path_or_name)
     if candidate.is_file():
@@ -534,13 +539,13 @@ def recipe_path(path_or_name: str | os.PathLike[str]) -> Path:
         raise RecipeError("", f"recipe {candidate} is a folder, not a .yaml file; {_bundled_list()}")
     if candidate.suffix in (".yaml", ".yml") or len(candidate.parts) != 1:
         raise RecipeError("", f"recipe file not found: {candidate}; {_bundled_list()}")
-    bundled = RECIPES_DIR / f"{candidate.name}.yaml"
+    bundled = RECIPES_DIR.joinpath(f"{candidate.name}.yaml")
     if not bundled.is_file():
         raise RecipeError("", f"unknown recipe {str(path_or_name)!r}; {_bundled_list()} (or pass a .yaml path)")
     return bundled
 
 
-def _read_yaml(path: Path) -> Any:
+def _read_yaml(path: Path | Traversable) -> Any:
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:

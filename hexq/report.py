@@ -12,8 +12,10 @@ plot 5 is drawn from the JSON files the benchmarks write; a missing or non-match
 page naming the file and the command that writes it, never an error.
 
 The same inputs give the same bytes: fixed figure sizes and dpi, matplotlib's default style whatever the user's
-matplotlibrc says, no software or date stamps in the PNGs, nothing time-dependent in the HTML. Every file is
-written atomically and index.html last, so a page never points at a missing plot.
+matplotlibrc says, no software or date stamps in the PNGs, nothing time-dependent in the HTML. The folder is
+written through hexq.outputs: into a hidden sibling renamed to DIR once every file is there, so DIR never holds half a
+report; an existing DIR is replaced only with force and only when it is a report hexq wrote, and DIR may not be, hold
+or lie inside the artifact or the result files being read.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from hexq.algos.placement import frequency_placement, hit_rates, path_placement,
 from hexq.artifact.format import STATS_SHARD, Artifact
 from hexq.artifact.inspect import summarize
 from hexq.io import write_bytes_atomic
+from hexq.outputs import output_folder
 from hexq.units import format_bytes
 
 logger = logging.getLogger(__name__)
@@ -116,6 +119,8 @@ def benchmark_name(model_type: str) -> str:
 def missing_note(path: Path) -> str:
     command = PRODUCERS.get(path.name)
     made_by = f"; `{command}` writes it" if command else ""
+    if not path.parent.is_dir():  # e.g. an installed hexq: benchmarks/results exists only in a source checkout
+        made_by += f" (the folder {path.parent} does not exist: give hexq report --results a folder of result files)"
     return f"{path} not found{made_by}."
 
 
@@ -549,16 +554,8 @@ def render_page(title: str, items: list[tuple[str, str]], sections: list[Section
             f"</body></html>\n")
 
 
-def write_report(artifact_path: str | Path, out_dir: str | Path, results_dir: str | Path | None = None,
-                 placement_json: str | Path | None = None) -> Path:
-    """Write DIR/index.html and its PNG plots for the artifact (see module docstring); returns index.html's path.
-
-    results_dir: where pack_quality.json and calibrate.json are looked for (default: the checkout's
-    benchmarks/results); placement_json: held-out placement results (default: results_dir/placement.json).
-    Every checksum of the artifact is verified; a mismatch is shown in the header, not raised."""
-    artifact_path, out_dir = Path(artifact_path), Path(out_dir)
-    results_dir = DEFAULT_RESULTS if results_dir is None else Path(results_dir)
-    placement_json = results_dir / "placement.json" if placement_json is None else Path(placement_json)
+def report_files(artifact_path: Path, results_dir: Path, placement_json: Path) -> dict[str, bytes]:
+    """{file name: bytes} of the report: the PNG plots and index.html (see module docstring)."""
     info = summarize(artifact_path)
     artifact = Artifact(artifact_path)
     manifest = artifact.manifest
@@ -595,11 +592,27 @@ def write_report(artifact_path: str | Path, out_dir: str | Path, results_dir: st
         hits,
         frontier,
     ]
-    for file, data in images.items():
-        write_bytes_atomic(out_dir / file, data)
+    page = render_page(f"hexq report: {artifact_path.name}", header_items(info, manifest), sections)
+    return {**images, "index.html": page.encode()}
+
+
+def write_report(artifact_path: str | Path, out_dir: str | Path, results_dir: str | Path | None = None,
+                 placement_json: str | Path | None = None, force: bool = False) -> Path:
+    """Write DIR/index.html and its PNG plots for the artifact (see module docstring); returns index.html's path.
+
+    results_dir: where pack_quality.json and calibrate.json are looked for (default: the checkout's
+    benchmarks/results); placement_json: held-out placement results (default: results_dir/placement.json);
+    force: replace a report hexq wrote earlier in out_dir. Every checksum of the artifact is verified; a mismatch
+    is shown in the header, not raised."""
+    artifact_path, out_dir = Path(artifact_path), Path(out_dir)
+    results_dir = DEFAULT_RESULTS if results_dir is None else Path(results_dir)
+    placement_json = results_dir / "placement.json" if placement_json is None else Path(placement_json)
+    # The destination is checked (and locked) before the plots are drawn, so a refused folder costs nothing.
+    with output_folder(out_dir, kind="report", force=force,
+                       inputs=[artifact_path, results_dir, placement_json]) as tmp:
+        files = report_files(artifact_path, results_dir, placement_json)
+        for file, data in files.items():
+            write_bytes_atomic(tmp / file, data)
     index = out_dir / "index.html"
-    # Last, so the page never refers to a plot that is not on disk yet.
-    write_bytes_atomic(index, render_page(f"hexq report: {artifact_path.name}", header_items(info, manifest),
-                                          sections).encode())
-    logger.info("wrote %s with %d plots", index, len(images))
+    logger.info("wrote %s with %d plots", index, len(files) - 1)
     return index

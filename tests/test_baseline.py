@@ -5,7 +5,8 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from hexq.eval.baseline import compare, parse_tolerance
+from hexq.errors import HexqError
+from hexq.eval.baseline import FORMAT, VERSION, compare, parse_tolerance, read_baseline
 from hexq_cli.main import app
 
 runner = CliRunner()
@@ -37,3 +38,58 @@ def test_cli_baseline_round_trip_and_regression(tiny_qwen3moe, mixed_artifact, t
     assert loose.exit_code == 0
     mismatch = runner.invoke(app, ["eval", str(mixed_artifact), "--baseline", str(baseline), "-L", "64"])
     assert mismatch.exit_code == 1 and "differs from the baseline" in mismatch.output
+
+
+GOOD = {"format": FORMAT, "version": VERSION, "target": "model", "protocol": {"data": ["austen"], "seqlen": 32,
+                                                                              "windows": 3},
+        "perplexity": {"austen": 70.5}}
+
+
+def reshaped(change: dict) -> dict:
+    """GOOD with fields replaced; a key path "a.b" reaches into protocol; None as value deletes the field."""
+    data = json.loads(json.dumps(GOOD))
+    for key, value in change.items():
+        *parents, leaf = key.split(".")
+        target = data
+        for parent in parents:
+            target = target[parent]
+        if value is None:
+            del target[leaf]
+        else:
+            target[leaf] = value
+    return data
+
+
+@pytest.mark.parametrize("content, field", [
+    ([1, 2], "a JSON list"),
+    ("a string", "a JSON str"),
+    (reshaped({"protocol": None}), "no protocol field"),
+    (reshaped({"protocol": ["austen"]}), "protocol must be an object"),
+    (reshaped({"protocol.data": None}), "no protocol.data field"),
+    (reshaped({"protocol.data": "austen"}), "protocol.data must be a list"),
+    (reshaped({"protocol.data": []}), "protocol.data must be a non-empty list"),
+    (reshaped({"protocol.data": [3]}), "protocol.data must be a non-empty list of text names"),
+    (reshaped({"protocol.seqlen": "32"}), "protocol.seqlen must be an integer"),
+    (reshaped({"protocol.seqlen": True}), "protocol.seqlen must be an integer"),
+    (reshaped({"protocol.seqlen": 1}), "protocol.seqlen must be >= 2"),
+    (reshaped({"protocol.windows": None}), "no protocol.windows field"),
+    (reshaped({"protocol.windows": "all"}), "protocol.windows must be an integer >= 1 or null"),
+    (reshaped({"perplexity": None}), "no perplexity field"),
+    (reshaped({"perplexity": [70.5]}), "perplexity must be an object"),
+    (reshaped({"perplexity": {}}), "perplexity is empty"),
+    (reshaped({"perplexity": {"austen": "70.5"}}), "perplexity.austen must be a positive number"),
+    (reshaped({"perplexity": {"austen": -1}}), "perplexity.austen must be a positive number"),
+])
+def test_every_wrong_shape_is_one_line_naming_file_and_field(tmp_path, content, field):
+    path = tmp_path / "base.json"
+    path.write_text(json.dumps(content))
+    with pytest.raises(HexqError, match=field) as err:
+        read_baseline(path)
+    assert str(path) in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_written_shape_reads_back(tmp_path):
+    path = tmp_path / "base.json"
+    path.write_text(json.dumps(reshaped({"protocol": {"data": ["austen"], "seqlen": 32, "windows": None}})))
+    protocol, recorded = read_baseline(path)
+    assert (protocol.data, protocol.seqlen, protocol.windows, recorded) == (("austen",), 32, None, {"austen": 70.5})

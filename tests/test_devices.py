@@ -1,51 +1,48 @@
-"""Every tensor hexq creates joins the device of its data: calibrate, pack, eval and run are run with hexq's own
-tensor factories sent to the meta device (tests.conftest.HexqFactoriesOnMeta), so a tensor created without an
-explicit device fails loudly, as it would on a GPU - checked on a machine without one."""
+"""hexq.devices.resolve_device: auto/cpu/cuda/cuda:N, with and without CUDA (torch.cuda monkeypatched)."""
 
 import pytest
 import torch
 
-from hexq.artifact.pack import Budget, pack
-from hexq.calib.pipeline import calibrate
-from hexq.data import eval_text, tokenize
-from hexq.eval.run import evaluate_model, runtime_perplexity
-from hexq.runtime.engine import Runtime
-from tests.conftest import HexqFactoriesOnMeta, mixed_recipe, small_recipe
+from hexq.devices import resolve_device
+from hexq.errors import HexqError
 
 
-def test_the_harness_catches_a_device_less_tensor():
-    from hexq.algos.quant import QuantSpec, quantize
-
-    with pytest.raises(AssertionError, match=r"without an explicit device: \['zeros at hexq.fake:3'\]"):
-        with HexqFactoriesOnMeta():
-            made = _device_less_zeros()  # hexq code creating a tensor without a device: it lands on meta
-            assert made.device.type == "meta"
-            with pytest.raises((NotImplementedError, RuntimeError)):  # and fails when it meets CPU data
-                torch.zeros(3, device="cpu") + made
-    w = torch.randn(4, 8)
-    with HexqFactoriesOnMeta():  # pure hexq math on CPU data still works: its tensors follow their inputs
-        codes, meta = quantize(w, QuantSpec(bits=4))
-    assert codes.device.type == "cpu" and meta.scale.device.type == "cpu"
+@pytest.fixture
+def no_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
 
 
-def _device_less_zeros():
-    import types
+@pytest.fixture
+def two_gpus(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
 
-    module = types.ModuleType("hexq.fake")  # a frame whose module is hexq's
-    exec("import torch\ndef make():\n    return torch.zeros(3)\n", module.__dict__)
-    return module.make()
+
+def test_cpu_only_machine(no_cuda):
+    assert resolve_device(None) == resolve_device("auto") == resolve_device(" CPU ") == torch.device("cpu")
+    for spec in ("cuda", "cuda:0"):
+        with pytest.raises(HexqError, match=f"--device {spec}: CUDA is not available on this machine; use "
+                                            "--device cpu or auto"):
+            resolve_device(spec)
 
 
-def test_calibrate_pack_eval_run_create_every_tensor_on_its_data_s_device(tiny_qwen3moe, tmp_path):
-    with HexqFactoriesOnMeta():
-        calibrate(tiny_qwen3moe, small_recipe("haq-w8a8"), "bundled", tmp_path / "haq", device="cpu")
-        calibrate(tiny_qwen3moe, mixed_recipe(), "bundled", tmp_path / "mixed", device="cpu")
-        artifact = pack(tmp_path / "mixed", tmp_path / "a.hexq", budget=Budget(avg_bits=2.5), bank=("all",)).out
-        for target in (tiny_qwen3moe, tmp_path / "haq", artifact):
-            (row,) = evaluate_model(target, ["austen"], 32, 2, 2, device="cpu")
-            assert row.result.perplexity > 1
-        for policy in ("static", "context", "online", "depth"):
-            with Runtime(artifact, budget_bytes=20_000, policy=policy, device="cpu") as runtime:
-                ids = tokenize(runtime.tokenizer, eval_text("austen"))
-                assert runtime_perplexity(runtime, ids, 32, 2)[0] > 1
-                runtime.generate("It is a truth", 3)
+def test_machine_with_two_gpus(two_gpus):
+    assert resolve_device(None) == resolve_device("auto") == resolve_device("cuda") == torch.device("cuda", 1)
+    assert resolve_device("cuda:0") == torch.device("cuda", 0)
+    assert resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(HexqError, match="has 2 CUDA device\\(s\\), cuda:0 to cuda:1"):
+        resolve_device("cuda:2")
+
+
+@pytest.mark.parametrize("spec", ["gpu", "mps", "cuda:", "cuda:-1", "cuda:x", "cuda0", "", "cpu:0"])
+def test_unknown_spellings(two_gpus, spec):
+    with pytest.raises(HexqError, match="use auto, cpu, cuda or cuda:N") as err:
+        resolve_device(spec)
+    assert "\n" not in str(err.value)
+
+
+def test_this_machine():
+    expected = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    assert resolve_device(None) == expected

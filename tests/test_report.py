@@ -1,4 +1,5 @@
 import json
+import os
 import shutil
 import struct
 from pathlib import Path
@@ -128,18 +129,74 @@ def test_frontier_points_use_the_reached_average_and_weight_only_rows(tmp_path):
         for bits in (2.0, 3.0, 4.0))
 
 
+# ------------------------------------------------------------------------------------------ the output folder
+
+
+def report_cli(*args: str):
+    return CliRunner().invoke(app, ["report", *map(str, args)])
+
+
+@pytest.fixture
+def own_artifact(mixed_artifact, tmp_path) -> Path:
+    """A copy of the tiny artifact in its own folder, so that a wrongly accepted destination harms only the copy."""
+    return Path(shutil.copytree(mixed_artifact, tmp_path / "inputs" / "model.hexq"))
+
+
+@pytest.mark.parametrize("force", [[], ["--force"]])
+def test_cli_refuses_a_folder_hexq_did_not_write(own_artifact, tmp_path, force):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    result = report_cli(own_artifact, "-o", out, "--results", tmp_path / "none", *force)
+    assert result.exit_code == 1 and "was not written by hexq" in result.output
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
+
+
+def test_cli_replaces_its_own_report_only_with_force(own_artifact, tmp_path):
+    out = tmp_path / "report"
+    assert report_cli(own_artifact, "-o", out, "--results", tmp_path / "none").exit_code == 0
+    again = report_cli(own_artifact, "-o", out, "--results", tmp_path / "none")
+    assert again.exit_code == 1 and "pass --force to replace it" in again.output
+    (out / "stale.png").write_bytes(b"from an older report")
+    forced = report_cli(own_artifact, "-o", out, "--results", tmp_path / "none", "--force")
+    assert forced.exit_code == 0, forced.output
+    assert not (out / "stale.png").exists() and (out / "index.html").is_file()
+
+
+def test_cli_never_writes_over_or_around_an_input(own_artifact, tmp_path):
+    results = write_results(tmp_path / "results")
+    before = sorted(p.name for p in own_artifact.iterdir())
+    cases = {own_artifact: "is the input", own_artifact.parent: "contains the input",
+             own_artifact / "report": "is inside the input", results: "is the input"}
+    for out, message in cases.items():
+        result = report_cli(own_artifact, "-o", out, "--results", results, "--force")
+        assert result.exit_code == 1 and message in result.output, (out, result.output)
+    assert sorted(p.name for p in own_artifact.iterdir()) == before
+    assert {p.name for p in results.iterdir()} == {"pack_quality.json", "calibrate.json", "placement.json"}
+
+
 # ------------------------------------------------------------------------------------------ in a browser
 
 
+def missing_browser(reason: str) -> None:
+    """Skip on a developer's machine; fail in CI (CI=true), where .ci/run installs the browser."""
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(f"{reason}; CI must run the browser test")
+    pytest.skip(reason)
+
+
 def chromium_driver(profile: Path):
-    """Headless Chromium through selenium and the system chromedriver; skips when any of the three is missing."""
-    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium not installed (pip install selenium)")
+    """Headless Chromium through selenium and the system chromedriver; skips (fails in CI) when one is missing."""
+    try:
+        from selenium import webdriver
+    except ImportError:
+        missing_browser("selenium not installed (pip install selenium)")
     browser = next((shutil.which(name) for name in ("chromium", "chromium-browser", "google-chrome")
                     if shutil.which(name)), None)
     driver = shutil.which("chromedriver")
     if browser is None or driver is None:
-        pytest.skip(f"chromium not found: browser {browser}, chromedriver {driver} "
-                    "(apt-get install chromium chromium-driver)")
+        missing_browser(f"chromium not found: browser {browser}, chromedriver {driver} "
+                        "(apt-get install chromium chromium-driver)")
     options = webdriver.ChromeOptions()
     options.binary_location = browser
     for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",

@@ -16,8 +16,16 @@ def expected_value(layer: int, expert: int, bits: int) -> float:
     return float(layer * 1000 + expert * 10 + bits)
 
 
+HIDDEN, WIDTH = 3, 2  # hidden size and expert width of the fake experts
+GATE_UP, DOWN = (2 * WIDTH, HIDDEN), (HIDDEN, WIDTH)  # [2I, H] and [H, I]
+
+
 class FakeSource:
-    """Tiny float32 experts whose size grows with bits and whose every element encodes (layer, expert, bits)."""
+    """Tiny float32 experts whose every element encodes (layer, expert, bits).
+
+    As in the real source (hexq.runtime.engine.ArtifactSource), every width dequantizes to compute tensors of the
+    same shape and dtype, so an expert takes the same bytes at every precision: a promotion changes what an entry
+    holds, not how much room it takes, and the cache must count the old and the new copy while both exist."""
 
     def __init__(self, delay: float = 0.0):
         self.delay = delay
@@ -25,7 +33,7 @@ class FakeSource:
         self._lock = threading.Lock()
 
     def nbytes(self, layer: int, expert: int, bits: int) -> int:
-        return 4 * (2 * 2 * bits + bits * 2)  # gate_up [2I, H] + down [H, I] with I = 2, H = bits, float32
+        return 4 * (GATE_UP[0] * GATE_UP[1] + DOWN[0] * DOWN[1])  # float32, whatever the bits
 
     def load(self, layer: int, expert: int, bits: int) -> ExpertWeights:
         if self.delay:
@@ -33,7 +41,7 @@ class FakeSource:
         v = expected_value(layer, expert, bits)
         with self._lock:
             self.loads.append((layer, expert, bits))
-        return ExpertWeights(bits, torch.full((4, bits), v), torch.full((bits, 2), v))
+        return ExpertWeights(bits, torch.full(GATE_UP, v), torch.full(DOWN, v))
 
 
 def assert_weights(w: ExpertWeights, layer: int, expert: int, min_bits: int) -> None:
@@ -42,7 +50,9 @@ def assert_weights(w: ExpertWeights, layer: int, expert: int, min_bits: int) -> 
     assert bool((w.gate_up == v).all()) and bool((w.down == v).all()), (layer, expert, w.bits)
 
 
-NB = FakeSource().nbytes  # NB(0, 0, 2) == 48, NB(0, 0, 4) == 96, NB(0, 0, 8) == 192
+NB = FakeSource().nbytes
+N = NB(0, 0, 4)  # one expert at any width: 72 bytes
+assert NB(0, 0, 2) == N == NB(0, 0, 8)
 
 
 @pytest.fixture
@@ -114,11 +124,11 @@ def test_hit_miss_promotion_and_conservative_reuse(make_cache):
     assert src.loads == [(0, 1, 2), (0, 1, 4)]
     # One copy per expert: the 2-bit version was released after the 4-bit one was published.
     assert cache.resident() == {(0, 1): 4}
-    assert cache.budget.used == NB(0, 1, 4)
+    assert cache.budget.used == N
 
 
 def test_handle_is_stable_and_eviction_unpublishes(make_cache):
-    cache = make_cache(NB(0, 0, 4))
+    cache = make_cache(N)
     h = cache.handle(0, 0)
     assert h.resolve() is None
     w = cache.get(0, 0, 4)
@@ -129,7 +139,7 @@ def test_handle_is_stable_and_eviction_unpublishes(make_cache):
 
 
 def test_lru_eviction_order(make_cache):
-    cache = make_cache(3 * NB(0, 0, 4))
+    cache = make_cache(3 * N)
     for e in (0, 1, 2):
         cache.get(0, e, 4)
     cache.get(0, 0, 4)  # touch 0: order is now 1, 2, 0
@@ -143,7 +153,7 @@ def test_lru_eviction_order(make_cache):
 
 def test_pinned_entries_are_not_evicted(make_cache):
     src = FakeSource()
-    cache = make_cache(2 * NB(0, 0, 4), src)
+    cache = make_cache(2 * N, src)
     with cache.pinned(0, [0, 1]):
         cache.get(0, 0, 4)
         cache.get(0, 1, 4)
@@ -163,7 +173,7 @@ def test_pinned_entries_are_not_evicted(make_cache):
 
 def test_bytes_moved_is_sum_of_loaded_nbytes(make_cache):
     src = FakeSource()
-    cache = make_cache(2 * NB(0, 0, 8), src)
+    cache = make_cache(2 * N, src)
     rng = random.Random(0)
     for _ in range(60):
         cache.get(rng.randrange(2), rng.randrange(4), rng.choice([2, 4, 8]), fill=rng.random() < 0.8)
@@ -203,31 +213,58 @@ class GatedSource(FakeSource):
 
 def test_promotion_counts_both_versions_and_keeps_old_readable(make_cache):
     src = GatedSource({(0, 0, 8)})
-    cache = make_cache(NB(0, 0, 2) + NB(0, 0, 8), src)
+    cache = make_cache(2 * N, src)
     cache.get(0, 0, 2)
     cache.prefetch(0, 0, 8)  # background promotion
     assert src.started.wait(5)
     # During the load the 2-bit version stays published: readers of <= 2 bits hit without waiting.
     assert cache.get(0, 0, 2).bits == 2
-    assert cache.budget.used == NB(0, 0, 2) + NB(0, 0, 8)
+    assert cache.budget.used == 2 * N  # both versions counted
     src.gate.set()
     cache.wait_idle()
     assert cache.resident() == {(0, 0): 8}
-    assert cache.budget.used == NB(0, 0, 8)
-    assert cache.budget.peak == NB(0, 0, 2) + NB(0, 0, 8) <= cache.capacity_bytes
+    assert cache.budget.used == N
+    assert cache.budget.peak == 2 * N <= cache.capacity_bytes
     assert cache.stats.promotions == 1
+
+
+def test_promotion_makes_room_for_a_second_copy_by_evicting_others(make_cache):
+    src = FakeSource()
+    cache = make_cache(2 * N, src)  # two experts, or one expert during its promotion
+    cache.get(0, 0, 2)
+    cache.get(0, 1, 4)
+    cache.prefetch(0, 0, 8)  # old and new copy of (0, 0) need 2 N: (0, 1) is evicted, the 2-bit copy stays readable
+    cache.wait_idle()
+    assert cache.resident() == {(0, 0): 8}
+    assert (cache.stats.promotions, cache.stats.evictions) == (1, 1)
+    assert cache.budget.used == N and cache.budget.peak == 2 * N
+
+
+def test_promotion_next_to_a_pinned_expert_frees_first_or_drops(make_cache):
+    src = FakeSource()
+    cache = make_cache(2 * N, src)
+    cache.get(0, 0, 2)
+    cache.get(0, 1, 4)
+    with cache.pinned(0, [1]):  # no room for a second copy of (0, 0) without touching the pinned expert
+        cache.prefetch(0, 0, 8)
+        cache.wait_idle()
+        assert cache.stats.prefetch_dropped == 1 and cache.resident() == {(0, 0): 2, (0, 1): 4}
+        assert cache.get(0, 0, 8).bits == 8  # a blocking get retires the 2-bit copy first
+    assert cache.resident() == {(0, 1): 4, (0, 0): 8}
+    assert (cache.stats.promotions, cache.stats.evictions) == (1, 0)
+    assert cache.budget.used == cache.budget.peak == 2 * N
 
 
 def test_promotion_frees_first_when_both_cannot_fit(make_cache):
     src = FakeSource()
-    cache = make_cache(NB(0, 0, 8), src)
+    cache = make_cache(N, src)
     cache.get(0, 0, 2)
     cache.prefetch(0, 0, 8)  # background work never makes an expert unavailable: dropped
     cache.wait_idle()
     assert cache.resident() == {(0, 0): 2} and cache.stats.prefetch_dropped == 1
     assert cache.get(0, 0, 8).bits == 8  # a blocking get retires the 2-bit copy first
     assert cache.resident() == {(0, 0): 8}
-    assert cache.budget.peak == NB(0, 0, 8)
+    assert cache.budget.peak == N
     assert cache.stats.promotions == 1 and cache.stats.evictions == 0
 
 
@@ -306,12 +343,12 @@ def test_close_stops_worker_and_frees_everything():
 
 
 def test_capacity_smaller_than_one_expert_raises_with_minimum(make_cache):
-    cache = make_cache(NB(0, 0, 4))
-    with pytest.raises(ValueError, match=f"minimum budget is {NB(0, 0, 8)} bytes"):
+    assert make_cache(N).check_capacity([(0, e) for e in range(4)], 8) == N  # one expert fits at every width
+    cache = make_cache(N - 1)
+    with pytest.raises(ValueError, match=f"minimum budget is {N} bytes"):
         cache.get(0, 0, 8)
-    with pytest.raises(ValueError, match=f"minimum budget is {NB(0, 0, 8)} bytes"):
-        cache.check_capacity([(0, e) for e in range(4)], 8)
-    assert cache.check_capacity([(0, e) for e in range(4)], 4) == NB(0, 0, 4)
+    with pytest.raises(ValueError, match=f"minimum budget is {N} bytes"):
+        cache.check_capacity([(0, e) for e in range(4)], 2)
     assert_weights(cache.get(0, 0, 8, fill=False), 0, 0, 8)  # the bypass path still computes
     cache.prefetch(0, 0, 8)
     cache.wait_idle()
@@ -326,11 +363,11 @@ class PiecewiseSource(FakeSource):
 
     def load(self, layer: int, expert: int, bits: int) -> ExpertWeights:
         v = expected_value(layer, expert, bits)
-        gate_up, down = torch.full((4, bits), -1.0), torch.full((bits, 2), -1.0)
-        for row in range(4):
+        gate_up, down = torch.full(GATE_UP, -1.0), torch.full(DOWN, -1.0)
+        for row in range(GATE_UP[0]):
             gate_up[row] = v
             time.sleep(0.002)
-        for row in range(bits):
+        for row in range(DOWN[0]):
             down[row] = v
             time.sleep(0.002)
         with self._lock:
@@ -340,7 +377,9 @@ class PiecewiseSource(FakeSource):
 
 def test_slow_loader_never_exposes_a_partial_version(make_cache):
     src = PiecewiseSource()
-    cache = make_cache(NB(0, 0, 8) + NB(0, 0, 2), src)  # (0, 1) at 8 bits forces (0, 0) out
+    # Room for two copies: a promotion of (0, 0) fits, and so does (0, 0) next to one other expert; two other
+    # experts pinned at once force (0, 0) out.
+    cache = make_cache(2 * N, src)
     stop = threading.Event()
     seen: list[tuple[int, int]] = []  # (version, bits) of (0, 0) as the reader observed them, in order
     errors: list[str] = []
@@ -366,14 +405,19 @@ def test_slow_loader_never_exposes_a_partial_version(make_cache):
     try:
         for _ in range(3):
             deadline = time.monotonic() + 5
+            while cache.resident().get((0, 0)) != 2 and time.monotonic() < deadline:
+                time.sleep(0.001)  # the reader has (re)loaded and published the 2-bit version
             while cache.resident().get((0, 0)) != 8 and time.monotonic() < deadline:
                 # Background promotion while the reader keeps using the 2-bit version. It is dropped if the reader
                 # is reloading the 2-bit version at that moment, hence the retry.
                 cache.prefetch(0, 0, 8)
                 cache.wait_idle()
-            while not (seen and seen[-1][1] == 8) and time.monotonic() < deadline:
+            promoted = cache.handle(0, 0).resolve()
+            while not (seen and promoted and seen[-1][0] >= promoted.version) and time.monotonic() < deadline:
                 time.sleep(0.001)  # let the reader see the promoted version before it is evicted
-            cache.get(0, 1, 8)  # evicts (0, 0) at 8 bits; the reader reloads it at 2 bits
+            with cache.pinned(0, [1, 2]):  # evicts (0, 0) at 8 bits; the reader reloads it at 2 bits
+                cache.get(0, 1, 8)
+                cache.get(0, 2, 8)
     finally:
         stop.set()
         t.join()
@@ -386,7 +430,7 @@ def test_slow_loader_never_exposes_a_partial_version(make_cache):
 
 def test_stress_random_requests_with_concurrent_prefetch(make_cache):
     src = FakeSource(delay=0.0002)
-    capacity = NB(0, 0, 8) + 2 * NB(0, 0, 2)  # holds about two experts: constant pressure
+    capacity = 3 * N  # three of the 18 experts: constant pressure
     cache = make_cache(capacity, src)
     layers, experts, widths = 3, 6, (2, 4, 8)
     errors: list[str] = []
@@ -432,7 +476,7 @@ def test_stress_random_requests_with_concurrent_prefetch(make_cache):
     assert not over_budget.is_set()
     assert cache.budget.peak <= capacity
     # Accounting closes: what is reserved is exactly what is published, and every load was counted once.
-    assert cache.budget.used == sum(NB(0, 0, b) for b in cache.resident().values())
+    assert cache.budget.used == N * len(cache.resident())
     s = cache.stats
     assert s.bytes_moved == sum(NB(*k) for k in src.loads)
     assert s.prefetch_issued == 2 * 1200

@@ -15,8 +15,7 @@ from hexq.algos.smoothing import (
     weight_channel_max,
 )
 from hexq.calib.smooth import ATTN_IN, MOE_IN, fold_scales, smoothing_groups
-from tests.conftest import TINY_CONFIGS, build_tiny_model
-from tests.conftest import HexqFactoriesOnMeta
+from tests.conftest import TINY_CONFIGS, HexqFactoriesOnMeta, build_tiny_model
 
 W8 = QuantSpec(bits=8)
 

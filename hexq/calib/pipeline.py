@@ -474,7 +474,7 @@ def calibrate(model_path: str | Path, recipe: Recipe, data: str, out: str | Path
               activation_limit: int | None = None) -> CalibrationSummary:
     """Calibrate `model_path` with `recipe` on `data` into the folder `out`; resumes an interrupted run.
     activation_limit: bytes of activations kept in memory per layer boundary (the rest spills to disk)."""
-    from hexq.models import pick_device as resolve_device
+    from hexq.devices import resolve_device
 
     started = time.time()
     model_path, out = Path(model_path), Path(out)

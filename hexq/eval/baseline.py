@@ -8,7 +8,9 @@ always fine (a better model should not fail CI, though the baseline then deserve
 from __future__ import annotations
 
 import json
+import math
 import re
+import reprlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,19 +63,50 @@ def write_baseline(path: str | Path, target: str, protocol: Protocol, results: d
 
 
 def read_baseline(path: str | Path) -> tuple[Protocol, dict[str, float]]:
+    """The protocol and perplexities of a baseline file; any other content is a one-line HexqError naming the file
+    and the field that is missing or of the wrong type."""
     path = Path(path)
     try:
         raw = json.loads(path.read_text())
     except FileNotFoundError:
         raise HexqError(f"baseline {path} does not exist; record one with --write-baseline {path}") from None
-    except (OSError, json.JSONDecodeError) as err:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise HexqError(f"baseline {path} is unreadable: {err}") from None
+    if not isinstance(raw, dict):
+        raise HexqError(f"{path} is not a hexq perplexity baseline (a JSON {type(raw).__name__}, not an object)")
     if raw.get("format") != FORMAT or raw.get("version") != VERSION:
         raise HexqError(f"{path} is not a hexq perplexity baseline (format {raw.get('format')!r}, "
                         f"version {raw.get('version')!r})")
-    protocol = raw["protocol"]
-    return (Protocol(tuple(protocol["data"]), protocol["seqlen"], protocol["windows"]),
-            {key: float(value) for key, value in raw["perplexity"].items()})
+    protocol = field(path, raw, "protocol", dict, "an object")
+    data = field(path, protocol, "data", list, "a list of text names", "protocol.")
+    if not data or not all(isinstance(name, str) and name for name in data):
+        raise HexqError(f"baseline {path}: protocol.data must be a non-empty list of text names, got "
+                        f"{reprlib.repr(data)}")
+    seqlen = field(path, protocol, "seqlen", int, "an integer >= 2", "protocol.")
+    windows = field(path, protocol, "windows", (int, type(None)), "an integer >= 1 or null", "protocol.")
+    if seqlen < 2 or (windows is not None and windows < 1):
+        raise HexqError(f"baseline {path}: protocol.seqlen must be >= 2 and protocol.windows >= 1 or null, got "
+                        f"{seqlen} and {windows}")
+    recorded = field(path, raw, "perplexity", dict, "an object of text: perplexity")
+    for name, value in recorded.items():
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+            raise HexqError(f"baseline {path}: perplexity.{name} must be a positive number, got {reprlib.repr(value)}")
+    if not recorded:
+        raise HexqError(f"baseline {path}: perplexity is empty; record the baseline again with --write-baseline")
+    return Protocol(tuple(data), seqlen, windows), {name: float(value) for name, value in recorded.items()}
+
+
+def field(path: Path, parent: dict, name: str, types: type | tuple[type, ...], expected: str, prefix: str = ""):
+    """parent[name], checked to be of `types` (bool is not an int here); a HexqError naming file and field if not."""
+    if name not in parent:
+        raise HexqError(f"baseline {path} has no {prefix}{name} field ({expected}); record it again with "
+                        f"--write-baseline")
+    value = parent[name]
+    wanted = types if isinstance(types, tuple) else (types,)
+    if (isinstance(value, bool) and bool not in wanted) or not isinstance(value, wanted):
+        raise HexqError(f"baseline {path}: {prefix}{name} must be {expected}, got {type(value).__name__} "
+                        f"{reprlib.repr(value)}")
+    return value
 
 
 def resolve_protocol(baseline: Protocol, data: list[str] | None, seqlen: int | None,

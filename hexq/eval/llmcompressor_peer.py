@@ -28,8 +28,9 @@ evaluation windows. This module builds that peer with as few choices of our own 
   per token, so `run_peer` lifts 2-D inputs of dynamic per-token Linears to [1, tokens, hidden] with a pair of
   hooks (`fix_token_scales=True`); pass False to measure the uncorrected HF emulation.
 - The returned model lives in memory and is evaluated as is: a compressed Mixtral checkpoint written by
-  llmcompressor reloads through plain `from_pretrained` with RANDOM experts and no error, so a reload would
-  need a logits check first (see DESIGN.md).
+  llmcompressor reloads through plain `from_pretrained` with RANDOM experts and no error (its per-expert key
+  names differ from what the fused transformers-5 model loads), so a reload would need a logits check against
+  the in-memory model first, as `hexq export` does for its own checkpoints.
 """
 
 from __future__ import annotations

@@ -68,9 +68,9 @@ def evaluate_model(model_path: str | Path, data: list[str], seqlen: int, max_win
                    expert_bits: int | None = None, activation_limit: int | None = None) -> list[EvalRow]:
     """Perplexity of a model folder, a calibration folder's quantized model, or an artifact, on each data source
     (corpus name or file), same protocol for all."""
-    from hexq.models import pick_device
+    from hexq.devices import resolve_device
 
-    device = device if isinstance(device, torch.device) else pick_device(device)
+    device = device if isinstance(device, torch.device) else resolve_device(device)
     streamed, tokenizer, prepare = open_target(Path(model_path), device, expert_bits)
     streams = {source: tokenize(tokenizer, eval_text(source)) for source in data}
     check_window_length(seqlen, int(getattr(streamed.config, "max_position_embeddings", 0) or 0))

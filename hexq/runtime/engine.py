@@ -35,8 +35,8 @@ import torch
 
 from hexq.adapters import adapter_for
 from hexq.artifact.format import STATS_SHARD, Artifact
+from hexq.devices import resolve_device
 from hexq.errors import HexqError
-from hexq.models import pick_device as resolve_device
 from hexq.runtime.cache import CacheStats, ExpertCache, ExpertWeights
 from hexq.runtime.model import build_model, expert_quantizers
 from hexq.runtime.policy import PolicyContext, make_policy

@@ -1,0 +1,47 @@
+"""`--device`: the one place a user's device string becomes a torch.device.
+
+    auto (or None)  cuda if torch sees a CUDA device, else cpu
+    cpu
+    cuda            the current CUDA device
+    cuda:N          CUDA device N (0 <= N < torch.cuda.device_count())
+
+Anything else, cuda on a machine without CUDA, or an N out of range is a one-line HexqError that says what to
+pass instead. CUDA devices always come back with their index (cuda:0, not cuda), so that devices compare equal to
+the `.device` of the tensors placed on them.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from hexq.errors import HexqError
+
+CUDA = re.compile(r"cuda(?::(\d+))?")
+
+
+def resolve_device(spec: str | None) -> torch.device:
+    """The torch.device for a --device value (see the module docstring)."""
+    text = "auto" if spec is None else str(spec).strip().lower()
+    if text == "auto":
+        return cuda_device(None, "auto") if torch.cuda.is_available() else torch.device("cpu")
+    if text == "cpu":
+        return torch.device("cpu")
+    match = CUDA.fullmatch(text)
+    if match is None:
+        raise HexqError(f"--device {spec}: not a device hexq knows; use auto, cpu, cuda or cuda:N")
+    return cuda_device(None if match.group(1) is None else int(match.group(1)), spec)
+
+
+def cuda_device(index: int | None, spec: str | None) -> torch.device:
+    """CUDA device `index` (None: the current one), checked to exist."""
+    if not torch.cuda.is_available():
+        raise HexqError(f"--device {spec}: CUDA is not available on this machine; use --device cpu or auto")
+    count = torch.cuda.device_count()
+    if index is None:
+        index = torch.cuda.current_device()
+    if index >= count:
+        raise HexqError(f"--device {spec}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}; "
+                        f"pick one of those, or --device auto")
+    return torch.device("cuda", index)
