@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from hexq.artifact.bitpack import packed_nbytes, unpack_bits
+from hexq.calib import pipeline
 from hexq.calib.pipeline import calibrate, calibrated_model, open_model
 from hexq.calib.store import read_json
 from hexq.errors import HexqError
@@ -25,6 +26,9 @@ small = small_recipe
 
 def folder_bytes(folder):
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name != "timings.json"}
+
+
+real_calibrate_layer = pipeline.calibrate_layer
 
 
 @pytest.fixture(scope="module")
@@ -61,29 +65,73 @@ def test_same_inputs_give_the_same_bytes(tiny_qwen3moe, mixed_run, tmp_path):
 
 def test_interrupted_run_resumes_from_the_last_finished_layer(tiny_qwen3moe, mixed_run, tmp_path):
     out, _ = mixed_run
-    partial = tmp_path / "partial"
+    final = tmp_path / "resumed"
+    partial = tmp_path / ".resumed.partial"  # where an unfinished run's work lives
     shutil.copytree(out, partial)
     # as if killed after layer 0: layer 1 and the manifest never written, progress says 1 layer done
     for name in ("layer_001.safetensors", "layer_001.json", "manifest.json"):
         (partial / name).unlink()
     progress = json.loads((partial / "progress.json").read_text())
     (partial / "progress.json").write_text(json.dumps(progress | {"layers_done": 1}))
-    summary = calibrate(tiny_qwen3moe, small("experts-mixed", **MIXED), "bundled", partial)
-    assert summary.resumed_from == 1
-    assert folder_bytes(partial) == folder_bytes(out)
-    assert calibrate(tiny_qwen3moe, small("experts-mixed", **MIXED), "bundled", partial).resumed_from == -1
+    summary = calibrate(tiny_qwen3moe, small("experts-mixed", **MIXED), "bundled", final)
+    assert summary.resumed_from == 1 and not partial.exists()
+    assert folder_bytes(final) == folder_bytes(out)
+    assert calibrate(tiny_qwen3moe, small("experts-mixed", **MIXED), "bundled", final).resumed_from == -1
 
 
-def test_folder_of_another_calibration_is_refused(tiny_qwen3moe, mixed_run):
+def test_a_killed_run_leaves_nothing_under_the_final_name_and_a_rerun_resumes(tiny_qwen3moe, mixed_run, tmp_path,
+                                                                               monkeypatch):
+    """A disk that fills while layer 1 is written: one clean error, no folder under the final name, layer 0 kept in
+    the partial folder, and the rerun resumes from it (layer 0 is not calibrated again)."""
+    import hexq.calib.pipeline as pipeline
+
     out, _ = mixed_run
-    with pytest.raises(HexqError, match="different recipe"):
-        calibrate(tiny_qwen3moe, small("haq-w8a8"), "bundled", out)
+    final = tmp_path / "cal"
+    real_save = pipeline.save_layer
+
+    def full_disk(folder, index, tensors, meta):
+        if index == 1:
+            raise OSError(28, "No space left on device")
+        real_save(folder, index, tensors, meta)
+
+    monkeypatch.setattr(pipeline, "save_layer", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        calibrate(tiny_qwen3moe, small("experts-mixed", **MIXED), "bundled", final)
+    assert not final.exists() and (tmp_path / ".cal.partial" / "layer_000.safetensors").is_file()
+    assert not (tmp_path / ".cal.partial" / "layer_001.safetensors").exists()
+    monkeypatch.setattr(pipeline, "save_layer", real_save)
+    calibrated = []
+    monkeypatch.setattr(pipeline, "calibrate_layer",
+                        lambda loaded, *a, **k: calibrated.append(loaded.index) or real_calibrate_layer(loaded, *a,
+                                                                                                         **k))
+    assert calibrate(tiny_qwen3moe, small("experts-mixed", **MIXED), "bundled", final).resumed_from == 1
+    assert calibrated == [1] and folder_bytes(final) == folder_bytes(out)
 
 
-def test_foreign_non_empty_folder_is_refused(tiny_qwen3moe, tmp_path):
+def test_folder_of_another_calibration_needs_force(tiny_qwen3moe, mixed_run, tmp_path):
+    out, _ = mixed_run
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    with pytest.raises(HexqError, match="already holds a calibration; pass --force"):
+        calibrate(tiny_qwen3moe, small("haq-w8a8"), "bundled", copy)
+    assert folder_bytes(copy) == folder_bytes(out)
+    calibrate(tiny_qwen3moe, small("haq-w8a8"), "bundled", copy, force=True)
+    assert read_json(copy / "manifest.json")["recipe"]["name"] == "haq-w8a8"
+
+
+def test_foreign_non_empty_folder_is_refused_even_with_force(tiny_qwen3moe, tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
-    with pytest.raises(HexqError, match="holds no hexq calibration"):
-        calibrate(tiny_qwen3moe, small("haq-w8a8"), "bundled", tmp_path)
+    for force in (False, True):
+        with pytest.raises(HexqError, match="was not written by hexq"):
+            calibrate(tiny_qwen3moe, small("haq-w8a8"), "bundled", tmp_path, force=force)
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_output_may_not_be_the_model_or_its_parent(tiny_qwen3moe):
+    for out in (tiny_qwen3moe, tiny_qwen3moe.parent):
+        with pytest.raises(HexqError, match="input"):
+            calibrate(tiny_qwen3moe, small("haq-w8a8"), "bundled", out, force=True)
+    assert (tiny_qwen3moe / "config.json").is_file()
 
 
 def calibrated_logits(folder, ids):

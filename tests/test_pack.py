@@ -188,3 +188,18 @@ def test_cli_export_reloads_with_the_right_experts(mixed_artifact, tmp_path):
     assert config["quantization_config"]["quant_method"] == "compressed-tensors"
     diff = float(result.output.split("reference")[-1].split()[0])
     assert diff <= 1e-4
+
+
+def test_pack_never_replaces_its_input_a_parent_or_a_user_folder(mixed_calibration, tmp_path):
+    calibration = mixed_calibration[0]
+    before = folder_bytes(calibration)
+    for out in (calibration, calibration.parent):
+        with pytest.raises(HexqError, match="input"):
+            pack(calibration, out, overwrite=True)
+    user = tmp_path / "mine"
+    user.mkdir()
+    (user / "notes.txt").write_text("keep")
+    with pytest.raises(HexqError, match="was not written by hexq"):
+        pack(calibration, user, overwrite=True)
+    assert (user / "notes.txt").read_text() == "keep" and folder_bytes(calibration) == before
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left behind

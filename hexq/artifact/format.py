@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import threading
 from dataclasses import dataclass
@@ -131,50 +130,30 @@ def tensors_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
 
 
 class ArtifactWriter:
-    """Builds an artifact in a hidden temporary folder beside `out` and renames it into place on `finish`.
+    """Fills an artifact folder (the temporary folder hexq.outputs.output_folder gives, published only when
+    complete): every file written atomically and recorded with its size and SHA-256; the manifest, written last by
+    `finish`, lists them all."""
 
-    Nothing appears under `out` until the manifest is written; an exception (or Ctrl-C) inside the `with`
-    block removes the temporary folder, so a failed pack never leaves a partial artifact under the final name.
-    """
-
-    def __init__(self, out: Path, overwrite: bool = False) -> None:
-        self.out = Path(out)
-        if self.out.exists() and not overwrite:
-            raise HexqError(f"{self.out} exists; pass --force to replace it")
-        self.tmp = self.out.parent / f".{self.out.name}.tmp-{os.getpid()}"
+    def __init__(self, folder: Path) -> None:
+        self.folder = Path(folder)
         self.files: dict[str, dict] = {}
 
-    def __enter__(self) -> ArtifactWriter:
-        shutil.rmtree(self.tmp, ignore_errors=True)
-        self.tmp.mkdir(parents=True)
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        shutil.rmtree(self.tmp, ignore_errors=True)
-
     def _record(self, name: str) -> None:
-        path = self.tmp / name
+        path = self.folder / name
         self.files[name] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
 
     def add_tensors(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
-        write_bytes_atomic(self.tmp / name, tensors_bytes(tensors))
+        write_bytes_atomic(self.folder / name, tensors_bytes(tensors))
         self._record(name)
 
     def add_file(self, name: str, source: Path) -> None:
-        shutil.copyfile(source, self.tmp / name)
+        shutil.copyfile(source, self.folder / name)
         self._record(name)
 
     def finish(self, manifest: dict) -> None:
-        write_json_atomic(self.tmp / MANIFEST, {"format": FORMAT, "format_version": FORMAT_VERSION,
-                                                "hexq_version": __version__, **manifest,
-                                                "files": dict(sorted(self.files.items()))})
-        if self.out.exists():  # --force: move the old artifact aside first, so one of the two is always whole
-            old = self.out.parent / f".{self.out.name}.old-{os.getpid()}"
-            os.replace(self.out, old)
-            os.replace(self.tmp, self.out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(self.tmp, self.out)
+        write_json_atomic(self.folder / MANIFEST, {"format": FORMAT, "format_version": FORMAT_VERSION,
+                                                   "hexq_version": __version__, **manifest,
+                                                   "files": dict(sorted(self.files.items()))})
 
 
 # ------------------------------------------------------------------------------------------ reading

@@ -299,7 +299,10 @@ def pack(calib_dir: str | Path, out: str | Path, settings: Pack | None = None, b
     banked = bank_widths(bank, plan, stats, table_bits, settings, manifest["model"]["top_k"])
     bf16_bytes = len(moe_layers) * num_experts * sum(rows * cols for rows, cols in shapes.values()) * 2
 
-    with ArtifactWriter(out, overwrite) as writer:
+    from hexq.outputs import output_folder
+
+    with output_folder(out, kind="artifact", force=overwrite, inputs=[calib_dir, model_path]) as folder:
+        writer = ArtifactWriter(folder)
         quantized: dict[str, int] = {}
         stored_bytes: dict[int, int] = {}
         dense_bytes = 0

@@ -18,6 +18,7 @@ calibration windows, the experts stood in for by an ExpertTap that records what 
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,11 +47,14 @@ from hexq.calib.store import (
     FORMAT_VERSION,
     ExpertBank,
     bank_weights,
-    check_output_folder,
+    differing_inputs,
+    is_finished,
+    layers_done,
     load_layer,
     model_fingerprint,
     packed_matrix,
     put_packed,
+    read_json,
     read_manifest,
     save_layer,
     tensor_fingerprint,
@@ -470,11 +474,17 @@ def open_model(model_path: Path, device: torch.device) -> tuple[StreamedModel, o
 
 
 def calibrate(model_path: str | Path, recipe: Recipe, data: str, out: str | Path, device: str | None = None,
-              batch_size: int = 8, progress: Progress | None = None,
-              activation_limit: int | None = None) -> CalibrationSummary:
-    """Calibrate `model_path` with `recipe` on `data` into the folder `out`; resumes an interrupted run.
-    activation_limit: bytes of activations kept in memory per layer boundary (the rest spills to disk)."""
+              batch_size: int = 8, progress: Progress | None = None, activation_limit: int | None = None,
+              force: bool = False) -> CalibrationSummary:
+    """Calibrate `model_path` with `recipe` on `data` into the folder `out`.
+
+    The work goes into the hidden sibling `.OUT.partial` (hexq.outputs.resumable_output_folder), one layer file at a
+    time; a rerun after a kill resumes after the last finished layer, and the folder becomes OUT when the manifest
+    is written. An existing OUT holding this very calibration is left as it is ("nothing to do"); any other
+    non-empty OUT is replaced only with `force` and only if hexq wrote it. activation_limit: bytes of activations
+    kept in memory per layer boundary (the rest spills to disk inside the partial folder)."""
     from hexq.devices import resolve_device
+    from hexq.outputs import resumable_output_folder
 
     started = time.time()
     model_path, out = Path(model_path), Path(out)
@@ -489,55 +499,76 @@ def calibrate(model_path: str | Path, recipe: Recipe, data: str, out: str | Path
     windows = calibration_windows(tokenizer, data, cal.num_samples, cal.seqlen, cal.seed)
     fingerprint = {"model": model_fingerprint(model_path), "data": tensor_fingerprint(windows.ids),
                    "recipe": calibration_hash(recipe)}
-    done = check_output_folder(out, fingerprint)
     num_layers = streamed.num_layers
-    if done == -1:
+    if is_finished(out, fingerprint):
         return CalibrationSummary(out, num_layers, -1, 0, time.time() - started)
-    out.mkdir(parents=True, exist_ok=True)
-    write_progress(out, fingerprint, done)
-    spill_dir = out
-    hidden = HiddenStore(activation_limit, spill_dir)
+    inputs = [model_path] + ([Path(data)] if Path(data).exists() else [])
+    with resumable_output_folder(out, kind="calibration", force=force, inputs=inputs) as work:
+        done = layers_done(work.path, fingerprint) if work.resumed else 0
+        if done is None:
+            if not force:
+                raise HexqError(f"{work.path} holds an unfinished calibration of a different "
+                                f"{differing_inputs(work.path, fingerprint)}; pass --force to discard it and start "
+                                "over, or pick another output folder")
+            work.clear()
+            done = 0
+        write_progress(work.path, fingerprint, done)
+        manifest = run_layers(streamed, tokenizer, recipe, windows, work.path, fingerprint, done, device,
+                              batch_size, activation_limit, progress)
+        manifest["model"]["path"] = str(model_path.resolve())
+        manifest["data"]["source"] = data
+        write_json_atomic(work.path / "manifest.json", manifest)
+    return CalibrationSummary(out, num_layers, done, manifest["fallback_experts"], time.time() - started)
+
+
+def run_layers(streamed: StreamedModel, tokenizer, recipe: Recipe, windows, folder: Path, fingerprint: dict,
+               done: int, device: torch.device, batch_size: int, activation_limit: int | None,
+               progress: Progress | None) -> dict:
+    """Calibrate layers done.. into `folder` (rebuilding layers ..done from their saved results); returns the
+    manifest."""
+    config, adapter, num_layers = streamed.config, streamed.adapter, streamed.num_layers
+    cal = recipe.calibration
+    for stale in folder.glob(".hexq-activations-*"):  # a killed run's spilled activations
+        shutil.rmtree(stale, ignore_errors=True)
+    hidden = HiddenStore(activation_limit, folder)
     kwargs = streamed.layer_inputs(windows.ids, batch_size, hidden)
-    timings = {}
-    adapter = streamed.adapter
+    timings = read_json(folder / "timings.json") or {}
     for index in range(num_layers):
         layer_started = time.time()
         with streamed.layer(index, experts=index >= done) as loaded:
             if index < done:  # resume: rebuild the quantized layer below from its saved results
-                tensors, _ = load_layer(out, index)
+                tensors, _ = load_layer(folder, index)
                 apply_dense_part(loaded, adapter, tensors, recipe, fold=True)
-                outputs = HiddenStore(activation_limit, spill_dir)
+                outputs = HiddenStore(activation_limit, folder)
                 experts = (calibrated_experts(loaded, tensors, recipe, default_expert_bits(recipe), device)
                            if loaded.is_moe else None)
                 run_layer(loaded, hidden, kwargs, outputs, experts)
             else:
                 tensors, meta, outputs = calibrate_layer(loaded, adapter, hidden, kwargs, recipe, index, device,
-                                                         activation_limit, spill_dir, progress)
-                save_layer(out, index, tensors, meta)
-                write_progress(out, fingerprint, index + 1)
+                                                         activation_limit, folder, progress)
+                save_layer(folder, index, tensors, meta)
                 timings[f"layer_{index:03d}"] = round(time.time() - layer_started, 2)
+                write_json_atomic(folder / "timings.json", timings)
+                write_progress(folder, fingerprint, index + 1)
         hidden.close()
         hidden = outputs
         if progress:
             progress("layers", index + 1, num_layers)
     hidden.close()
-    summaries = [load_layer(out, index)[1] for index in range(num_layers)]
-    fallback = sum(len(meta.get("fallback_experts", [])) for meta in summaries)
-    num_experts = next(s[0] for s in streamed.moe_shapes if s is not None)
-    write_json_atomic(out / "timings.json", timings)
-    write_json_atomic(out / "manifest.json", {
+    summaries = [load_layer(folder, index)[1] for index in range(num_layers)]
+    num_experts = next(shape[0] for shape in streamed.moe_shapes if shape is not None)
+    return {
         "format": FORMAT, "format_version": FORMAT_VERSION, "hexq_version": __version__, "fingerprint": fingerprint,
-        "model": {"path": str(model_path.resolve()), "model_type": config.model_type, "layers": num_layers,
+        "model": {"path": "", "model_type": config.model_type, "layers": num_layers,
                   "moe_layers": [index for index in range(num_layers) if streamed.is_moe(index)],
                   "num_experts": num_experts, "top_k": config.num_experts_per_tok},
-        "data": {"source": data, "num_samples": cal.num_samples, "seqlen": cal.seqlen, "seed": cal.seed,
+        "data": {"source": "", "num_samples": cal.num_samples, "seqlen": cal.seqlen, "seed": cal.seed,
                  "tokens_available": windows.tokens_available},
         "recipe": recipe_to_dict(recipe),
         "expert_bits": list(expert_bits_list(recipe)),
-        "fallback_experts": fallback,
+        "fallback_experts": sum(len(meta.get("fallback_experts", [])) for meta in summaries),
         "layers": summaries,
-    })
-    return CalibrationSummary(out, num_layers, done, fallback, time.time() - started)
+    }
 
 
 def calibration_plan(calib_dir: Path, expert_bits: int | None) -> tuple[dict, Recipe, int]:

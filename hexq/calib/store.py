@@ -88,27 +88,29 @@ def read_json(path: Path) -> dict | None:
         raise HexqError(f"{path} is corrupt (not JSON); delete the output folder and rerun") from None
 
 
-def check_output_folder(out: Path, fingerprint: dict) -> int:
-    """How many layers are already done for this fingerprint (0 for a new run); fails on a folder that holds
-    another calibration or unrelated files."""
-    if not out.exists():
-        return 0
-    if not out.is_dir():
-        raise HexqError(f"output {out} exists and is not a folder")
+def is_finished(out: Path, fingerprint: dict) -> bool:
+    """Does `out` hold a finished calibration of exactly these model, data and recipe (nothing to do)?"""
+    if not (out / "manifest.json").is_file():
+        return False
     manifest = read_json(out / "manifest.json")
-    progress = read_json(out / "progress.json")
-    recorded = (manifest or progress or {}).get("fingerprint")
-    if recorded is None:
-        if any(out.iterdir()):
-            raise HexqError(f"output folder {out} is not empty and holds no hexq calibration; choose another -o")
+    return isinstance(manifest, dict) and manifest.get("fingerprint") == fingerprint
+
+
+def layers_done(folder: Path, fingerprint: dict) -> int | None:
+    """Layers an unfinished run in `folder` completed for this fingerprint (0 when it holds nothing yet), or None
+    when its work belongs to another model, data or recipe."""
+    progress = read_json(folder / "progress.json")
+    if progress is None:
         return 0
-    if recorded != fingerprint:
-        differs = ", ".join(k for k in fingerprint if recorded.get(k) != fingerprint[k])
-        raise HexqError(f"output folder {out} holds a calibration of a different {differs}; "
-                        "choose another -o or delete it")
-    if manifest is not None:
-        return -1  # complete
+    if progress.get("fingerprint") != fingerprint:
+        return None
     return int(progress.get("layers_done", 0))
+
+
+def differing_inputs(folder: Path, fingerprint: dict) -> str:
+    """Which of model, data and recipe an unfinished run in `folder` was made from differently."""
+    recorded = (read_json(folder / "progress.json") or {}).get("fingerprint") or {}
+    return ", ".join(key for key in fingerprint if recorded.get(key) != fingerprint[key]) or "input"
 
 
 def write_progress(out: Path, fingerprint: dict, layers_done: int) -> None:
