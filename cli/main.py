@@ -29,7 +29,12 @@ SeqlenOpt = Annotated[int, typer.Option("--seqlen", "-L", help="Window length in
 WindowsOpt = Annotated[int | None, typer.Option("--windows", "-n", help="Evaluate at most this many windows "
                                                 "per text (default: all).", min=1)]
 BatchOpt = Annotated[int, typer.Option("--batch-size", "-b", help="Windows per forward pass.", min=1)]
-DeviceOpt = Annotated[str | None, typer.Option("--device", help="torch device (default: cuda if present, else cpu).")]
+DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:N or auto (cuda when present, else "
+                                        "cpu).")]
+ActivationsOpt = Annotated[str, typer.Option("--activation-memory", help="Memory for activations between two layers, "
+                                             "e.g. 2GiB; the rest spills to disk.")]
+ForceOpt = Annotated[bool, typer.Option("--force", help="Replace an existing output folder (only one hexq wrote, of "
+                                        "the same kind; never an input).")]
 JsonOpt = Annotated[Path | None, typer.Option("--json", help="Also write the results to this JSON file.")]
 
 
@@ -99,14 +104,20 @@ def calibrate(
     seqlen: Annotated[int | None, typer.Option("--seqlen", "-L", help="Override the recipe's window length.",
                                                min=2)] = None,
     batch_size: BatchOpt = 8,
-    device: DeviceOpt = None,
+    device: DeviceOpt = "auto",
+    activation_memory: ActivationsOpt = "4GiB",
+    force: ForceOpt = False,
 ) -> None:
-    """Smoothing search, GPTQ, per-expert replica banks and loss tables, layer by layer."""
+    """Smoothing search, GPTQ, per-expert replica banks and loss tables, streamed one layer at a time."""
     from dataclasses import replace
 
     from hexq.calib.pipeline import calibrate as run_calibration
+    from hexq.devices import resolve_device
     from hexq.recipe import load_recipe
+    from hexq.units import parse_bytes
 
+    resolve_device(device)  # a bad --device fails before anything is read
+    limit = parse_bytes(activation_memory)
     chosen = load_recipe(recipe)
     if samples or seqlen:
         calibration = replace(chosen.calibration, num_samples=samples or chosen.calibration.num_samples,
@@ -114,7 +125,7 @@ def calibrate(
         chosen = replace(chosen, calibration=calibration)
     with progress_bar() as bar:
         report = staged(bar, f"calibrate {model.name} ({chosen.name}): layers")
-        summary = run_calibration(model, chosen, data, out, device, batch_size, report)
+        summary = run_calibration(model, chosen, data, out, device, batch_size, report, limit, force)
     if summary.resumed_from == -1:
         console.print(f"{out} already holds this calibration (same model, data and recipe); nothing to do")
         return
@@ -134,7 +145,8 @@ def eval_command(
                                                "or the baseline's].", min=2)] = None,
     windows: WindowsOpt = None,
     batch_size: BatchOpt = 8,
-    device: DeviceOpt = None,
+    device: DeviceOpt = "auto",
+    activation_memory: ActivationsOpt = "4GiB",
     json_out: JsonOpt = None,
     expert_bits: Annotated[int | None, typer.Option("--expert-bits", help="For a calibration folder with replica "
                                                     "banks: which replica the experts use.")] = None,
@@ -145,11 +157,16 @@ def eval_command(
     write_baseline: Annotated[Path | None, typer.Option("--write-baseline", help="Record the results as a "
                                                         "baseline file (explicit; never automatic).")] = None,
 ) -> None:
-    """Perplexity with the GPTQ protocol (exp of mean token NLL); with --baseline, a regression gate for CI."""
+    """Perplexity with the GPTQ protocol (exp of mean token NLL), streamed one layer at a time; with --baseline, a
+    regression gate for CI."""
+    from hexq.devices import resolve_device
     from hexq.eval import baseline as gate
     from hexq.eval.run import evaluate_model
     from hexq.io import write_json_atomic
+    from hexq.units import parse_bytes
 
+    resolved = resolve_device(device)
+    limit = parse_bytes(activation_memory)
     if baseline is not None and write_baseline is not None:
         raise HexqError("give --baseline (compare) or --write-baseline (record), not both")
     allowed = gate.parse_tolerance(tolerance)
@@ -159,15 +176,9 @@ def eval_command(
     else:
         protocol = gate.Protocol(tuple(data or DEFAULT_EVAL_DATA), seqlen or 256, windows)
     with progress_bar() as bar:
-        tasks: dict[str, int] = {}
-
-        def report(source: str, done: int, total: int) -> None:
-            if source not in tasks:
-                tasks[source] = bar.add_task(f"eval {source}", total=total)
-            bar.update(tasks[source], completed=done)
-
-        rows = evaluate_model(model, list(protocol.data), protocol.seqlen, protocol.windows, batch_size, device,
-                              report, expert_bits)
+        report = staged(bar, f"eval {model.name}: layers")
+        rows = evaluate_model(model, list(protocol.data), protocol.seqlen, protocol.windows, batch_size, resolved,
+                              report, expert_bits, limit)
     now = {row.data: row.result.perplexity for row in rows}
     table = Table(title=f"perplexity of {model.name} (window {protocol.seqlen})")
     for column in ("data", "perplexity", "windows", "tokens scored"):
@@ -360,7 +371,7 @@ def run(
     windows: WindowsOpt = None,
     stats: Annotated[bool, typer.Option("--stats", help="Print TTFT, TPOT, tokens/s, hit rates, bytes moved, "
                                         "wait time.")] = False,
-    device: DeviceOpt = None,
+    device: DeviceOpt = "auto",
     json_out: JsonOpt = None,
 ) -> None:
     """Generate text or measure perplexity with the experts served from a budgeted cache."""
@@ -372,6 +383,9 @@ def run(
 
     if (prompt is None) == (ppl is None):
         raise HexqError("give exactly one of --prompt TEXT or --ppl DATA")
+    from hexq.devices import resolve_device
+
+    resolve_device(device)
     budget_bytes = parse_bytes(budget) if budget is not None else None
     with Runtime(artifact, budget_bytes, policy, prefetch, mode, prefetch_top, device) as runtime:
         result: dict = {"artifact": str(artifact), "policy": policy, "mode": mode, "prefetch": prefetch}
