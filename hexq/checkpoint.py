@@ -53,6 +53,12 @@ class Checkpoint:
     def has(self, key: str) -> bool:
         return key in self.weight_map
 
+    def release(self) -> None:
+        """Close every shard's memory map: pages read so far stop counting in the process's memory (a streamed
+        run calls this after each layer, so its RSS does not grow with the layers it has read)."""
+        with self._lock:
+            self._handles.clear()
+
     def _handle(self, shard: str):
         handle = self._handles.get(shard)
         if handle is None:
@@ -113,6 +119,13 @@ class Checkpoint:
     def has_param(self, name: str) -> bool:
         return self.find(name) is not None
 
+    def param_dtype(self, name: str) -> torch.dtype:
+        """The stored dtype of a parameter, read from the shard's header (the tensor is not read)."""
+        key = self.find(name)
+        if key is None:
+            raise HexqError(f"{self.folder}: tensor {' or '.join(self.hub_names(name))} is not in the checkpoint")
+        return safetensors_dtype(self._handle(self.weight_map[key]).get_slice(key).get_dtype())
+
     def read_param(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """Model parameter (or persistent buffer) `name` from the checkpoint, in its stored dtype."""
         key = self.find(name)
@@ -144,6 +157,16 @@ class Checkpoint:
             gate_up[expert, inner:] = self.read_param(expert_key(expert, up_name), (inner, gate_up_shape[1]))
             down[expert] = self.read_param(expert_key(expert, down_name), down_shape)
         return gate_up, down
+
+
+SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                      "BOOL": torch.bool}
+
+
+def safetensors_dtype(name: str) -> torch.dtype | None:
+    """A safetensors header dtype name as a torch dtype (None for one torch has no name for here)."""
+    return SAFETENSORS_DTYPES.get(name)
 
 
 def _read_config(folder: Path) -> dict:

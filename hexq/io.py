@@ -148,6 +148,7 @@ class SafetensorsWriter:
         header = safetensors_header(list(self._entries.values()), metadata)
         self._data_start = len(header)
         self._written: set[str] = set()
+        self._rows: dict[str, torch.Tensor] = {}  # tensors being written row by row: which rows are done
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd, self._tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
         self._handle = os.fdopen(fd, "wb")
@@ -166,8 +167,35 @@ class SafetensorsWriter:
 
     @property
     def pending(self) -> list[str]:
-        """Declared tensors not written yet, in declaration order."""
+        """Declared tensors not written yet (or only partly, row by row), in declaration order."""
         return [name for name in self._entries if name not in self._written]
+
+    def write_rows(self, name: str, start: int, rows: torch.Tensor) -> None:
+        """Write rows [start, start + len(rows)) of a declared tensor (first dimension): a tensor too large to hold
+        is filled piece by piece, and counts as written once every row is (each row exactly once)."""
+        entry = self._entries.get(name)
+        if entry is None or not entry.shape:
+            self.abort()
+            raise HexqError(f"tensor {name!r} was not declared with rows for {self.path}")
+        filled = self._rows.setdefault(name, torch.zeros(entry.shape[0], dtype=torch.bool, device="cpu"))
+        count = rows.shape[0] if rows.ndim else 0
+        if rows.dtype != entry.dtype or tuple(rows.shape[1:]) != entry.shape[1:] or start < 0 \
+                or start + count > entry.shape[0] or bool(filled[start:start + count].any()):
+            self.abort()
+            raise HexqError(f"tensor {name!r}: rows {start}..{start + count} of shape {tuple(rows.shape)} "
+                            f"{rows.dtype} do not fit the declared {entry.shape} {entry.dtype} (or were written "
+                            f"before) in {self.path}")
+        row_bytes = entry.dtype.itemsize * math.prod(entry.shape[1:])
+        try:
+            self._handle.seek(self._data_start + entry.begin + start * row_bytes)
+            if count:
+                self._handle.write(rows.detach().to("cpu").contiguous().view(torch.uint8).numpy())
+        except BaseException:
+            self.abort()
+            raise
+        filled[start:start + count] = True
+        if bool(filled.all()):
+            self._written.add(name)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Write one declared tensor (any device; copied to CPU in pieces only as the file needs)."""
@@ -285,3 +313,13 @@ def file_sha256(path: Path, chunk_bytes: int = 1 << 24) -> str:
     except OSError:  # a read-only home still gets the right answer, only not remembered
         pass
     return value
+
+
+def save_tensors(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+    """A safetensors file of `tensors` (names sorted, so the same tensors give the same bytes), written atomically
+    straight from the tensors: no second copy of the file in memory, which matters for 2 GB layer files."""
+    ordered = {name: tensors[name].detach() for name in sorted(tensors)}
+    specs = {name: (tensor.dtype, tuple(tensor.shape)) for name, tensor in ordered.items()}
+    with SafetensorsWriter(path, specs, metadata) as writer:
+        for name, tensor in ordered.items():
+            writer.write(name, tensor.cpu())

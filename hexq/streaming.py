@@ -38,6 +38,14 @@ class LayerSource(Protocol):
         """A parameter or persistent buffer by its full model name, in its stored dtype."""
         ...
 
+    def release(self) -> None:
+        """Drop what reading kept mapped (called after each materialization)."""
+        ...
+
+    def param_dtype(self, name: str) -> torch.dtype | None:
+        """The stored dtype of a parameter, without reading it."""
+        ...
+
 
 # ------------------------------------------------------------------------------------------ activations
 
@@ -272,6 +280,7 @@ class StreamedModel:
                 act_fn = original.act_fn
                 tap = ExpertTap(num)
                 setattr(getattr(layer, self.adapter.moe), self.adapter.experts, tap)
+            self.source.release()
             loaded = LoadedLayer(index, layer, gate_up, down, act_fn, tap, self.moe_shapes[index])
             yield loaded
         finally:
@@ -293,20 +302,23 @@ class StreamedModel:
             self._materialize(layer, f"model.layers.{index}.", skip=self.experts_path if self.is_moe(index) else None)
         for name in ("model.embed_tokens", "model.norm", "lm_head"):
             self._materialize_top(self.model.get_submodule(name), name)
+        self.source.release()
 
     @contextmanager
-    def parts(self, *names: str) -> Iterator[None]:
-        """Materialize top-level modules (e.g. "model.embed_tokens", "model.norm", "lm_head") for the block."""
+    def parts(self, *names: str, dtype: torch.dtype | None = None) -> Iterator[None]:
+        """Materialize top-level modules (e.g. "model.embed_tokens", "model.norm", "lm_head") for the block, in
+        `dtype` (default: the compute dtype)."""
         modules = [self.model.get_submodule(name) for name in names]
         try:
             for name, module in zip(names, modules, strict=True):
-                self._materialize_top(module, name)
+                self._materialize_top(module, name, dtype)
+            self.source.release()
             yield
         finally:
             for module in modules:
                 _to_meta(module)
 
-    def _materialize_top(self, module: torch.nn.Module, name: str) -> None:
+    def _materialize_top(self, module: torch.nn.Module, name: str, dtype: torch.dtype | None = None) -> None:
         tied = name == "lm_head" and getattr(self.config, "tie_word_embeddings", False)
         for rel, owner, attr, is_parameter in _tensor_slots(module):
             current = owner._parameters[attr] if is_parameter else owner._buffers[attr]
@@ -314,7 +326,7 @@ class StreamedModel:
             if tied and not self.source_has(key):
                 key = "model.embed_tokens.weight"
             stored = self.source.read_param(key, tuple(current.shape))
-            _put(owner, attr, stored.to(device=self.device, dtype=self.dtype), is_parameter)
+            _put(owner, attr, stored.to(device=self.device, dtype=dtype or self.dtype), is_parameter)
 
     def source_has(self, key: str) -> bool:
         has = getattr(self.source, "has_param", None)
@@ -328,11 +340,14 @@ class StreamedModel:
         batch's layer kwargs (attention mask, position ids and embeddings), computed by the model's own code."""
         base = self.model.model
         layers, norm, recorder = base.layers, base.norm, Recorder()
-        with self.parts("model.embed_tokens"):
+        # The embedding stays in its stored dtype (a 150k-token vocabulary is 1.2 GB in float32); looking up rows and
+        # upcasting them gives exactly the rows of the upcast table, and the model sees compute-dtype embeddings.
+        with self.parts("model.embed_tokens", dtype=self.source_dtype("model.embed_tokens.weight")):
             base.layers, base.norm = torch.nn.ModuleList([recorder]), torch.nn.Identity()
             try:
                 for batch in ids.split(batch_size):
-                    base(input_ids=batch.to(self.device), use_cache=False)
+                    embeds = base.embed_tokens(batch.to(self.device)).to(self.dtype)
+                    base(inputs_embeds=embeds, use_cache=False)
             finally:
                 base.layers, base.norm = layers, norm
         kwargs = []
@@ -341,25 +356,55 @@ class StreamedModel:
             kwargs.append(seen.kwargs)
         return kwargs
 
+    def source_dtype(self, name: str) -> torch.dtype:
+        """The dtype a top-level parameter is stored in (floating), for materializing it without upcasting."""
+        stored = self.source.param_dtype(name)
+        return stored if stored is not None and stored.is_floating_point else self.dtype
+
     @torch.no_grad()
-    def head_nll(self, hidden: HiddenStore, ids: torch.Tensor, batch_size: int, positions: int = 1024) -> torch.Tensor:
-        """Summed next-token NLL of each window [N] (float64) from the last layer's outputs: final norm and head
-        materialized once, logits computed `positions` at a time so that a large vocabulary never needs
-        [batch, seqlen, vocab] at once."""
+    def head_nll(self, hidden: HiddenStore, ids: torch.Tensor, batch_size: int, positions: int = 1024,
+                 vocab_rows: int = 32768) -> torch.Tensor:
+        """Summed next-token NLL of each window [N] (float64) from the last layer's outputs.
+
+        The head stays in its stored dtype and is upcast `vocab_rows` rows at a time: log-softmax over the
+        vocabulary is an online logsumexp over those blocks (running max and scaled sum), so neither a float32
+        copy of a large head nor [positions, vocab] logits exist at once."""
         out = []
-        with self.parts("model.norm", "lm_head"):
-            norm, head = self.model.model.norm, self.model.lm_head
+        head_dtype = self.source_dtype("lm_head.weight") if not getattr(self.config, "tie_word_embeddings", False) \
+            else self.source_dtype("model.embed_tokens.weight")
+        with self.parts("model.norm"), self.parts("lm_head", dtype=head_dtype):
+            norm, weight = self.model.model.norm, self.model.lm_head.weight
+            bias = getattr(self.model.lm_head, "bias", None)
             for index, batch in enumerate(ids.split(batch_size)):
                 states = norm(hidden[index].to(self.device))
-                flat = states[:, :-1].reshape(-1, states.shape[-1])
+                flat = states[:, :-1].reshape(-1, states.shape[-1]).to(self.dtype)
                 targets = batch[:, 1:].reshape(-1).to(self.device)
                 nll = torch.empty(targets.shape[0], dtype=torch.float32, device=self.device)
                 for start in range(0, targets.shape[0], positions):
-                    logits = head(flat[start:start + positions]).float()
-                    nll[start:start + positions] = F.cross_entropy(logits, targets[start:start + positions],
-                                                                   reduction="none")
+                    x, target = flat[start:start + positions], targets[start:start + positions]
+                    nll[start:start + positions] = blocked_nll(x, weight, bias, target, vocab_rows, self.dtype)
                 out.append(nll.reshape(batch.shape[0], -1).sum(dim=1).double().cpu())
         return torch.cat(out)
+
+
+def blocked_nll(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
+                vocab_rows: int, dtype: torch.dtype) -> torch.Tensor:
+    """Cross-entropy of logits x W^T (+ b) at `target`, the vocabulary in blocks of `vocab_rows` upcast to `dtype`:
+    NLL = logsumexp(logits) - logits[target], the logsumexp accumulated block by block."""
+    running_max = torch.full((x.shape[0],), float("-inf"), dtype=torch.float32, device=x.device)
+    running_sum = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
+    picked = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    for start in range(0, weight.shape[0], vocab_rows):
+        block = weight[start:start + vocab_rows].to(dtype)
+        logits = F.linear(x, block, None if bias is None else bias[start:start + vocab_rows].to(dtype)).float()
+        block_max = logits.amax(dim=1)
+        new_max = torch.maximum(running_max, block_max)
+        running_sum = running_sum * torch.exp(running_max - new_max) + torch.exp(logits - new_max[:, None]).sum(1)
+        running_max = new_max
+        inside = (target >= start) & (target < start + block.shape[0])
+        rows = inside.nonzero().squeeze(1)
+        picked[rows] = logits[rows, target[rows] - start]
+    return torch.log(running_sum) + running_max - picked
 
 
 # ------------------------------------------------------------------------------------------ one layer, all batches

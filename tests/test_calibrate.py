@@ -46,11 +46,12 @@ def test_output_folder_layout_and_loss_table(mixed_run):
         assert table.shape == (8, 5) and torch.isfinite(table).all()
         # more bits, less output error, for every expert (1 -> 8 bits)
         assert (table[:, 0] > table[:, 3]).all() and (table[:, 3] > table[:, 4]).all()
+        bank = load_file(out / f"layer_{index:03d}.bank.safetensors")  # the replica bank is a file of its own
         for bits in (1, 2, 3, 4, 8):
-            codes = tensors[f"experts.gate_up.b{bits}.codes"]  # bit-packed per expert, as in the artifact
+            codes = bank[f"experts.gate_up.b{bits}.codes"]  # bit-packed per expert, as in the artifact
             assert codes.shape == (8, packed_nbytes(32 * 32, bits)) and codes.dtype == torch.uint8
             assert int(unpack_bits(codes[3], bits, 32 * 32).max()) <= 2**bits - 1
-            assert tensors[f"experts.gate_up.b{bits}.scale"].shape == (8, 32, 2)
+            assert bank[f"experts.gate_up.b{bits}.scale"].shape == (8, 32, 2)
         assert int(tensors["router.counts"].sum()) == 6 * 32 * 2  # tokens x top-2
         assert tensors["router.topk"].shape == (6 * 32, 2)
         assert torch.equal(tensors["loss_table.tokens"].clamp(max=1), (tensors["experts.tokens"] > 0).long())
@@ -183,7 +184,8 @@ def test_cold_experts_use_the_fallback_and_are_still_quantized(tiny_qwen3moe, tm
     summary = calibrate(tiny_qwen3moe, recipe, "bundled", tmp_path / "cold")
     assert summary.fallback_experts == 2 * 8
     tensors = load_file(tmp_path / "cold" / "layer_000.safetensors")
-    assert torch.isfinite(tensors["experts.down.b4.scale"]).all()
+    bank = load_file(tmp_path / "cold" / "layer_000.bank.safetensors")
+    assert torch.isfinite(bank["experts.down.b4.scale"]).all()
     assert math.isfinite(float(tensors["loss_table"].sum()))
 
 

@@ -7,13 +7,14 @@ from dataclasses import replace
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from hexq.artifact.bitpack import packed_nbytes
 from hexq.artifact.format import FORMAT_VERSION, Artifact, expert_shard
 from hexq.artifact.pack import Budget, pack
 from hexq.calib.pipeline import calibrated_model
-from hexq.calib.store import bank_weights, load_layer
+from hexq.calib.store import bank_weights
 from hexq.errors import HexqError
 from hexq.recipe import Pack
 from hexq.runtime.model import artifact_model
@@ -90,7 +91,7 @@ def test_stored_replicas_dequantize_to_the_calibration_weights(mixed_calibration
     """Exactly the calibration's packed codes and float16 scales, for every stored width (--bank all)."""
     out = tmp_path / "bank.hexq"
     pack(mixed_calibration[0], out, budget=Budget(avg_bits=2.5), bank=("all",))
-    tensors = load_layer(mixed_calibration[0], 1)[0]
+    tensors = load_file(mixed_calibration[0] / "layer_001.bank.safetensors")
     artifact = Artifact(out)
     assert artifact.bank_bits == [1, 2, 3, 4, 8]
     for bits in (1, 3, 8):

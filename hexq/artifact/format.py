@@ -35,13 +35,12 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save
 
 from hexq import __version__
 from hexq.algos.quant import QuantMeta, dequantize
 from hexq.artifact.bitpack import pack_bits, packed_nbytes, unpack_bits
 from hexq.errors import HexqError
-from hexq.io import write_bytes_atomic, write_json_atomic
+from hexq.io import save_tensors, write_json_atomic
 
 FORMAT = "hexq-artifact"
 FORMAT_VERSION = 2  # 2: per-layer dense shards, MoE-layer rows, only the allocated + bank widths stored
@@ -124,11 +123,6 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def tensors_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
-    """safetensors bytes with a fixed key order, so the same tensors always give the same file."""
-    return save({name: t.detach().cpu().contiguous() for name, t in sorted(tensors.items())})
-
-
 class ArtifactWriter:
     """Fills an artifact folder (the temporary folder hexq.outputs.output_folder gives, published only when
     complete): every file written atomically and recorded with its size and SHA-256; the manifest, written last by
@@ -143,7 +137,7 @@ class ArtifactWriter:
         self.files[name] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
 
     def add_tensors(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
-        write_bytes_atomic(self.folder / name, tensors_bytes(tensors))
+        save_tensors(self.folder / name, tensors)
         self._record(name)
 
     def add_file(self, name: str, source: Path) -> None:
@@ -344,6 +338,21 @@ class Artifact:
             raise HexqError(f"{self.path / shard}: tensor {name} has shape {list(tensor.shape)}, the model's config "
                             f"needs {list(shape)}")
         return tensor
+
+    def param_dtype(self, name: str) -> torch.dtype:
+        """The stored dtype of a non-expert parameter (a quantized linear dequantizes to float32)."""
+        from hexq.checkpoint import safetensors_dtype
+
+        name = self.manifest["dense"]["aliases"].get(name, name)
+        if name in self.manifest["dense"]["quantized_linears"]:
+            return torch.float32
+        shard = self._dense_file(name)
+        return safetensors_dtype(self._handle(shard).get_slice(name).get_dtype())
+
+    def release(self) -> None:
+        """Close the shards' memory maps (pages read so far stop counting in the process's memory)."""
+        with self._lock:
+            self._handles.clear()
 
     def act_range(self, linear: str) -> torch.Tensor | None:
         """Static input range of a quantized linear (name without .weight), if the artifact stores one."""

@@ -45,7 +45,7 @@ from hexq.artifact.format import (
     replica_key,
 )
 from hexq.calib.capture import quantized_linears
-from hexq.calib.store import bank_prefix, model_fingerprint, open_layer, read_manifest
+from hexq.calib.store import bank_prefix, load_layer, model_fingerprint, open_bank, open_layer, read_manifest
 from hexq.errors import HexqError
 from hexq.recipe import Pack, recipe_from_dict, recipe_to_dict
 
@@ -146,9 +146,10 @@ def dense_layer_tensors(loaded, adapter, calibration: dict, prefix: str, bits: i
     return out, quantized
 
 
-def layer_expert_tensors(calibration, widths_of: list[set[int]]) -> tuple[dict, dict[int, int]]:
+def layer_expert_tensors(bank, layer, widths_of: list[set[int]]) -> tuple[dict, dict[int, int]]:
     """One MoE layer's stored replicas: expert e at each width in widths_of[e], sliced from the calibration's
-    packed bank (a safe_open handle: only those rows are read); returns tensors and stored bytes per width."""
+    packed bank (a safe_open handle: only those rows are read), plus the layer's static expert activation ranges
+    (from `layer`, the layer file's handle); returns tensors and stored bytes per width."""
     out: dict[str, torch.Tensor] = {}
     nbytes: dict[int, int] = {}
     for expert, widths in enumerate(widths_of):
@@ -156,19 +157,13 @@ def layer_expert_tensors(calibration, widths_of: list[set[int]]) -> tuple[dict, 
             for projection in PROJECTIONS:
                 prefix = bank_prefix(projection, bits)
                 for part in ("codes", "scale", "zero"):
-                    tensor = calibration.get_slice(f"{prefix}.{part}")[expert]
+                    tensor = bank.get_slice(f"{prefix}.{part}")[expert]
                     out[f"{replica_key(expert, bits, projection)}.{part}"] = tensor
                     nbytes[bits] = nbytes.get(bits, 0) + tensor.numel() * tensor.element_size()
     for name, key in (("input", "act.experts.input"), ("mid", "act.experts.mid")):
-        if key in calibration.keys():
-            out[f"act.{name}"] = calibration.get_tensor(key).float()
+        if key in layer.keys():
+            out[f"act.{name}"] = layer.get_tensor(key).float()
     return out, nbytes
-
-
-def load_layer_dense(calib_dir: Path, index: int) -> tuple[dict, None]:
-    """A calibration layer's tensors without its expert bank (smoothing factors, quantized linears, ranges)."""
-    with open_layer(calib_dir, index) as handle:
-        return {key: handle.get_tensor(key) for key in handle.keys() if not key.startswith("experts.")}, None
 
 
 def allocated_bytes(allocation: list[list[int]], costs_by_bits: dict[int, int]) -> int:
@@ -307,7 +302,7 @@ def pack(calib_dir: str | Path, out: str | Path, settings: Pack | None = None, b
         stored_bytes: dict[int, int] = {}
         dense_bytes = 0
         for index in range(num_layers):
-            tensors, _ = load_layer_dense(calib_dir, index)
+            tensors, _ = load_layer(calib_dir, index)  # the layer's bank is a file of its own, read below
             with streamed.layer(index, experts=False) as loaded:
                 for group in smoothing_groups(loaded.module, adapter):
                     fold_scales(group, tensors[f"smooth.{group.name}"])
@@ -319,8 +314,8 @@ def pack(calib_dir: str | Path, out: str | Path, settings: Pack | None = None, b
             if index in moe_layers:
                 row = plan.allocation[moe_layers.index(index)]
                 widths_of = [{b for b in (row[e], *banked) if b} for e in range(num_experts)]
-                with open_layer(calib_dir, index) as handle:
-                    experts, nbytes = layer_expert_tensors(handle, widths_of)
+                with open_bank(calib_dir, index) as bank, open_layer(calib_dir, index) as layer:
+                    experts, nbytes = layer_expert_tensors(bank, layer, widths_of)
                 writer.add_tensors(expert_shard(index), experts)
                 for b, n in nbytes.items():
                     stored_bytes[b] = stored_bytes.get(b, 0) + n

@@ -46,12 +46,15 @@ from hexq.calib.store import (
     FORMAT,
     FORMAT_VERSION,
     ExpertBank,
+    bank_path,
     bank_weights,
     differing_inputs,
     is_finished,
+    layer_meta,
     layers_done,
     load_layer,
     model_fingerprint,
+    open_bank,
     packed_matrix,
     put_packed,
     read_json,
@@ -258,14 +261,35 @@ def quantize_dense_linears(layer: torch.nn.Module, adapter: MoEAdapter, stats: d
 
 
 def quantize_routed_experts(loaded: LoadedLayer, routed: RoutedTokens, weights_of, recipe: Recipe, tensors: dict,
-                            moe_sample: torch.Tensor, progress: Progress | None) -> tuple[list[int], dict]:
-    """Replica banks for every routed expert, chunk by chunk; returns the experts that used the cold fallback and
-    the factorizations that needed more damping or float64."""
+                            moe_sample: torch.Tensor, bank_file: Path,
+                            progress: Progress | None) -> tuple[list[int], dict]:
+    """Replica banks for every routed expert, chunk by chunk, written to `bank_file` as they are made; returns the
+    experts that used the cold fallback and the factorizations that needed more damping or float64."""
     setting, bits_list = recipe.expert_weights, expert_bits_list(recipe)
     num_experts = loaded.gate_up.shape[0]
     shapes = {"gate_up": tuple(loaded.gate_up.shape[1:]), "down": tuple(loaded.down.shape[1:])}
     groups = {p: group_size_of(setting, cols) for p, (_rows, cols) in shapes.items()}
-    bank = ExpertBank(num_experts, shapes, bits_list, groups)
+    bank = ExpertBank(bank_file, num_experts, shapes, bits_list, groups)
+    try:
+        fallback, escalated, ranges = fill_bank(bank, loaded, routed, weights_of, recipe, moe_sample, shapes,
+                                                progress)
+    except BaseException:
+        bank.abort()
+        raise
+    bank.close()
+    (input_low, input_high), (mid_low, mid_high) = ranges
+    tensors["experts.tokens"] = torch.tensor([routed.count(e) for e in range(num_experts)], dtype=torch.long,
+                                             device="cpu")
+    tensors["act.experts.input"] = torch.tensor([input_low, input_high], device="cpu")
+    tensors["act.experts.mid"] = torch.tensor([mid_low, mid_high], device="cpu")
+    return fallback, escalated
+
+
+def fill_bank(bank: ExpertBank, loaded: LoadedLayer, routed: RoutedTokens, weights_of, recipe: Recipe,
+              moe_sample: torch.Tensor, shapes: dict, progress: Progress | None):
+    """The GPTQ loop of quantize_routed_experts: (cold experts, factorization report, (input range, mid range))."""
+    setting, bits_list = recipe.expert_weights, expert_bits_list(recipe)
+    num_experts = loaded.gate_up.shape[0]
     moe_input = SiteStats.empty(routed.x.shape[1], routed.x.device)
     moe_input.add(routed.x)
     min_tokens, blend = recipe.experts.min_tokens, recipe.experts.fallback_blend
@@ -302,16 +326,11 @@ def quantize_routed_experts(loaded: LoadedLayer, routed: RoutedTokens, weights_o
         del gate_up, down, stats, h_in, h_down
         if progress:
             progress("experts", experts[-1] + 1, num_experts)
-    tensors.update(bank.tensors)
-    tensors["experts.tokens"] = torch.tensor([routed.count(e) for e in range(num_experts)], dtype=torch.long,
-                                            device="cpu")
-    tensors["act.experts.input"] = torch.tensor([input_low, input_high], device="cpu")
-    tensors["act.experts.mid"] = torch.tensor([mid_low, mid_high], device="cpu")
-    return fallback, escalated
+    return fallback, escalated, ((input_low, input_high), (mid_low, mid_high))
 
 
 def quantize_layer(loaded: LoadedLayer, adapter: MoEAdapter, hidden: HiddenStore, kwargs: list[dict],
-                   recipe: Recipe, weights_of, tensors: dict,
+                   recipe: Recipe, weights_of, tensors: dict, bank_file: Path,
                    progress: Progress | None) -> tuple[dict, torch.Tensor | None]:
     """Pass B; returns the layer report and a sample of the MoE input (every 8th token; None on a dense layer),
     the inputs a never-routed expert is measured on."""
@@ -325,7 +344,8 @@ def quantize_layer(loaded: LoadedLayer, adapter: MoEAdapter, hidden: HiddenStore
     tensors["router.counts"], tensors["router.score_sums"] = routing.counts, routing.score_sums
     tensors["router.topk"] = routing.topk
     moe_sample = routed.x[::MOE_SAMPLE_EVERY].float()
-    fallback, escalated = quantize_routed_experts(loaded, routed, weights_of, recipe, tensors, moe_sample, progress)
+    fallback, escalated = quantize_routed_experts(loaded, routed, weights_of, recipe, tensors, moe_sample, bank_file,
+                                                  progress)
     return {"fallback_experts": fallback, "factorization": escalated,
             "expert_tokens": tensors["experts.tokens"].tolist(), "tokens": int(routed.x.shape[0])}, moe_sample
 
@@ -350,27 +370,29 @@ def apply_dense_part(loaded: LoadedLayer, adapter: MoEAdapter, tensors: dict, re
             loaded.hooks.append(attach_input_quant(module, quantizer))
 
 
-def calibrated_experts(loaded: LoadedLayer, tensors: dict, recipe: Recipe, bits: int,
-                       device: torch.device) -> ExpertCompute:
-    """The layer's routed experts as calibrated: the replica at `bits`, with the recipe's activation quantization."""
+def calibrated_experts(loaded: LoadedLayer, tensors: dict, recipe: Recipe, bits: int, device: torch.device,
+                       folder: Path) -> ExpertCompute:
+    """The layer's routed experts as calibrated: the replica at `bits` read chunk by chunk from the layer's bank file
+    in `folder`, with the recipe's activation quantization."""
     _num, gate_up_shape, down_shape = loaded.shapes
     shapes = {"gate_up": gate_up_shape, "down": down_shape}
 
     def weights_of(experts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        return tuple(bank_weights(tensors, p, bits, experts, shapes[p], torch.float32, device) for p in PROJECTIONS)
+        with open_bank(folder, loaded.index) as bank:
+            return tuple(bank_weights(bank, p, bits, experts, shapes[p], torch.float32, device) for p in PROJECTIONS)
 
     setting = recipe.expert_activations
     return ExpertCompute(weights_of, act_quantizer(setting, tensors.get("act.experts.input")),
                          act_quantizer(setting, tensors.get("act.experts.mid")),
-                         expert_chunk(shapes["gate_up"], shapes["down"], torch.float32))
+                         expert_chunk(gate_up_shape, down_shape, torch.float32))
 
 
 # ------------------------------------------------------------------------------------------ pass C: loss table
 
 
 @torch.no_grad()
-def loss_table(routed: RoutedTokens, weights_of, tensors: dict, bits_list: tuple[int, ...], propagate_bits: int,
-               quantizers: tuple, moe_sample: torch.Tensor, act_fn, chunk: int,
+def loss_table(routed: RoutedTokens, weights_of, tensors: dict, bank, bits_list: tuple[int, ...],
+               propagate_bits: int, quantizers: tuple, moe_sample: torch.Tensor, act_fn, chunk: int,
                progress: Progress | None) -> torch.Tensor:
     """Fill tensors["loss_table"] [E, len(bits_list)] with the output MSE of each replica against the
     full-precision expert on the tokens routed to it (002 §4.2), tensors["loss_table.skip"] [E] with the MSE of
@@ -383,8 +405,8 @@ def loss_table(routed: RoutedTokens, weights_of, tensors: dict, bits_list: tuple
     for start in range(0, num_experts, chunk):
         experts = list(range(start, min(start + chunk, num_experts)))
         fp_gate_up, fp_down = weights_of(experts)
-        replicas = {bits: (propagate_bank(tensors, "gate_up", bits, experts, fp_gate_up),
-                           propagate_bank(tensors, "down", bits, experts, fp_down)) for bits in bits_list}
+        replicas = {bits: (propagate_bank(bank, "gate_up", bits, experts, fp_gate_up),
+                           propagate_bank(bank, "down", bits, experts, fp_down)) for bits in bits_list}
         propagated = replicas[propagate_bits]
         for j, expert in enumerate(experts):
             token, slot = routed.rows(expert)
@@ -410,8 +432,8 @@ def loss_table(routed: RoutedTokens, weights_of, tensors: dict, bits_list: tuple
     return out
 
 
-def propagate_bank(tensors: dict, projection: str, bits: int, experts: list[int], like: torch.Tensor) -> torch.Tensor:
-    return bank_weights(tensors, projection, bits, experts, tuple(like.shape[1:]), like.dtype, like.device)
+def propagate_bank(bank, projection: str, bits: int, experts: list[int], like: torch.Tensor) -> torch.Tensor:
+    return bank_weights(bank, projection, bits, experts, tuple(like.shape[1:]), like.dtype, like.device)
 
 
 # ------------------------------------------------------------------------------------------ one layer, whole run
@@ -419,20 +441,26 @@ def propagate_bank(tensors: dict, projection: str, bits: int, experts: list[int]
 
 def calibrate_layer(loaded: LoadedLayer, adapter: MoEAdapter, hidden: HiddenStore, kwargs: list[dict],
                     recipe: Recipe, index: int, device: torch.device, activation_limit: int | None,
-                    spill_dir: Path | None, progress: Progress | None) -> tuple[dict, dict, HiddenStore]:
+                    folder: Path, progress: Progress | None) -> tuple[dict, dict, HiddenStore]:
+    """Passes A-C of one layer (see the module docstring); the bank goes to `folder` (the calibration being written,
+    which also takes spilled activations). Returns the layer's other tensors, its report and its outputs."""
     tensors: dict[str, torch.Tensor] = {}
     smoothing, expert_scale = smooth_layer(loaded, adapter, hidden, kwargs, recipe, recipe.calibration.seed + index,
                                            tensors)
     weights_of = compute_experts(loaded, expert_scale, device) if loaded.is_moe else None
-    report, moe_sample = quantize_layer(loaded, adapter, hidden, kwargs, recipe, weights_of, tensors, progress)
+    report, moe_sample = quantize_layer(loaded, adapter, hidden, kwargs, recipe, weights_of, tensors,
+                                        bank_path(folder, index), progress)
     apply_dense_part(loaded, adapter, tensors, recipe, fold=False)
-    outputs = HiddenStore(activation_limit, spill_dir)
+    outputs = HiddenStore(activation_limit, folder)
     routed = run_layer(loaded, hidden, kwargs, outputs, experts=None)
     if routed is not None:
-        propagate = calibrated_experts(loaded, tensors, recipe, default_expert_bits(recipe), device)
-        experts_out = loss_table(routed, weights_of, tensors, expert_bits_list(recipe), default_expert_bits(recipe),
-                                 (propagate.input_quant, propagate.mid_quant), moe_sample, loaded.act_fn,
-                                 propagate.chunk, progress)
+        propagate = calibrated_experts(loaded, tensors, recipe, default_expert_bits(recipe), device, folder)
+        widths = expert_bits_list(recipe)
+        chunk = max(1, propagate.chunk // (1 + len(widths)))  # the full-precision expert and every replica at once
+        with open_bank(folder, index) as bank:
+            experts_out = loss_table(routed, weights_of, tensors, bank, widths, default_expert_bits(recipe),
+                                     (propagate.input_quant, propagate.mid_quant), moe_sample, loaded.act_fn, chunk,
+                                     progress)
         add_expert_outputs(outputs, routed, experts_out)
     meta = {"layer": index, "smoothing": smoothing, **report}
     return tensors, meta, outputs
@@ -540,7 +568,7 @@ def run_layers(streamed: StreamedModel, tokenizer, recipe: Recipe, windows, fold
                 tensors, _ = load_layer(folder, index)
                 apply_dense_part(loaded, adapter, tensors, recipe, fold=True)
                 outputs = HiddenStore(activation_limit, folder)
-                experts = (calibrated_experts(loaded, tensors, recipe, default_expert_bits(recipe), device)
+                experts = (calibrated_experts(loaded, tensors, recipe, default_expert_bits(recipe), device, folder)
                            if loaded.is_moe else None)
                 run_layer(loaded, hidden, kwargs, outputs, experts)
             else:
@@ -555,7 +583,7 @@ def run_layers(streamed: StreamedModel, tokenizer, recipe: Recipe, windows, fold
         if progress:
             progress("layers", index + 1, num_layers)
     hidden.close()
-    summaries = [load_layer(folder, index)[1] for index in range(num_layers)]
+    summaries = [layer_meta(folder, index) for index in range(num_layers)]
     num_experts = next(shape[0] for shape in streamed.moe_shapes if shape is not None)
     return {
         "format": FORMAT, "format_version": FORMAT_VERSION, "hexq_version": __version__, "fingerprint": fingerprint,
@@ -596,6 +624,6 @@ def calibrated_model(calib_dir: str | Path, device: torch.device, expert_bits: i
     def prepare(loaded: LoadedLayer) -> ExpertCompute | None:
         tensors, _ = load_layer(calib_dir, loaded.index)
         apply_dense_part(loaded, streamed.adapter, tensors, recipe, fold=True)
-        return calibrated_experts(loaded, tensors, recipe, bits, device) if loaded.is_moe else None
+        return calibrated_experts(loaded, tensors, recipe, bits, device, calib_dir) if loaded.is_moe else None
 
     return streamed, tokenizer, prepare

@@ -22,10 +22,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save
+from safetensors.torch import load_file
 
 from hexq.errors import HexqError
-from hexq.io import write_bytes_atomic, write_json_atomic
+from hexq.io import SafetensorsWriter, save_tensors, write_json_atomic
 
 FORMAT = "hexq-calibration"
 FORMAT_VERSION = 2  # 2: bit-packed codes and float16 scales (1 stored one byte per code)
@@ -37,9 +37,17 @@ def layer_paths(out: Path, index: int) -> tuple[Path, Path]:
 
 def save_layer(out: Path, index: int, tensors: dict[str, torch.Tensor], meta: dict) -> None:
     tensor_path, meta_path = layer_paths(out, index)
-    contiguous = {name: t.detach().cpu().contiguous() for name, t in sorted(tensors.items())}
-    write_bytes_atomic(tensor_path, save(contiguous))
+    save_tensors(tensor_path, tensors)
     write_json_atomic(meta_path, meta)
+
+
+def layer_meta(out: Path, index: int) -> dict:
+    """The JSON summary of one finished layer (without reading its tensors)."""
+    _, meta_path = layer_paths(out, index)
+    try:
+        return json.loads(meta_path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise HexqError(f"calibration layer {index} in {out} is unreadable ({exc}); rerun hexq calibrate") from None
 
 
 def load_layer(out: Path, index: int) -> tuple[dict[str, torch.Tensor], dict]:
@@ -149,53 +157,92 @@ def packed_matrix(tensors: dict, prefix: str, shape: tuple[int, int], bits: int)
 
 
 class ExpertBank:
-    """One layer's replica bank being filled chunk by chunk: per (projection, bits), packed codes [E, bytes] and
-    float16 scale/zero [E, rows, groups], preallocated so a chunk's results are packed and placed at once."""
+    """One layer's replica bank, written to its own file chunk by chunk as GPTQ produces it, so a layer's bank (1.4x
+    its bf16 experts for widths 1-8) is never held in memory: per (projection, bits), packed codes [E, bytes] and
+    float16 scale/zero [E, rows, groups], each chunk's rows written in place (hexq.io.SafetensorsWriter.write_rows);
+    the file appears, complete, when `close` is called."""
 
-    def __init__(self, num_experts: int, shapes: dict[str, tuple[int, int]], bits_list: tuple[int, ...],
+    def __init__(self, path: Path, num_experts: int, shapes: dict[str, tuple[int, int]], bits_list: tuple[int, ...],
                  group_sizes: dict[str, int]) -> None:
         from hexq.artifact.bitpack import packed_nbytes
         from hexq.artifact.format import SCALE_DTYPE
 
-        self.shapes, self.group_sizes = shapes, group_sizes
-        self.tensors: dict[str, torch.Tensor] = {}
+        specs = {}
         for projection, (rows, cols) in shapes.items():
             groups = cols // group_sizes[projection]
             for bits in bits_list:
                 prefix = bank_prefix(projection, bits)
-                self.tensors[f"{prefix}.codes"] = torch.zeros(num_experts, packed_nbytes(rows * cols, bits),
-                                                              dtype=torch.uint8, device="cpu")
-                for part in ("scale", "zero"):
-                    self.tensors[f"{prefix}.{part}"] = torch.zeros(num_experts, rows, groups, dtype=SCALE_DTYPE,
-                                                                   device="cpu")
+                specs[f"{prefix}.codes"] = (torch.uint8, (num_experts, packed_nbytes(rows * cols, bits)))
+                specs[f"{prefix}.scale"] = (SCALE_DTYPE, (num_experts, rows, groups))
+                specs[f"{prefix}.zero"] = (SCALE_DTYPE, (num_experts, rows, groups))
+        self.writer = SafetensorsWriter(path, dict(sorted(specs.items())))
 
     def put(self, projection: str, bits: int, experts: list[int], codes: torch.Tensor, scale: torch.Tensor,
             zero: torch.Tensor) -> None:
-        """codes [n, rows, cols] (uint8 on the grid), scale/zero [n, rows, groups] of the experts `experts`."""
+        """codes [n, rows, cols] (uint8 on the grid), scale/zero [n, rows, groups] of the consecutive experts
+        `experts`."""
         from hexq.artifact.bitpack import pack_bits
+        from hexq.artifact.format import SCALE_DTYPE
 
-        prefix = bank_prefix(projection, bits)
-        store = self.tensors[f"{prefix}.codes"]
+        prefix, first = bank_prefix(projection, bits), experts[0]
+        if experts != list(range(first, first + len(experts))):
+            raise ValueError(f"a bank chunk must hold consecutive experts, got {experts}")
         codes = codes.cpu()
         if codes[0].numel() * bits % 8 == 0:  # whole bytes per expert: one stream for the chunk is identical
-            store[experts] = pack_bits(codes, bits).reshape(len(experts), -1)
+            packed = pack_bits(codes, bits).reshape(len(experts), -1)
         else:
-            for j, expert in enumerate(experts):
-                store[expert] = pack_bits(codes[j], bits)
-        self.tensors[f"{prefix}.scale"][experts] = scale.to(self.tensors[f"{prefix}.scale"].dtype).cpu()
-        self.tensors[f"{prefix}.zero"][experts] = zero.to(self.tensors[f"{prefix}.zero"].dtype).cpu()
+            packed = torch.stack([pack_bits(matrix, bits) for matrix in codes])
+        self.writer.write_rows(f"{prefix}.codes", first, packed)
+        self.writer.write_rows(f"{prefix}.scale", first, scale.to(SCALE_DTYPE).cpu())
+        self.writer.write_rows(f"{prefix}.zero", first, zero.to(SCALE_DTYPE).cpu())
+
+    def close(self) -> None:
+        self.writer.close()
+
+    def abort(self) -> None:
+        self.writer.abort()
+
+
+def bank_path(out: Path, index: int) -> Path:
+    return Path(out) / f"layer_{index:03d}.bank.safetensors"
+
+
+@contextmanager
+def open_bank(out: Path, index: int):
+    """A safe_open handle on one layer's replica bank (rows are read on demand; closed at the end of the block, so
+    the pages read stop counting in the process's memory)."""
+    from safetensors import SafetensorError, safe_open
+
+    path = bank_path(out, index)
+    try:
+        handle = safe_open(str(path), framework="pt")
+    except (OSError, SafetensorError) as exc:
+        raise HexqError(f"calibration bank of layer {index} in {out} is unreadable ({exc}); rerun hexq calibrate") \
+            from None
+    with handle:
+        yield handle
 
 
 def bank_prefix(projection: str, bits: int) -> str:
     return f"experts.{projection}.b{bits}"
 
 
-def bank_weights(tensors: dict, projection: str, bits: int, experts: list[int], shape: tuple[int, int],
+def bank_rows(bank, key: str, experts: list[int]) -> torch.Tensor:
+    """Rows `experts` of a bank tensor, from a dict of tensors or a safe_open handle (consecutive rows are one read)."""
+    if isinstance(bank, dict):
+        return bank[key][experts]
+    if experts == list(range(experts[0], experts[0] + len(experts))):
+        return bank.get_slice(key)[experts[0]:experts[-1] + 1]
+    return torch.stack([bank.get_slice(key)[e] for e in experts])
+
+
+def bank_weights(bank, projection: str, bits: int, experts: list[int], shape: tuple[int, int],
                  dtype: torch.dtype = torch.float32, device: torch.device | None = None) -> torch.Tensor:
-    """The experts' replica at `bits`, dequantized [n, rows, cols] in `dtype` on `device`."""
+    """The experts' replica at `bits`, dequantized [n, rows, cols] in `dtype` on `device`; `bank` is an open bank
+    (open_bank) or a dict of its tensors."""
     from hexq.artifact.format import PackedWeight, dequantize_packed
 
     prefix = bank_prefix(projection, bits)
-    codes, scale, zero = (tensors[f"{prefix}.{part}"] for part in ("codes", "scale", "zero"))
-    return torch.stack([dequantize_packed(PackedWeight(codes[e], scale[e], zero[e], bits, tuple(shape)), dtype)
-                        for e in experts]).to(device)
+    codes, scale, zero = (bank_rows(bank, f"{prefix}.{part}", experts) for part in ("codes", "scale", "zero"))
+    return torch.stack([dequantize_packed(PackedWeight(codes[j], scale[j], zero[j], bits, tuple(shape)), dtype)
+                        for j in range(len(experts))]).to(device)
