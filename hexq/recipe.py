@@ -339,6 +339,9 @@ class Pack:
     (002 §4.2 prefix-split), under avg_bits per layer unless the command line gives a byte budget; a byte budget is
     split across layers by `schedule` (cosine: r(l) = (1-cosine_lambda)(cos(pi l/(L-1))+1)/2 + cosine_lambda).
     `placement` picks hot_fraction of each layer's experts for the fast tier (003 Algorithm 2).
+    export_replicas: also keep, for every expert whose allocated width has no exact 4-bit form (8 bits, 1-bit
+    asymmetric), its 4-bit replica, which `hexq export` writes in that expert's place in a 4-bit layer (the same as
+    `hexq pack --bank export`).
     """
 
     alpha: float = 0.5
@@ -348,6 +351,7 @@ class Pack:
     cosine_lambda: float = 0.5
     placement: str = "two_stage"
     hot_fraction: float = 0.25
+    export_replicas: bool = False
 
     def __post_init__(self) -> None:
         _check_types(self)

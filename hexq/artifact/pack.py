@@ -165,6 +165,26 @@ def layer_expert_tensors(calibration, widths_of: list[set[int]]) -> tuple[dict, 
     return out, nbytes
 
 
+def export_replica_experts(row: list[int], symmetric: bool) -> list[int]:
+    """Experts of one MoE layer whose allocated width has no exact EXPORT_BITS-bit form: `hexq export` writes their
+    EXPORT_BITS-bit GPTQ replica in their place in a 4-bit layer."""
+    from hexq.artifact.export import EXPORT_BITS, scheme_fits
+
+    return [e for e, bits in enumerate(row) if not scheme_fits(bits, symmetric, EXPORT_BITS)]
+
+
+def layer_export_tensors(calibration, experts: list[int], bits: int) -> dict[str, torch.Tensor]:
+    """The `bits` replicas of `experts`, sliced from the calibration's packed bank (hexq.artifact.export's
+    export_shard layout: the keys of layer_expert_tensors)."""
+    out: dict[str, torch.Tensor] = {}
+    for expert in experts:
+        for projection in PROJECTIONS:
+            for part in ("codes", "scale", "zero"):
+                out[f"{replica_key(expert, bits, projection)}.{part}"] = calibration.get_slice(
+                    f"{bank_prefix(projection, bits)}.{part}")[expert]
+    return out
+
+
 def load_layer_dense(calib_dir: Path, index: int) -> tuple[dict, None]:
     """A calibration layer's tensors without its expert bank (smoothing factors, quantized linears, ranges)."""
     with open_layer(calib_dir, index) as handle:
@@ -284,6 +304,13 @@ def pack(calib_dir: str | Path, out: str | Path, settings: Pack | None = None, b
     recipe = replace(recipe, pack=settings)  # the artifact records the pack settings it was made with
     budget = budget or Budget(avg_bits=settings.avg_bits)
     model_path = check_calibration(manifest, calib_dir, settings)
+    keep_export = settings.export_replicas or "export" in bank
+    bank = tuple(item for item in bank if item != "export")
+    from hexq.artifact.export import EXPORT_BITS, export_shard
+
+    if keep_export and EXPORT_BITS not in manifest["expert_bits"]:
+        raise HexqError(f"export replicas need {EXPORT_BITS}-bit replicas; {calib_dir} has {manifest['expert_bits']} "
+                        "bits")
     streamed, _tokenizer = open_model(model_path, torch.device("cpu"))
     adapter = streamed.adapter
     num_layers, num_experts = manifest["model"]["layers"], manifest["model"]["num_experts"]
@@ -304,6 +331,7 @@ def pack(calib_dir: str | Path, out: str | Path, settings: Pack | None = None, b
     with output_folder(out, kind="artifact", force=overwrite, inputs=[calib_dir, model_path]) as folder:
         writer = ArtifactWriter(folder)
         quantized: dict[str, int] = {}
+        export_kept: dict[str, list[int]] = {}
         stored_bytes: dict[int, int] = {}
         dense_bytes = 0
         for index in range(num_layers):
@@ -322,6 +350,12 @@ def pack(calib_dir: str | Path, out: str | Path, settings: Pack | None = None, b
                 with open_layer(calib_dir, index) as handle:
                     experts, nbytes = layer_expert_tensors(handle, widths_of)
                 writer.add_tensors(expert_shard(index), experts)
+                needs = export_replica_experts(row, recipe.expert_weights.symmetric) if keep_export else []
+                needs = [e for e in needs if EXPORT_BITS not in widths_of[e]]
+                if needs:
+                    with open_layer(calib_dir, index) as handle:
+                        writer.add_tensors(export_shard(index), layer_export_tensors(handle, needs, EXPORT_BITS))
+                    export_kept[str(index)] = needs
                 for b, n in nbytes.items():
                     stored_bytes[b] = stored_bytes.get(b, 0) + n
             if progress:
@@ -337,7 +371,7 @@ def pack(calib_dir: str | Path, out: str | Path, settings: Pack | None = None, b
             "model": {"model_type": manifest["model"]["model_type"], "num_layers": num_layers,
                       "moe_layers": moe_layers, "num_experts": num_experts, "top_k": manifest["model"]["top_k"],
                       "moe": adapter.moe, "experts": adapter.experts},
-            "provenance": {"model_sha256": manifest["fingerprint"]["model"],
+            "provenance": {"model_sha256": manifest["fingerprint"]["model"], "model_path": str(model_path.resolve()),
                            "data_sha256": manifest["fingerprint"]["data"],
                            "calibration_recipe_sha256": manifest["fingerprint"]["recipe"],
                            "calibration_data": manifest["data"], "calibrated_with": manifest["hexq_version"]},
@@ -354,6 +388,8 @@ def pack(calib_dir: str | Path, out: str | Path, settings: Pack | None = None, b
                 "table_loss": [assignment_loss(loss, settings.bits, row)
                                for loss, row in zip(plan.losses, plan.allocation, strict=True)],
                 "importance_order": plan.orders},
+            "export": {"bits": EXPORT_BITS, "group_size": group_size, "symmetric": recipe.expert_weights.symmetric,
+                       "replicas": export_kept} if keep_export else None,
             "placement": {"scheme": settings.placement, "hot_per_layer": plan.hot,
                           "hot": [torch.where(row)[0].tolist() for row in plan.placement]},
             "accounting": {"dense_bytes": dense_bytes,
