@@ -108,6 +108,10 @@ def calibrate(
     device: DeviceOpt = "auto",
     activation_memory: ActivationsOpt = "4GiB",
     force: ForceOpt = False,
+    export_target: Annotated[str | None, typer.Option("--export-target", help="Also make, for every routed expert, "
+                                                      "a GPTQ replica on this serving grid for hexq export "
+                                                      "(vllm: 4-bit symmetric groups of 128); sets the recipe's "
+                                                      "experts.export_target.")] = None,
 ) -> None:
     """Smoothing search, GPTQ, per-expert replica banks and loss tables, streamed one layer at a time."""
     from dataclasses import replace
@@ -124,6 +128,8 @@ def calibrate(
         calibration = replace(chosen.calibration, num_samples=samples or chosen.calibration.num_samples,
                               seqlen=seqlen or chosen.calibration.seqlen)
         chosen = replace(chosen, calibration=calibration)
+    if export_target is not None:
+        chosen = replace(chosen, experts=replace(chosen.experts, export_target=export_target))
     with progress_bar() as bar:
         report = staged(bar, f"calibrate {model.name} ({chosen.name}): layers")
         summary = run_calibration(model, chosen, data, out, device, batch_size, report, limit, force)
@@ -314,7 +320,8 @@ def export(
     artifact: Annotated[Path, typer.Argument(help="Artifact folder made by hexq pack.", show_default=False)],
     out: Annotated[Path, typer.Option("--out", "-o", help="Checkpoint folder to write.")] = Path("model-ct"),
     experts: Annotated[str, typer.Option("--experts", help="Routed experts' scheme per layer: auto (4-bit unless a "
-                                         "projection would need round-to-nearest, then 8-bit), w4 or w8.")] = "auto",
+                                         "projection would need round-to-nearest, then 8-bit), w4, w8, or vllm "
+                                         "(4-bit on the grid vLLM's fused MoE takes).")] = "auto",
     source: Annotated[Path | None, typer.Option("--source", help="The full-precision checkpoint the artifact was "
                                                 "made from (default: the path the artifact records).")] = None,
     windows: Annotated[int, typer.Option("--windows", "-n", help="Held-out windows the check compares logits "

@@ -81,7 +81,7 @@ from hexq.errors import HexqError
 from hexq.recipe import recipe_from_dict
 
 Progress = Callable[[str, int, int], None]
-EXPERT_MODES = ("auto", "w4", "w8")
+EXPERT_MODES = ("auto", "w4", "w8", "vllm")
 DEFAULT_SHARD_BYTES = 5 * 10**9  # as save_pretrained's default max_shard_size "5GB"
 EXPORT_REPORT = "hexq_export.json"
 
@@ -145,16 +145,18 @@ def export_replicas(artifact: Artifact) -> dict:
     return artifact.manifest.get("export") or {}
 
 
-def plan_layer(artifact: Artifact, row: int, target: int, table: torch.Tensor | None,
-               acts: ActSpec | None) -> LayerExport:
-    """Every expert's source in a T-bit layer: exact when the allocated code fits, else a GPTQ replica in the
-    layer's scheme (the artifact's export replica, or the widest stored replica that fits), else RTN."""
+def plan_layer(artifact: Artifact, row: int, target: int, table: torch.Tensor | None, acts: ActSpec | None,
+               grid: tuple[int | None, bool] | None = None) -> LayerExport:
+    """Every expert's source in a T-bit layer on `grid` (group size, symmetric; default the artifact's own expert
+    grid): exact when the allocated code fits, else a GPTQ replica in the layer's scheme (the artifact's export
+    replica, or the widest stored replica that fits), else RTN."""
     experts = artifact.manifest["experts"]
-    symmetric, group = experts["symmetric"], experts["group_size"]
-    scheme = CtScheme(target, group, symmetric, acts)
+    own = (experts["group_size"], experts["symmetric"])
+    grid = own if grid is None else grid
+    scheme = CtScheme(target, grid[0], grid[1], acts)
     layer = artifact.moe_layers[row]
     extra = export_replicas(artifact)
-    same_grid = (extra.get("bits"), extra.get("group_size"), extra.get("symmetric")) == (target, group, symmetric)
+    same_grid = (extra.get("bits"), extra.get("group_size"), extra.get("symmetric")) == (target, *grid)
     extra_here = set(extra.get("replicas", {}).get(str(layer), [])) if same_grid else set()
     columns = {b: i for i, b in enumerate(artifact.replica_bits)}
 
@@ -165,37 +167,53 @@ def plan_layer(artifact: Artifact, row: int, target: int, table: torch.Tensor | 
 
     choices = []
     for e, b in enumerate(artifact.allocation[row]):
+        fitting = [w for w in artifact.stored_bits(row, e) if w != b and scheme_fits(w, grid[1], target)]
         if b == 0:
             choices.append(ExpertChoice(e, 0, "zero", 0))
-        elif scheme_fits(b, symmetric, target):
+        elif grid == own and scheme_fits(b, grid[1], target):
             choices.append(ExpertChoice(e, b, "exact", b, mse(e, b), mse(e, b)))
-        elif e in extra_here:
-            choices.append(ExpertChoice(e, b, "export-replica", target, mse(e, b), mse(e, target)))
+        elif e in extra_here:  # the loss table measured the export replica only when it is on the own grid
+            choices.append(ExpertChoice(e, b, "export-replica", target, mse(e, b),
+                                        mse(e, target) if grid == own else None))
+        elif grid == own and fitting:
+            choices.append(ExpertChoice(e, b, "replica", max(fitting), mse(e, b), mse(e, max(fitting))))
         else:
-            fitting = [w for w in artifact.stored_bits(row, e) if w != b and scheme_fits(w, symmetric, target)]
-            if fitting:
-                used = max(fitting)
-                choices.append(ExpertChoice(e, b, "replica", used, mse(e, b), mse(e, used)))
-            else:
-                choices.append(ExpertChoice(e, b, "rtn", target, mse(e, b), None))
+            choices.append(ExpertChoice(e, b, "rtn", target, mse(e, b), None))
     return LayerExport(layer, scheme, tuple(choices))
 
 
+def vllm_grid(artifact: Artifact) -> tuple[int | None, bool]:
+    """The expert grid of a vLLM export: the artifact's own when vLLM's fused MoE takes it (symmetric; groups of 32,
+    64, 128 or channels), else its export replicas' (calibrate --export-target vllm, then pack)."""
+    experts = artifact.manifest["experts"]
+    if experts["symmetric"] and experts["group_size"] in (None, 32, 64, 128):
+        return experts["group_size"], True
+    extra = export_replicas(artifact)
+    if not extra or extra.get("own_grid", True):
+        raise HexqError(f"{artifact.path}: its experts are on a grid vLLM's fused MoE does not take (group "
+                        f"{experts['group_size']}, {'symmetric' if experts['symmetric'] else 'asymmetric'}) and it "
+                        "keeps no vLLM replicas; calibrate with --export-target vllm (or recipe experts-vllm) and "
+                        "pack with --bank export")
+    return extra["group_size"], extra["symmetric"]
+
+
 def plan_export(artifact: Artifact, experts: str = "auto") -> list[LayerExport]:
-    """One LayerExport per MoE layer; experts: auto | w4 | w8 (see the module docstring)."""
+    """One LayerExport per MoE layer; experts: auto | w4 | w8 on the artifact's own grid, or vllm (4 bits on the
+    grid vLLM's fused MoE takes; see vllm_grid)."""
     if experts not in EXPERT_MODES:
         raise HexqError(f"unknown experts scheme {experts!r}; choose one of {', '.join(EXPERT_MODES)}")
     recipe = recipe_from_dict(artifact.manifest["recipe"])
     acts = activation_spec(recipe.expert_activations, "routed experts")
     table = artifact.tensor(STATS_SHARD, "loss_table").float() if "loss_table" in artifact.keys(STATS_SHARD) \
         else None
+    grid = vllm_grid(artifact) if experts == "vllm" else None
     plans = []
     for row in range(len(artifact.moe_layers)):
         rows_table = None if table is None else table[row]
         if experts == "w8":
             plans.append(plan_layer(artifact, row, 8, rows_table, acts))
             continue
-        four = plan_layer(artifact, row, 4, rows_table, acts)
+        four = plan_layer(artifact, row, 4, rows_table, acts, grid)
         if experts == "auto" and any(c.source == "rtn" for c in four.choices):
             four = plan_layer(artifact, row, 8, rows_table, acts)
         plans.append(four)

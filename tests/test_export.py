@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import mixed_recipe, save_tiny_model
+from conftest import save_tiny_model, small_recipe
 
 from hexq.adapters import adapter_for
 from hexq.algos.quant import QuantSpec, dequantize, quantize
@@ -28,6 +28,7 @@ from hexq.artifact.export import (
 from hexq.artifact.format import Artifact, PackedWeight, dequantize_packed, pack_weight, replica_key
 from hexq.errors import HexqError
 from hexq.export import export_artifact, plan_export
+from hexq.recipe import WeightQuant
 from hexq.runtime.model import artifact_config
 from hexq.streaming import StreamedModel
 
@@ -113,7 +114,8 @@ def qwen2moe_artifact(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("qwen2moe")
     model = save_tiny_model(root / "model", "qwen2_moe")
-    calibrate(model, mixed_recipe(), "bundled", root / "cal")
+    recipe = small_recipe("experts-mixed", weights=WeightQuant(group_size=8, symmetric=False))  # 8 divides 24
+    calibrate(model, recipe, "bundled", root / "cal")
     pack(root / "cal", root / "art.hexq", budget=Budget(avg_bits=2.5))
     return root / "art.hexq"
 
@@ -235,8 +237,10 @@ def test_cli_export_prints_schemes_and_the_check(mixed_artifact, tmp_path):
     result = CliRunner().invoke(app, ["export", str(mixed_artifact), "-o", str(out), "-n", "2", "-L", "32",
                                       "--json", str(tmp_path / "r.json")])
     assert result.exit_code == 0, result.output
-    assert "w4a16_g16_asym" in result.output and "served" in result.output and "full precision" in result.output
-    assert json.loads((tmp_path / "r.json").read_text())["check"]["vs_served"]["rel_l2"] <= 1e-6
+    assert "served" in result.output and "check:" in result.output and "relative" not in result.output
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["check"]["vs_served"]["rel_l2"] <= 1e-6 and report["experts"][0]["scheme"] == "w4a16_g16_asym"
+    assert report["experts"][0]["vllm"].startswith("no: vLLM's fused MoE WNA16 is symmetric only")
     again = CliRunner().invoke(app, ["export", str(mixed_artifact), "-o", str(out), "-n", "2", "-L", "32"])
     assert again.exit_code == 1 and "--force" in again.output
 
@@ -284,3 +288,33 @@ def test_kill_9_mid_write_leaves_nothing_and_the_next_run_cleans_up(mixed_artifa
     assert not out.exists() and [p.name for p in tmp_path.iterdir()] == [f".ct.tmp-{child.pid}"]
     summary = exported(mixed_artifact, out)
     assert summary.check.passed and sorted(p.name for p in tmp_path.iterdir()) == ["ct"]
+
+
+def test_export_target_vllm_replicas_replace_another_grid(tokenizer, tmp_path):
+    """experts-mixed (asymmetric groups of 16) calibrated with experts.export_target vllm: a second GPTQ replica per
+    expert on the symmetric 4-bit grid (groups of 32 here: 128 and 64 do not divide the width 32), kept by pack and
+    written for every expert by `--experts vllm`."""
+    from conftest import build_tiny_model
+
+    from hexq.artifact.pack import pack
+    from hexq.calib.pipeline import calibrate
+
+    model = tmp_path / "model"
+    build_tiny_model("qwen3_moe", hidden_size=64, moe_intermediate_size=32, intermediate_size=64).save_pretrained(model)
+    tokenizer.save_pretrained(model)
+    recipe = small_recipe("experts-mixed", weights=WeightQuant(group_size=16, symmetric=False), export_target="vllm")
+    calibrate(model, recipe, "bundled", tmp_path / "cal")
+    pack(tmp_path / "cal", tmp_path / "art.hexq", bank=("export",))
+    artifact = Artifact(tmp_path / "art.hexq")
+    assert artifact.manifest["export"]["group_size"] == 32 and artifact.manifest["export"]["symmetric"]
+    with pytest.raises(HexqError, match="vLLM's fused MoE does not take"):
+        plan_export(_without_export(Artifact(tmp_path / "art.hexq")), "vllm")
+    summary = exported(tmp_path / "art.hexq", tmp_path / "ct", experts="vllm")
+    assert all(layer.scheme.name == "w4a16_g32_sym" for layer in summary.layers)
+    assert all(c.source in ("export-replica", "zero") for layer in summary.layers for c in layer.choices)
+    assert summary.check.passed and summary.check.vs_served.rel_l2 > 1e-6
+
+
+def _without_export(artifact: Artifact) -> Artifact:
+    artifact.manifest = {**artifact.manifest, "export": None}
+    return artifact

@@ -173,16 +173,34 @@ def export_replica_experts(row: list[int], symmetric: bool) -> list[int]:
     return [e for e, bits in enumerate(row) if not scheme_fits(bits, symmetric, EXPORT_BITS)]
 
 
-def layer_export_tensors(calibration, experts: list[int], bits: int) -> dict[str, torch.Tensor]:
-    """The `bits` replicas of `experts`, sliced from the calibration's packed bank (hexq.artifact.export's
-    export_shard layout: the keys of layer_expert_tensors)."""
+def layer_export_tensors(calibration, experts: list[int], bits: int, own_grid: bool) -> dict[str, torch.Tensor]:
+    """The `bits` replicas of `experts` (hexq.artifact.export's export_shard layout: the keys of
+    layer_expert_tensors), sliced from the calibration's packed bank (own_grid) or from its export-target bank
+    (`export.<proj>.b<bits>`, hexq.calib.pipeline.export_spec)."""
     out: dict[str, torch.Tensor] = {}
     for expert in experts:
         for projection in PROJECTIONS:
+            prefix = bank_prefix(projection, bits)
+            prefix = prefix if own_grid else "export." + prefix.removeprefix("experts.")
             for part in ("codes", "scale", "zero"):
                 out[f"{replica_key(expert, bits, projection)}.{part}"] = calibration.get_slice(
-                    f"{bank_prefix(projection, bits)}.{part}")[expert]
+                    f"{prefix}.{part}")[expert]
     return out
+
+
+def export_grid(calib_dir: Path, layer: int, cols: int, group_size: int | None,
+                symmetric: bool) -> tuple[int | None, bool, bool]:
+    """(group size, symmetric, own grid) of a calibration's export replicas: its export-target bank's grid (vLLM's:
+    symmetric, hexq.calib.pipeline.export_spec) when it has one, else its own replica grid. cols: gate_up's input
+    width."""
+    from hexq.artifact.export import EXPORT_BITS
+
+    with open_layer(calib_dir, layer) as handle:
+        key = f"export.gate_up.b{EXPORT_BITS}.scale"
+        if key not in handle.keys():
+            return group_size, symmetric, True
+        groups = handle.get_slice(key).get_shape()[-1]
+    return cols // groups, True, False
 
 
 def load_layer_dense(calib_dir: Path, index: int) -> tuple[dict, None]:
@@ -311,6 +329,7 @@ def pack(calib_dir: str | Path, out: str | Path, settings: Pack | None = None, b
     if keep_export and EXPORT_BITS not in manifest["expert_bits"]:
         raise HexqError(f"export replicas need {EXPORT_BITS}-bit replicas; {calib_dir} has {manifest['expert_bits']} "
                         "bits")
+
     streamed, _tokenizer = open_model(model_path, torch.device("cpu"))
     adapter = streamed.adapter
     num_layers, num_experts = manifest["model"]["layers"], manifest["model"]["num_experts"]
@@ -319,6 +338,10 @@ def pack(calib_dir: str | Path, out: str | Path, settings: Pack | None = None, b
     group_size = recipe.expert_weights.group_size
     _num, gate_up_shape, down_shape = streamed.expert_shapes(moe_layers[0])
     shapes = {"gate_up": gate_up_shape, "down": down_shape}
+    own_group, own_symmetric = recipe.expert_weights.group_size, recipe.expert_weights.symmetric
+    export_group, export_symmetric, own_grid = (
+        export_grid(calib_dir, moe_layers[0], gate_up_shape[1], own_group, own_symmetric) if keep_export
+        else (own_group, own_symmetric, True))
     stats = read_stats(calib_dir, moe_layers, progress)
     plan = make_plan(stats, table_bits, settings, budget, shapes, group_size)
     bytes_by_bits = dict(zip(settings.bits, plan.costs, strict=True))
@@ -350,11 +373,17 @@ def pack(calib_dir: str | Path, out: str | Path, settings: Pack | None = None, b
                 with open_layer(calib_dir, index) as handle:
                     experts, nbytes = layer_expert_tensors(handle, widths_of)
                 writer.add_tensors(expert_shard(index), experts)
-                needs = export_replica_experts(row, recipe.expert_weights.symmetric) if keep_export else []
-                needs = [e for e in needs if EXPORT_BITS not in widths_of[e]]
+                if not keep_export:
+                    needs = []
+                elif own_grid:  # only the experts whose own width has no exact 4-bit form, unless stored anyway
+                    needs = [e for e in export_replica_experts(row, recipe.expert_weights.symmetric)
+                             if EXPORT_BITS not in widths_of[e]]
+                else:  # another grid: every expert that is not skipped takes its export replica
+                    needs = [e for e, bits in enumerate(row) if bits]
                 if needs:
                     with open_layer(calib_dir, index) as handle:
-                        writer.add_tensors(export_shard(index), layer_export_tensors(handle, needs, EXPORT_BITS))
+                        writer.add_tensors(export_shard(index),
+                                           layer_export_tensors(handle, needs, EXPORT_BITS, own_grid))
                     export_kept[str(index)] = needs
                 for b, n in nbytes.items():
                     stored_bytes[b] = stored_bytes.get(b, 0) + n
@@ -388,8 +417,8 @@ def pack(calib_dir: str | Path, out: str | Path, settings: Pack | None = None, b
                 "table_loss": [assignment_loss(loss, settings.bits, row)
                                for loss, row in zip(plan.losses, plan.allocation, strict=True)],
                 "importance_order": plan.orders},
-            "export": {"bits": EXPORT_BITS, "group_size": group_size, "symmetric": recipe.expert_weights.symmetric,
-                       "replicas": export_kept} if keep_export else None,
+            "export": {"bits": EXPORT_BITS, "group_size": export_group, "symmetric": export_symmetric,
+                       "own_grid": own_grid, "replicas": export_kept} if keep_export else None,
             "placement": {"scheme": settings.placement, "hot_per_layer": plan.hot,
                           "hot": [torch.where(row)[0].tolist() for row in plan.placement]},
             "accounting": {"dense_bytes": dense_bytes,
