@@ -233,7 +233,8 @@ def split_rows(weight: CtWeight, at: int) -> tuple[CtWeight, CtWeight]:
 def expert_weight(artifact: Artifact, row: int, choice: ExpertChoice, projection: str, scheme: CtScheme) -> CtWeight:
     """One projection of one expert in the layer's scheme, from the source `choice` names."""
     shape = artifact.expert_shape(projection)
-    symmetric = artifact.manifest["experts"]["symmetric"]
+    symmetric = (export_replicas(artifact)["symmetric"] if choice.source == "export-replica"
+                 else artifact.manifest["experts"]["symmetric"])
     if choice.source == "zero":
         return zero_weight(shape, scheme, torch.device("cpu"))
     if choice.source == "rtn":

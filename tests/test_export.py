@@ -285,7 +285,8 @@ def test_kill_9_mid_write_leaves_nothing_and_the_next_run_cleans_up(mixed_artifa
     assert line.startswith("writing"), child.stderr.read()
     child.kill()
     child.wait()
-    assert not out.exists() and [p.name for p in tmp_path.iterdir()] == [f".ct.tmp-{child.pid}"]
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert not out.exists() and left == [".ct.lock", f".ct.tmp-{child.pid}"]  # the lock file, no longer locked
     summary = exported(mixed_artifact, out)
     assert summary.check.passed and sorted(p.name for p in tmp_path.iterdir()) == ["ct"]
 
