@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 from pathlib import Path
 from typing import Annotated
@@ -107,6 +108,10 @@ def calibrate(
     device: DeviceOpt = "auto",
     activation_memory: ActivationsOpt = "4GiB",
     force: ForceOpt = False,
+    export_target: Annotated[str | None, typer.Option("--export-target", help="Also make, for every routed expert, "
+                                                      "a GPTQ replica on this serving grid for hexq export "
+                                                      "(vllm: 4-bit symmetric groups of 128); sets the recipe's "
+                                                      "experts.export_target.")] = None,
 ) -> None:
     """Smoothing search, GPTQ, per-expert replica banks and loss tables, streamed one layer at a time."""
     from dataclasses import replace
@@ -123,6 +128,8 @@ def calibrate(
         calibration = replace(chosen.calibration, num_samples=samples or chosen.calibration.num_samples,
                               seqlen=seqlen or chosen.calibration.seqlen)
         chosen = replace(chosen, calibration=calibration)
+    if export_target is not None:
+        chosen = replace(chosen, experts=replace(chosen.experts, export_target=export_target))
     with progress_bar() as bar:
         report = staged(bar, f"calibrate {model.name} ({chosen.name}): layers")
         summary = run_calibration(model, chosen, data, out, device, batch_size, report, limit, force)
@@ -226,8 +233,10 @@ def pack_command(
                                                  "uniform or cosine (deeper layers get less).")] = None,
     bank: Annotated[str | None, typer.Option("--bank", help="Widths kept for every expert besides its allocated one, "
                                              "for run policies that change precision: widths (2,4), policy names "
-                                             "(online, context, depth: what that policy needs) or all; "
-                                             "comma-separated. Default: the allocation only.")] = None,
+                                             "(online, context, depth: what that policy needs) or all; and "
+                                             "'export': the 4-bit replica of every expert hexq export must "
+                                             "project (8-bit ones). Comma-separated. Default: the allocation "
+                                             "only.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing artifact.")] = False,
 ) -> None:
     """Importance, hot-expert placement, bit allocation and one packed, checksummed artifact."""
@@ -310,18 +319,67 @@ def inspect(
 def export(
     artifact: Annotated[Path, typer.Argument(help="Artifact folder made by hexq pack.", show_default=False)],
     out: Annotated[Path, typer.Option("--out", "-o", help="Checkpoint folder to write.")] = Path("model-ct"),
-    scheme: Annotated[str, typer.Option("--scheme", help="auto (per layer from the allocation), w4a16 or "
-                                        "w8a8.")] = "auto",
-    group_size: Annotated[int, typer.Option("--group-size", help="W4A16 group size (the layer's narrowest "
-                                            "input width when smaller).", min=1)] = 128,
+    experts: Annotated[str, typer.Option("--experts", help="Routed experts' scheme per layer: auto (4-bit unless a "
+                                         "projection would need round-to-nearest, then 8-bit), w4, w8, or vllm "
+                                         "(4-bit on the grid vLLM's fused MoE takes).")] = "auto",
+    source: Annotated[Path | None, typer.Option("--source", help="The full-precision checkpoint the artifact was "
+                                                "made from (default: the path the artifact records).")] = None,
+    windows: Annotated[int, typer.Option("--windows", "-n", help="Held-out windows the check compares logits "
+                                         "on.", min=1)] = 8,
+    seqlen: SeqlenOpt = 256,
+    data: Annotated[str, typer.Option("--data", "-d", help="Held-out text for the check (corpus name or "
+                                      "file).")] = "austen",
+    shard_size: Annotated[str, typer.Option("--shard-size", help="Largest safetensors shard, e.g. 5GB.")] = "5GB",
+    check: Annotated[bool, typer.Option("--check/--no-check", help="Reload the export and compare its logits with "
+                                        "the served model (the folder is published only if it passes).")] = True,
+    force: ForceOpt = False,
+    json_out: JsonOpt = None,
 ) -> None:
-    """Write a compressed-tensors checkpoint (one scheme per layer, as vLLM needs) and verify it by reloading."""
-    from hexq.runtime.export import export_artifact
+    """Write a compressed-tensors checkpoint one layer at a time, keeping every calibrated code it can express,
+    and check it against the model hexq run serves."""
+    from hexq.export import export_artifact
+    from hexq.io import write_json_atomic
+    from hexq.units import format_bytes, parse_bytes
 
-    summary = export_artifact(artifact, out, scheme, group_size)
-    console.print(f"exported {artifact} to {out}: layer schemes {', '.join(summary.layer_schemes)}; reloaded "
-                  f"with every tensor checked, max |logit diff| vs hexq's dequantized reference "
-                  f"{summary.max_logit_diff:.2e}")
+    with progress_bar() as bar:
+        report = staged(bar, f"export {artifact.name}: layers")
+        summary = export_artifact(artifact, out, experts, force, source, windows, seqlen, data, check,
+                                  parse_bytes(shard_size), report)
+    from hexq.artifact.export import vllm_support
+
+    table = Table(title=f"{out}: routed experts per layer (dense: {summary.dense.name}, vLLM: "
+                        f"{vllm_support(summary.dense, experts=False)})")
+    for column in ("layer", "scheme", "exact", "zero", "projected", "table MSE allocated -> written", "vLLM"):
+        table.add_column(column, justify="left" if column in ("scheme", "projected", "vLLM") else "right")
+    for layer in summary.layers:
+        projected = layer.projected
+        listing = ", ".join(f"{c.expert}:{c.allocated}->{c.source} {c.bits}" for c in projected) or "-"
+        known = [c for c in projected if c.mse_allocated is not None and c.mse_used is not None]
+        cost = (f"{sum(c.mse_allocated for c in known):.3g} -> {sum(c.mse_used for c in known):.3g}"
+                if known else ("n/a" if projected else "-"))
+        table.add_row(str(layer.layer), layer.scheme.name, str(sum(c.source == "exact" for c in layer.choices)),
+                      str(sum(c.source == "zero" for c in layer.choices)), listing, cost,
+                      vllm_support(layer.scheme, experts=True))
+    console.print(table)
+    result = summary.check
+    if result is not None:
+        checks = Table(title=f"check: {result.windows} windows x {result.seqlen} of {data}, "
+                             f"{result.tokens_scored:,} tokens scored; limit vs served {result.limit}")
+        for column in ("export vs", "rel. L2 of logits", "max |delta logit|", "argmax agreement", "ppl export",
+                       "ppl reference", "ppl change"):
+            checks.add_column(column, justify="left" if column == "export vs" else "right")
+        for c in (result.vs_served, result.vs_full_precision):
+            if c is not None:
+                checks.add_row(c.reference, f"{c.rel_l2:.3g}", f"{c.max_abs:.3g}", f"{c.argmax_agreement:.2%}",
+                               f"{c.ppl_model:.3f}", f"{c.ppl_reference:.3f}", f"{c.ppl_change:+.3%}")
+        console.print(checks)
+        if result.vs_full_precision is None:
+            console.print(f"full precision: not compared ({result.full_precision_note})")
+    console.print(f"exported {artifact} to {out}: {format_bytes(summary.files_bytes)} in {summary.seconds:.1f}s"
+                  + ("" if result is not None else " (not checked)"))
+    if json_out is not None:
+        write_json_atomic(json_out, json.loads((out / "hexq_export.json").read_text()))
+        console.print(f"wrote {json_out}")
 
 
 def print_run_stats(stats: dict) -> None:

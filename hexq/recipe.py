@@ -53,6 +53,7 @@ WEIGHT_METHODS = ("gptq", "rtn")
 SMOOTHING_METHODS = ("haq", "smoothquant", "none")
 SMOOTHING_GROUPS = ("attention", "moe")  # input norm -> q,k,v; post-attention norm -> router + experts + shared
 EXPERT_MODES = ("uniform", "replicas")
+EXPORT_TARGETS = ("vllm",)  # experts.export_target: the grid hexq export writes routed experts on
 MOE_OBJECTIVES = ("routed", "all")  # HAQ's MoE-group objective: experts on their routed tokens, or on every token
 PLACEMENT_SCHEMES = ("paths", "frequency", "two_stage")  # 003 Algorithm 2: schemes 1, 2 and 3
 BUDGET_SCHEDULES = ("uniform", "cosine")  # how one byte budget is split across layers (004 §4.3)
@@ -276,6 +277,11 @@ class Experts:
     otherwise a complete WeightQuant / ActivationQuant (keys left out take the dataclass defaults, not the top-level
     values). In replicas mode weights.bits is unused (each replica has its own bits) and must stay at its default.
 
+    export_target "vllm" (replicas only): also one GPTQ replica per expert on vLLM's fused-MoE W4A16 grid (4-bit
+    symmetric, groups of 128, or 64/32 when 128 does not divide the expert widths) from the same Hessian and Cholesky
+    factor, which `hexq pack` keeps and `hexq export --experts vllm` writes for every expert whose own replica is on
+    another grid (hexq.calib.pipeline.export_spec).
+
     Cold experts: an expert with fewer than min_tokens routed calibration tokens uses
     H = (1 - fallback_blend) * H_expert + fallback_blend * H_layer (both per-token means; H_layer from every token
     reaching the MoE block); an expert with no routed token uses H_layer alone. It is quantized either way.
@@ -288,14 +294,18 @@ class Experts:
     activations: ActivationQuant | None = None
     min_tokens: int = 16
     fallback_blend: float = 0.5
+    export_target: str | None = None  # replicas only: "vllm"
 
     def __post_init__(self) -> None:
         _check_types(self)
         _check_choice("mode", self.mode, EXPERT_MODES)
+        if self.export_target is not None:
+            _check_choice("export_target", self.export_target, EXPORT_TARGETS)
         self._check_replica_bits()
         _check_at_least("min_tokens", self.min_tokens, 1)
         _check_unit("fallback_blend", self.fallback_blend)
-        _check_unused_at_default(self, "mode", {"replica_bits": ("replicas",), "propagate_bits": ("replicas",)})
+        _check_unused_at_default(self, "mode", {"replica_bits": ("replicas",), "propagate_bits": ("replicas",),
+                                                "export_target": ("replicas",)})
         if self.mode == "replicas" and self.weights is not None and self.weights.bits != WeightQuant.bits:
             raise RecipeError("weights.bits", f"is not used in mode 'replicas' (each replica takes one of "
                                               f"replica_bits {list(self.replica_bits)}); remove it")
@@ -339,6 +349,9 @@ class Pack:
     (002 §4.2 prefix-split), under avg_bits per layer unless the command line gives a byte budget; a byte budget is
     split across layers by `schedule` (cosine: r(l) = (1-cosine_lambda)(cos(pi l/(L-1))+1)/2 + cosine_lambda).
     `placement` picks hot_fraction of each layer's experts for the fast tier (003 Algorithm 2).
+    export_replicas: also keep, for every expert whose allocated width has no exact 4-bit form (8 bits, 1-bit
+    asymmetric), its 4-bit replica, which `hexq export` writes in that expert's place in a 4-bit layer (the same as
+    `hexq pack --bank export`).
     """
 
     alpha: float = 0.5
@@ -348,6 +361,7 @@ class Pack:
     cosine_lambda: float = 0.5
     placement: str = "two_stage"
     hot_fraction: float = 0.25
+    export_replicas: bool = False
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -494,8 +508,12 @@ def recipe_hash(recipe: Recipe) -> str:
 
 
 def calibration_hash(recipe: Recipe) -> str:
-    """recipe_hash without the pack section: changing how a calibration is packed does not invalidate it."""
-    return _hash_dict({key: value for key, value in recipe_to_dict(recipe).items() if key != "pack"})
+    """recipe_hash without the pack section: changing how a calibration is packed does not invalidate it. An unset
+    experts.export_target is left out, so calibrations made before that setting existed keep their fingerprint."""
+    data = {key: value for key, value in recipe_to_dict(recipe).items() if key != "pack"}
+    if data["experts"]["export_target"] is None:
+        del data["experts"]["export_target"]
+    return _hash_dict(data)
 
 
 # ------------------------------------------------------------------------------------------ files

@@ -1,175 +1,321 @@
-"""compressed-tensors export: exact reload of hexq's dequantized weights, the format details vLLM reads, and the
-guard against checkpoints whose expert keys transformers silently skips."""
+"""hexq export: exact compressed-tensors codes for every width the scheme can express, bit-identical dense weights,
+projections through GPTQ replicas, a check that fails a broken export, and the output-folder rules."""
 
 from __future__ import annotations
 
 import json
-import re
+import os
+import subprocess
+import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import build_tiny_model
-from safetensors.torch import load_file, save_file
+from conftest import save_tiny_model, small_recipe
 
 from hexq.adapters import adapter_for
-from hexq.algos.quant import QuantSpec, quantize
-from hexq.artifact.export import export_compressed_tensors, load_exported
+from hexq.algos.quant import QuantSpec, dequantize, quantize
+from hexq.artifact.export import (
+    ActSpec,
+    CtScheme,
+    ExportReader,
+    export_shard,
+    module_tensors,
+    retarget,
+    scheme_fits,
+)
+from hexq.artifact.format import Artifact, PackedWeight, dequantize_packed, pack_weight, replica_key
 from hexq.errors import HexqError
+from hexq.export import export_artifact, plan_export
+from hexq.recipe import WeightQuant
+from hexq.runtime.model import artifact_config
+from hexq.streaming import StreamedModel
 
-# (model_type, size overrides, per-layer schemes). Mixtral at hidden 256 / intermediate 128 uses real groups of
-# 128 (two per gate/up row, one per down row); the default tiny Qwen3-MoE (moe_intermediate 16) falls back to
-# one group of 16 for all its experts; Qwen2-MoE adds a shared expert with its own widths (32 and 24).
-CASES = [
-    ("mixtral", dict(hidden_size=256, intermediate_size=128), ["w4a16", "w8a8"]),
-    ("qwen3_moe", {}, ["w8a8", "w4a16"]),
-    ("qwen2_moe", {}, ["w4a16", "w8a8"]),
-]
+ROOT = Path(__file__).resolve().parent.parent
 
 
-def _ids() -> torch.Tensor:
-    return torch.randint(0, 8192, (2, 16), generator=torch.Generator().manual_seed(0))
+# ------------------------------------------------------------------------------------------ the code mapping
 
 
-@torch.no_grad()
-def _logits(model) -> torch.Tensor:
-    return model(_ids()).logits
+def ct_decompress(module: str, tensors: dict, scheme: CtScheme) -> torch.Tensor:
+    """compressed-tensors' own registered decompressor on the tensors hexq wrote."""
+    from compressed_tensors.compressors import BaseCompressor
+
+    ct_scheme = scheme.quantization_scheme([module])
+    compressor = BaseCompressor.get_value_from_registry(ct_scheme.format)
+    state = {name: tensors[f"{module}.{name}"] for name in compressor.compression_param_names(ct_scheme)}
+    return compressor.decompress(state, ct_scheme)["weight"]
 
 
-@pytest.mark.parametrize(("model_type", "overrides", "schemes"), CASES)
-def test_reload_reproduces_hexq_reference(tmp_path: Path, tokenizer, model_type, overrides, schemes) -> None:
-    model = build_tiny_model(model_type, **overrides)
-    original = _logits(model)
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("group", [16, None])
+@pytest.mark.parametrize("target", [4, 8])
+def test_every_width_that_fits_is_written_bit_identically(symmetric, group, target):
+    w = torch.randn(12, 64, generator=torch.Generator().manual_seed(0))
+    for bits in range(1, 9):
+        codes, meta = quantize(w, QuantSpec(bits=bits, group_size=group, symmetric=symmetric))
+        packed = pack_weight(codes, meta)
+        for acts in (None, ActSpec(8, True)):
+            scheme = CtScheme(target, group, symmetric, acts)
+            weight = retarget(packed, symmetric, scheme)
+            assert (weight is not None) == scheme_fits(bits, symmetric, target), (bits, symmetric, target)
+            if weight is None:
+                continue
+            expected = dequantize_packed(packed)  # the artifact's weight, float32
+            assert torch.equal(weight.dequantize(), expected)
+            assert torch.equal(ct_decompress("m", module_tensors("m", weight, scheme), scheme), expected)
+
+
+def test_a_different_grid_is_not_retargeted():
+    w = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
+    packed = pack_weight(*quantize(w, QuantSpec(bits=4, group_size=16, symmetric=True)))
+    assert retarget(packed, True, CtScheme(4, 32, True)) is None  # other groups
+    assert retarget(packed, True, CtScheme(4, 16, False)) is None  # asymmetric scheme
+    assert dequantize(*quantize(w, QuantSpec(bits=4, group_size=16))).shape == w.shape
+
+
+# ------------------------------------------------------------------------------------------ whole exports
+
+
+def exported(artifact: Path, out: Path, **kwargs):
+    return export_artifact(artifact, out, windows=2, seqlen=32, **kwargs)
+
+
+def test_export_of_a_mixed_artifact_is_the_served_model(mixed_artifact, tmp_path):
     out = tmp_path / "ct"
-    reference = export_compressed_tensors(model, tokenizer, adapter_for(model_type), schemes, out)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ct"]  # the temporary folder was renamed away
-    assert (out / "tokenizer.json").is_file()
-
-    loaded = load_exported(out)
-    model.load_state_dict(reference)
-    expected = _logits(model)
-    assert (_logits(loaded) - expected).abs().max() <= 1e-4
-    assert (expected - original).abs().max() > 1e-3  # the weights really were quantized
-    loaded_state = loaded.state_dict()
-    assert all(torch.equal(loaded_state[name], tensor) for name, tensor in reference.items())
-
-
-def test_mixtral_format_details(tmp_path: Path) -> None:
-    model = build_tiny_model("mixtral", hidden_size=256, intermediate_size=128)
-    export_compressed_tensors(model, None, adapter_for("mixtral"), ["w4a16", "w8a8"], tmp_path)  # replaces it
-    assert not list(tmp_path.parent.glob(f".{tmp_path.name}.*"))  # no temporary or moved-aside folder left
-    qconfig = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
-    assert qconfig["quant_method"] == "compressed-tensors" and qconfig["format"] == "mixed-precision"
-    groups = qconfig["config_groups"]
-    assert groups["w4a16_g128"]["format"] == "pack-quantized" and groups["w4a16_g128"]["input_activations"] is None
-    assert groups["w4a16_g128"]["weights"].items() >= {"num_bits": 4, "symmetric": True, "strategy": "group",
-                                                       "group_size": 128}.items()
-    assert groups["w4a16_g128"]["targets"] == [r"re:model\.layers\.0\.block_sparse_moe\.experts\.\d+\."]
-    assert groups["w8a8"]["format"] == "int-quantized"
-    assert groups["w8a8"]["input_activations"].items() >= {"num_bits": 8, "strategy": "token", "dynamic": True}.items()
-    assert "model.layers.0.self_attn.q_proj" in groups["w8a8"]["targets"]
-
-    tensors = load_file(tmp_path / "model.safetensors")
-    w1 = "model.layers.0.block_sparse_moe.experts.3.w1"  # Mixtral's original per-expert names
-    assert tensors[f"{w1}.weight_packed"].dtype == torch.int32 and tensors[f"{w1}.weight_packed"].shape == (128, 32)
-    assert tensors[f"{w1}.weight_scale"].shape == (128, 2) and tensors[f"{w1}.weight_shape"].tolist() == [128, 256]
-    w2 = "model.layers.1.block_sparse_moe.experts.3.w2"
-    assert tensors[f"{w2}.weight"].dtype == torch.int8 and tensors[f"{w2}.weight_scale"].shape == (256, 1)
-    assert tensors["model.layers.1.block_sparse_moe.gate.weight"].dtype == torch.float32  # router stays dense
-    assert not any("zero_point" in key or "gate_up_proj" in key for key in tensors)
+    summary = exported(mixed_artifact, out)
+    check = summary.check
+    assert check.passed and check.vs_served.rel_l2 <= 1e-6 and check.vs_served.argmax_agreement == 1.0
+    assert check.vs_full_precision is not None and check.vs_full_precision.rel_l2 > 1e-4
+    assert all(c.source in ("exact", "zero") for layer in summary.layers for c in layer.choices)
+    artifact, reader = Artifact(mixed_artifact), ExportReader(out, adapter_for("qwen3_moe"))
+    shapes = {}
+    skeleton = StreamedModel(artifact_config(artifact), artifact, torch.device("cpu"))
+    for name in artifact.manifest["dense"]["quantized_linears"]:
+        shapes[name] = tuple(skeleton.model.get_parameter(name).shape)
+        assert torch.equal(reader.read_param(name, shapes[name]), artifact.read_param(name, shapes[name])), name
+    for row, layer in enumerate(artifact.moe_layers):
+        experts = list(range(artifact.num_experts))
+        gate_up, down = reader.expert_weights(layer, experts)
+        for e in experts:
+            want = artifact.expert_weights(row, e, artifact.allocation[row][e])
+            assert torch.equal(gate_up[e], want[0]) and torch.equal(down[e], want[1]), (layer, e)
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "compressed-tensors"
+    assert json.loads((out / "hexq_export.json").read_text())["check"]["passed"]
 
 
-@pytest.mark.parametrize(("bits", "group", "strategy"), [(4, 128, "group"), (8, None, "channel")])
-def test_hexq_grid_is_compressed_tensors_grid(bits: int, group: int | None, strategy: str) -> None:
-    """compressed-tensors' symmetric scale max|w| / ((qmax - qmin) / 2) and its signed codes are hexq's."""
-    from compressed_tensors.quantization import QuantizationArgs
-    from compressed_tensors.quantization.lifecycle.forward import quantize as ct_quantize
-    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+@pytest.fixture(scope="module")
+def qwen2moe_artifact(tmp_path_factory):
+    """A shared-expert family: tiny Qwen2-MoE calibrated with experts-mixed and packed at 2.5 bits."""
+    from hexq.artifact.pack import Budget, pack
+    from hexq.calib.pipeline import calibrate
 
-    w = torch.randn(16, 256, generator=torch.Generator().manual_seed(1))
-    codes, meta = quantize(w, QuantSpec(bits=bits, group_size=group))
-    args = QuantizationArgs(num_bits=bits, type="int", symmetric=True, strategy=strategy, group_size=group)
-    grouped = w.reshape(16, -1, group or 256)
-    scale, _ = calculate_qparams(grouped.amin(-1), grouped.amax(-1), args)
-    torch.testing.assert_close(scale, meta.scale, rtol=1e-6, atol=0)
-    signed = ct_quantize(w, meta.scale, torch.zeros_like(meta.scale), args, dtype=torch.int8)
-    assert torch.equal(signed.to(torch.int16), codes.to(torch.int16) - 2 ** (bits - 1))
+    root = tmp_path_factory.mktemp("qwen2moe")
+    model = save_tiny_model(root / "model", "qwen2_moe")
+    recipe = small_recipe("experts-mixed", weights=WeightQuant(group_size=8, symmetric=False))  # 8 divides 24
+    calibrate(model, recipe, "bundled", root / "cal")
+    pack(root / "cal", root / "art.hexq", budget=Budget(avg_bits=2.5))
+    return root / "art.hexq"
 
 
-def _rename_experts(folder: Path, renames: dict[str, str]) -> None:
-    """Rename dotted name segments in the tensors and config targets, as a wrong exporter would write them."""
-    def sub(text: str) -> str:
-        for old, new in renames.items():
-            text = re.sub(rf"(?<=\.){old}(?=\\?\.)", new, text)
-        return text
+def test_shared_expert_is_bit_identical_and_keys_load_in_transformers(qwen2moe_artifact, tmp_path):
+    """The shared expert keeps its W8A8 codes; transformers' own loader (dequantized by compressed-tensors) finds every
+    key of the export where the family's conversion mapping expects it."""
+    from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import CompressedTensorsDequantizer
+    from safetensors.torch import load_file
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
 
-    path = folder / "model.safetensors"
-    save_file({sub(key): tensor for key, tensor in load_file(path).items()}, path)
-    config = json.loads((folder / "config.json").read_text())
-    for group in config["quantization_config"]["config_groups"].values():
-        group["targets"] = [sub(target) for target in group["targets"]]
-    (folder / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "ct"
+    summary = exported(qwen2moe_artifact, out)
+    assert summary.check.passed and summary.check.vs_served.rel_l2 <= 1e-6
+    artifact, reader = Artifact(qwen2moe_artifact), ExportReader(out, adapter_for("qwen2_moe"))
+    shared = [n for n in artifact.manifest["dense"]["quantized_linears"] if ".shared_expert." in n]
+    assert len(shared) == 6
+    for name in shared:
+        shape = (24, 32) if "down" not in name else (32, 24)
+        assert torch.equal(reader.read_param(name, shape), artifact.read_param(name, shape)), name
 
-
-# llmcompressor writes Mixtral experts under their linearized in-memory names; the reverse mistake on Qwen3-MoE
-# uses Mixtral's names. transformers' conversion mapping matches neither, so it loads those experts as random.
-WRONG_NAMES = [
-    ("mixtral", dict(hidden_size=256, intermediate_size=128),
-     {"block_sparse_moe": "mlp", "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}),
-    ("qwen3_moe", {}, {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}),
-]
-
-
-@pytest.mark.parametrize(("model_type", "overrides", "renames"), WRONG_NAMES)
-def test_guard_rejects_expert_keys_transformers_skips(tmp_path: Path, model_type, overrides, renames) -> None:
-    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
-
-    model = build_tiny_model(model_type, **overrides)
-    model.load_state_dict(export_compressed_tensors(model, None, adapter_for(model_type), ["w4a16", "w8a8"],
-                                                    tmp_path))
-    _rename_experts(tmp_path, renames)
-
-    # The class of bug is real: transformers' own compressed-tensors loading (dequantize on load, formerly
-    # run_compressed=False) accepts the folder, loads attention right and leaves the experts random.
-    plain = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32,
-                                                 quantization_config=CompressedTensorsConfig(dequantize=True))
-    got, want = plain.state_dict(), model.state_dict()
-    attention, experts = "model.layers.1.self_attn.q_proj.weight", "model.layers.0.mlp.experts.gate_up_proj"
-    assert torch.equal(got[attention], want[attention]) and not torch.equal(got[experts], want[experts])
-    for module in plain.modules():  # switch off the w8a8 activation emulation: compare the weights' effect alone
-        module.quantization_enabled = False
-    assert (_logits(plain) - _logits(model)).abs().max() > 1e-3
-
-    with pytest.raises(HexqError, match="missing") as raised:
-        load_exported(tmp_path)
-    message = str(raised.value)
-    assert "model.layers.0.mlp.experts.gate_up_proj" in message and "model.layers.1.mlp.experts.down_proj" in message
-    assert f"model.layers.0.mlp.experts.0.{renames['w1' if 'w1' in renames else 'gate_proj']}.weight" in message
+    dense = CompressedTensorsDequantizer(out, dtype=torch.float32).validate(load_file(out / "model.safetensors"))
+    config = AutoConfig.from_pretrained(out, local_files_only=True)
+    del config.quantization_config
+    model, info = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].from_pretrained(
+        None, config=config, state_dict=dense, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    state = model.state_dict()
+    gate_up = state["model.layers.1.mlp.experts.gate_up_proj"]
+    row = artifact.moe_layers.index(1)
+    for e in range(artifact.num_experts):
+        assert torch.equal(gate_up[e], artifact.expert_weights(row, e, artifact.allocation[row][e])[0])
+    assert torch.equal(state["model.layers.0.mlp.shared_expert.up_proj.weight"],
+                       artifact.read_param("model.layers.0.mlp.shared_expert.up_proj.weight", (24, 32)))
 
 
-def test_guard_rejects_a_weight_that_changed_on_load(tmp_path: Path, monkeypatch) -> None:
-    """Keys can all match and a loader still be wrong: the value check names the tensor."""
-    import transformers.core_model_loading as loading
+@pytest.fixture(scope="module")
+def eight_bit_artifact(mixed_calibration, tmp_path_factory):
+    """The tiny calibration packed with 8-bit experts allowed and the export replicas kept."""
+    from hexq.artifact.pack import Budget, pack
+    from hexq.recipe import Pack
 
-    model = build_tiny_model("qwen3_moe")
-    export_compressed_tensors(model, None, adapter_for("qwen3_moe"), ["w4a16", "w4a16"], tmp_path)
-    merge = loading.MergeModulelist.convert
-
-    def reversed_experts(self, input_dict, *args, **kwargs):  # a loader that permutes the experts
-        return {key: value.flip(0) for key, value in merge(self, input_dict, *args, **kwargs).items()}
-
-    monkeypatch.setattr(loading.MergeModulelist, "convert", reversed_experts)
-    with pytest.raises(HexqError, match=r"different after loading: .*experts\.\d+\.(gate|up|down)_proj\.weight"):
-        load_exported(tmp_path)
+    out = tmp_path_factory.mktemp("pack8") / "art.hexq"
+    pack(mixed_calibration[0], out, replace(Pack(), bits=(1, 2, 4, 8), export_replicas=True),
+         budget=Budget(avg_bits=4.5))
+    return out
 
 
-def test_rejects_bad_schemes(tmp_path: Path) -> None:
-    model = build_tiny_model("mixtral")
-    adapter = adapter_for("mixtral")
-    with pytest.raises(HexqError, match="allowed: w4a16, w8a8"):
-        export_compressed_tensors(model, None, adapter, ["w4a16", "w3a16"], tmp_path / "a")
-    with pytest.raises(HexqError, match="2 layers"):
-        export_compressed_tensors(model, None, adapter, ["w4a16"], tmp_path / "b")
-    with pytest.raises(HexqError, match=r"input widths \[16, 32\] .* group size 12"):
-        export_compressed_tensors(model, None, adapter, ["w4a16", "w8a8"], tmp_path / "c", group_size=12)
-    assert not any(tmp_path.iterdir())
+def test_eight_bit_experts_are_projected_with_their_gptq_replica(eight_bit_artifact, tmp_path):
+    artifact = Artifact(eight_bit_artifact)
+    assert any(8 in row for row in artifact.allocation)
+    kept = artifact.manifest["export"]["replicas"]
+    assert sorted(map(int, kept)) == [i for i, row in zip(artifact.moe_layers, artifact.allocation, strict=True)
+                                      if 8 in row]
+    plans = plan_export(artifact, "auto")
+    projected = [c for layer in plans for c in layer.projected]
+    assert projected and all(c.source == "export-replica" and c.allocated == 8 and c.bits == 4 for c in projected)
+    assert all(c.mse_used is not None and c.mse_used >= c.mse_allocated for c in projected)
+    assert all(layer.scheme.bits == 4 for layer in plans)
+
+    summary = exported(eight_bit_artifact, tmp_path / "w4")
+    assert summary.check.passed and summary.check.vs_served.rel_l2 > 1e-6  # projected: close, not identical
+    reader = ExportReader(tmp_path / "w4", adapter_for("qwen3_moe"))
+    c = projected[0]
+    row = artifact.moe_layers.index(next(layer.layer for layer in plans if c in layer.projected))
+    gate_up, _down = reader.expert_weights(artifact.moe_layers[row], [c.expert])
+    shard, prefix = export_shard(artifact.moe_layers[row]), replica_key(c.expert, 4, "gate_up")
+    replica = PackedWeight(*(artifact.tensor(shard, f"{prefix}.{p}") for p in ("codes", "scale", "zero")), 4,
+                           artifact.expert_shape("gate_up"))
+    assert torch.equal(gate_up[0], dequantize_packed(replica))  # the GPTQ replica's codes, not a re-rounding
+
+    exact = exported(eight_bit_artifact, tmp_path / "w8", experts="w8")
+    assert exact.check.vs_served.rel_l2 <= 1e-6 and all(layer.scheme.bits == 8 for layer in exact.layers)
+
+
+def test_without_replicas_auto_keeps_eight_bit_layers_exact(mixed_calibration, tmp_path):
+    from hexq.artifact.pack import Budget, pack
+    from hexq.recipe import Pack
+
+    pack(mixed_calibration[0], tmp_path / "a.hexq", replace(Pack(), bits=(1, 2, 8)), budget=Budget(avg_bits=4.0))
+    plans = plan_export(Artifact(tmp_path / "a.hexq"), "auto")
+    eight = [layer for layer in plans if any(c.allocated == 8 for c in layer.choices)]
+    assert eight and all(layer.scheme.bits == 8 and not layer.projected for layer in eight)
+    forced = plan_export(Artifact(tmp_path / "a.hexq"), "w4")
+    assert any(c.source == "rtn" for layer in forced for c in layer.projected)
+
+
+# ------------------------------------------------------------------------------------------ the check and the CLI
+
+
+def test_a_broken_scale_fails_the_command_and_leaves_nothing(mixed_artifact, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    import hexq.export as export_module
+    from hexq_cli.main import app
+
+    original = export_module.retarget
+
+    def wrong_scale(packed, symmetric, scheme):  # one layer's routed experts written with a 10% larger scale
+        weight = original(packed, symmetric, scheme)
+        if weight is not None and packed.shape[0] == 32:  # gate_up of the tiny experts
+            weight = type(weight)(weight.codes, weight.scale * 1.1, weight.zero)
+        return weight
+
+    monkeypatch.setattr(export_module, "retarget", wrong_scale)
+    out = tmp_path / "ct"
+    result = CliRunner().invoke(app, ["export", str(mixed_artifact), "-o", str(out), "-n", "2", "-L", "32"])
+    assert result.exit_code == 1, result.output
+    assert "export check failed" in result.output and "relative L2" in result.output
+    assert not out.exists() and not list(tmp_path.iterdir())  # no temporary folder either
+
+
+def test_cli_export_prints_schemes_and_the_check(mixed_artifact, tmp_path):
+    from typer.testing import CliRunner
+
+    from hexq_cli.main import app
+
+    out = tmp_path / "ct"
+    result = CliRunner().invoke(app, ["export", str(mixed_artifact), "-o", str(out), "-n", "2", "-L", "32",
+                                      "--json", str(tmp_path / "r.json")])
+    assert result.exit_code == 0, result.output
+    assert "served" in result.output and "check:" in result.output and "relative" not in result.output
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["check"]["vs_served"]["rel_l2"] <= 1e-6 and report["experts"][0]["scheme"] == "w4a16_g16_asym"
+    assert report["experts"][0]["vllm"].startswith("no: vLLM's fused MoE WNA16 is symmetric only")
+    again = CliRunner().invoke(app, ["export", str(mixed_artifact), "-o", str(out), "-n", "2", "-L", "32"])
+    assert again.exit_code == 1 and "--force" in again.output
+
+
+# ------------------------------------------------------------------------------------------ output folder rules
+
+
+def test_never_replaces_a_user_folder_the_artifact_or_its_parent(mixed_artifact, tmp_path):
+    user = tmp_path / "mine"
+    user.mkdir()
+    (user / "notes.txt").write_text("keep")
+    with pytest.raises(HexqError, match="was not written by hexq"):
+        export_artifact(mixed_artifact, user, force=True, check=False)
+    assert (user / "notes.txt").read_text() == "keep"
+    before = sorted(p.name for p in Path(mixed_artifact).iterdir())
+    for out in (mixed_artifact, Path(mixed_artifact).parent):
+        with pytest.raises(HexqError, match="input"):
+            export_artifact(mixed_artifact, out, force=True, check=False)
+    assert sorted(p.name for p in Path(mixed_artifact).iterdir()) == before
+    assert Artifact(mixed_artifact).verify_all() and all(Artifact(mixed_artifact).verify_all().values())
+
+
+KILLED = """
+import sys, time
+import hexq.export as export
+write_layer = export.write_layer
+def slow(artifact, streamed, writer, index, *args):
+    write_layer(artifact, streamed, writer, index, *args)
+    print("writing", flush=True)
+    time.sleep(60)
+export.write_layer = slow
+export.export_artifact(sys.argv[1], sys.argv[2], check=False)
+"""
+
+
+def test_kill_9_mid_write_leaves_nothing_and_the_next_run_cleans_up(mixed_artifact, tmp_path):
+    out = tmp_path / "ct"
+    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    child = subprocess.Popen([sys.executable, "-c", KILLED, str(mixed_artifact), str(out)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env)
+    line = child.stdout.readline()
+    assert line.startswith("writing"), child.stderr.read()
+    child.kill()
+    child.wait()
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert not out.exists() and left == [".ct.lock", f".ct.tmp-{child.pid}"]  # the lock file, no longer locked
+    summary = exported(mixed_artifact, out)
+    assert summary.check.passed and sorted(p.name for p in tmp_path.iterdir()) == ["ct"]
+
+
+def test_export_target_vllm_replicas_replace_another_grid(tokenizer, tmp_path):
+    """experts-mixed (asymmetric groups of 16) calibrated with experts.export_target vllm: a second GPTQ replica per
+    expert on the symmetric 4-bit grid (groups of 32 here: 128 and 64 do not divide the width 32), kept by pack and
+    written for every expert by `--experts vllm`."""
+    from conftest import build_tiny_model
+
+    from hexq.artifact.pack import pack
+    from hexq.calib.pipeline import calibrate
+
+    model = tmp_path / "model"
+    build_tiny_model("qwen3_moe", hidden_size=64, moe_intermediate_size=32, intermediate_size=64).save_pretrained(model)
+    tokenizer.save_pretrained(model)
+    recipe = small_recipe("experts-mixed", weights=WeightQuant(group_size=16, symmetric=False), export_target="vllm")
+    calibrate(model, recipe, "bundled", tmp_path / "cal")
+    pack(tmp_path / "cal", tmp_path / "art.hexq", bank=("export",))
+    artifact = Artifact(tmp_path / "art.hexq")
+    assert artifact.manifest["export"]["group_size"] == 32 and artifact.manifest["export"]["symmetric"]
+    with pytest.raises(HexqError, match="vLLM's fused MoE does not take"):
+        plan_export(_without_export(Artifact(tmp_path / "art.hexq")), "vllm")
+    summary = exported(tmp_path / "art.hexq", tmp_path / "ct", experts="vllm")
+    assert all(layer.scheme.name == "w4a16_g32_sym" for layer in summary.layers)
+    assert all(c.source in ("export-replica", "zero") for layer in summary.layers for c in layer.choices)
+    assert summary.check.passed and summary.check.vs_served.rel_l2 > 1e-6
+
+
+def _without_export(artifact: Artifact) -> Artifact:
+    artifact.manifest = {**artifact.manifest, "export": None}
+    return artifact

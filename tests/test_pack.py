@@ -180,15 +180,28 @@ def test_pack_settings_must_match_the_replicas(mixed_calibration, tmp_path):
         pack(mixed_calibration[0], tmp_path / "x.hexq", replace(Pack(), bits=(2, 5), avg_bits=3.0))
 
 
-def test_cli_export_reloads_with_the_right_experts(mixed_artifact, tmp_path):
-    out = tmp_path / "ct"
-    result = runner.invoke(app, ["export", str(mixed_artifact), "-o", str(out)])
+def test_bank_export_keeps_only_the_replicas_export_projects(mixed_calibration, tmp_path):
+    """--bank export stores the 4-bit replica of exactly the experts allocated a width without an exact 4-bit form,
+    and hexq export writes those replicas in their place."""
+    from hexq.artifact.export import export_shard
+
+    settings = replace(Pack(), bits=(1, 2, 4, 8))
+    pack(mixed_calibration[0], tmp_path / "x.hexq", settings, budget=Budget(avg_bits=4.5), bank=("export",))
+    artifact = Artifact(tmp_path / "x.hexq")
+    kept = artifact.manifest["export"]["replicas"]
+    for layer, row in zip(artifact.moe_layers, artifact.allocation, strict=True):
+        eights = [e for e, bits in enumerate(row) if bits == 8]
+        assert kept.get(str(layer), []) == eights
+        if eights:
+            keys = artifact.keys(export_shard(layer))
+            assert keys == {f"e{e:04d}.b4.{p}.{part}" for e in eights for p in ("gate_up", "down")
+                            for part in ("codes", "scale", "zero")}
+    assert kept and artifact.bank_bits == []  # no bank for every expert: only the projected ones' replicas
+    result = runner.invoke(app, ["export", str(tmp_path / "x.hexq"), "-o", str(tmp_path / "ct"), "-n", "2", "-L", "32",
+                                 "--json", str(tmp_path / "r.json")])
     assert result.exit_code == 0, result.output
-    assert "w4a16, w4a16" in result.output  # 2.5 bits on average: every layer projects to W4A16
-    config = json.loads((out / "config.json").read_text())
-    assert config["quantization_config"]["quant_method"] == "compressed-tensors"
-    diff = float(result.output.split("reference")[-1].split()[0])
-    assert diff <= 1e-4
+    projected = [c for layer in json.loads((tmp_path / "r.json").read_text())["experts"] for c in layer["projected"]]
+    assert projected and {c["source"] for c in projected} == {"export-replica"}
 
 
 def test_pack_never_replaces_its_input_a_parent_or_a_user_folder(mixed_calibration, tmp_path):

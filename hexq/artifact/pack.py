@@ -166,6 +166,42 @@ def layer_expert_tensors(bank, layer, widths_of: list[set[int]]) -> tuple[dict, 
     return out, nbytes
 
 
+def export_replica_experts(row: list[int], symmetric: bool) -> list[int]:
+    """Experts of one MoE layer whose allocated width has no exact EXPORT_BITS-bit form: `hexq export` writes their
+    EXPORT_BITS-bit GPTQ replica in their place in a 4-bit layer."""
+    from hexq.artifact.export import EXPORT_BITS, scheme_fits
+
+    return [e for e, bits in enumerate(row) if not scheme_fits(bits, symmetric, EXPORT_BITS)]
+
+
+def layer_export_tensors(bank, experts: list[int], bits: int, own_grid: bool) -> dict[str, torch.Tensor]:
+    """The `bits` replicas of `experts` (hexq.artifact.export's export_shard layout: the keys of
+    layer_expert_tensors), sliced from the calibration's packed bank (own_grid) or from its export-target bank
+    (`export.<proj>.b<bits>`, hexq.calib.pipeline.export_spec)."""
+    out: dict[str, torch.Tensor] = {}
+    for expert in experts:
+        for projection in PROJECTIONS:
+            prefix = bank_prefix(projection, bits, export=not own_grid)
+            for part in ("codes", "scale", "zero"):
+                out[f"{replica_key(expert, bits, projection)}.{part}"] = bank.get_slice(f"{prefix}.{part}")[expert]
+    return out
+
+
+def export_grid(calib_dir: Path, layer: int, cols: int, group_size: int | None,
+                symmetric: bool) -> tuple[int | None, bool, bool]:
+    """(group size, symmetric, own grid) of a calibration's export replicas: its export-target bank's grid (vLLM's:
+    symmetric, hexq.calib.pipeline.export_spec) when it has one, else its own replica grid. cols: gate_up's input
+    width."""
+    from hexq.artifact.export import EXPORT_BITS
+
+    with open_bank(calib_dir, layer) as handle:
+        key = f"{bank_prefix('gate_up', EXPORT_BITS, export=True)}.scale"
+        if key not in handle.keys():
+            return group_size, symmetric, True
+        groups = handle.get_slice(key).get_shape()[-1]
+    return cols // groups, True, False
+
+
 def allocated_bytes(allocation: list[list[int]], costs_by_bits: dict[int, int]) -> int:
     return sum(costs_by_bits[b] for row in allocation for b in row)
 
@@ -279,6 +315,14 @@ def pack(calib_dir: str | Path, out: str | Path, settings: Pack | None = None, b
     recipe = replace(recipe, pack=settings)  # the artifact records the pack settings it was made with
     budget = budget or Budget(avg_bits=settings.avg_bits)
     model_path = check_calibration(manifest, calib_dir, settings)
+    keep_export = settings.export_replicas or "export" in bank
+    bank = tuple(item for item in bank if item != "export")
+    from hexq.artifact.export import EXPORT_BITS, export_shard
+
+    if keep_export and EXPORT_BITS not in manifest["expert_bits"]:
+        raise HexqError(f"export replicas need {EXPORT_BITS}-bit replicas; {calib_dir} has {manifest['expert_bits']} "
+                        "bits")
+
     streamed, _tokenizer = open_model(model_path, torch.device("cpu"))
     adapter = streamed.adapter
     num_layers, num_experts = manifest["model"]["layers"], manifest["model"]["num_experts"]
@@ -287,6 +331,10 @@ def pack(calib_dir: str | Path, out: str | Path, settings: Pack | None = None, b
     group_size = recipe.expert_weights.group_size
     _num, gate_up_shape, down_shape = streamed.expert_shapes(moe_layers[0])
     shapes = {"gate_up": gate_up_shape, "down": down_shape}
+    own_group, own_symmetric = recipe.expert_weights.group_size, recipe.expert_weights.symmetric
+    export_group, export_symmetric, own_grid = (
+        export_grid(calib_dir, moe_layers[0], gate_up_shape[1], own_group, own_symmetric) if keep_export
+        else (own_group, own_symmetric, True))
     stats = read_stats(calib_dir, moe_layers, progress)
     plan = make_plan(stats, table_bits, settings, budget, shapes, group_size)
     bytes_by_bits = dict(zip(settings.bits, plan.costs, strict=True))
@@ -299,6 +347,7 @@ def pack(calib_dir: str | Path, out: str | Path, settings: Pack | None = None, b
     with output_folder(out, kind="artifact", force=overwrite, inputs=[calib_dir, model_path]) as folder:
         writer = ArtifactWriter(folder)
         quantized: dict[str, int] = {}
+        export_kept: dict[str, list[int]] = {}
         stored_bytes: dict[int, int] = {}
         dense_bytes = 0
         for index in range(num_layers):
@@ -317,6 +366,18 @@ def pack(calib_dir: str | Path, out: str | Path, settings: Pack | None = None, b
                 with open_bank(calib_dir, index) as bank, open_layer(calib_dir, index) as layer:
                     experts, nbytes = layer_expert_tensors(bank, layer, widths_of)
                 writer.add_tensors(expert_shard(index), experts)
+                if not keep_export:
+                    needs = []
+                elif own_grid:  # only the experts whose own width has no exact 4-bit form, unless stored anyway
+                    needs = [e for e in export_replica_experts(row, recipe.expert_weights.symmetric)
+                             if EXPORT_BITS not in widths_of[e]]
+                else:  # another grid: every expert that is not skipped takes its export replica
+                    needs = [e for e, bits in enumerate(row) if bits]
+                if needs:
+                    with open_bank(calib_dir, index) as bank_file:
+                        writer.add_tensors(export_shard(index),
+                                           layer_export_tensors(bank_file, needs, EXPORT_BITS, own_grid))
+                    export_kept[str(index)] = needs
                 for b, n in nbytes.items():
                     stored_bytes[b] = stored_bytes.get(b, 0) + n
             if progress:
@@ -332,7 +393,7 @@ def pack(calib_dir: str | Path, out: str | Path, settings: Pack | None = None, b
             "model": {"model_type": manifest["model"]["model_type"], "num_layers": num_layers,
                       "moe_layers": moe_layers, "num_experts": num_experts, "top_k": manifest["model"]["top_k"],
                       "moe": adapter.moe, "experts": adapter.experts},
-            "provenance": {"model_sha256": manifest["fingerprint"]["model"],
+            "provenance": {"model_sha256": manifest["fingerprint"]["model"], "model_path": str(model_path.resolve()),
                            "data_sha256": manifest["fingerprint"]["data"],
                            "calibration_recipe_sha256": manifest["fingerprint"]["recipe"],
                            "calibration_data": manifest["data"], "calibrated_with": manifest["hexq_version"]},
@@ -349,6 +410,8 @@ def pack(calib_dir: str | Path, out: str | Path, settings: Pack | None = None, b
                 "table_loss": [assignment_loss(loss, settings.bits, row)
                                for loss, row in zip(plan.losses, plan.allocation, strict=True)],
                 "importance_order": plan.orders},
+            "export": {"bits": EXPORT_BITS, "group_size": export_group, "symmetric": export_symmetric,
+                       "own_grid": own_grid, "replicas": export_kept} if keep_export else None,
             "placement": {"scheme": settings.placement, "hot_per_layer": plan.hot,
                           "hot": [torch.where(row)[0].tolist() for row in plan.placement]},
             "accounting": {"dense_bytes": dense_bytes,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -30,7 +30,7 @@ from hexq import __version__
 from hexq.adapters import MoEAdapter
 from hexq.algos.gptq import factorize_hessians, gptq_bank, gptq_replicas
 from hexq.algos.hessian import blend_cold_hessian
-from hexq.algos.quant import QuantMeta, quantize
+from hexq.algos.quant import QuantMeta, QuantSpec, quantize
 from hexq.algos.smoothing import search_exponent, search_exponent_routed, smoothquant_scales
 from hexq.artifact.format import dequantize_packed
 from hexq.calib.capture import (
@@ -167,6 +167,23 @@ def gptq_chunk_size(shapes: dict[str, tuple[int, int]], widths: int, budget: int
     return max(1, budget // per_expert)
 
 
+def export_spec(recipe: Recipe, shapes: dict[str, tuple[int, int]]) -> QuantSpec | None:
+    """The grid of the extra replica `experts.export_target` asks for, or None (no target, or the recipe's expert grid
+    already is that grid, so its own replica at that width serves). vllm: 4-bit symmetric in groups of 128, the
+    fused-MoE W4A16 layout; 64 or 32 when 128 does not divide every expert input width (vLLM's Marlin MoE kernel
+    takes 32, 64 and 128)."""
+    if recipe.experts.mode != "replicas" or recipe.experts.export_target != "vllm":
+        return None
+    widths = [cols for _rows, cols in shapes.values()]
+    group = next((g for g in (128, 64, 32) if all(w % g == 0 for w in widths)), None)
+    if group is None:
+        raise HexqError(f"experts.export_target vllm needs expert input widths {widths} divisible by 32")
+    setting = recipe.expert_weights
+    if 4 in recipe.experts.replica_bits and setting.symmetric and setting.group_size == group:
+        return None
+    return QuantSpec(bits=4, group_size=group, symmetric=True)
+
+
 # ------------------------------------------------------------------------------------------ pass A: smoothing
 
 
@@ -269,7 +286,9 @@ def quantize_routed_experts(loaded: LoadedLayer, routed: RoutedTokens, weights_o
     num_experts = loaded.gate_up.shape[0]
     shapes = {"gate_up": tuple(loaded.gate_up.shape[1:]), "down": tuple(loaded.down.shape[1:])}
     groups = {p: group_size_of(setting, cols) for p, (_rows, cols) in shapes.items()}
-    bank = ExpertBank(bank_file, num_experts, shapes, bits_list, groups)
+    extra = export_spec(recipe, shapes)
+    bank = ExpertBank(bank_file, num_experts, shapes, bits_list, groups,
+                      export=None if extra is None else (extra.bits, extra.group_size))
     try:
         fallback, escalated, ranges = fill_bank(bank, loaded, routed, weights_of, recipe, moe_sample, shapes,
                                                 progress)
@@ -296,7 +315,8 @@ def fill_bank(bank: ExpertBank, loaded: LoadedLayer, routed: RoutedTokens, weigh
     fallback: list[int] = []
     input_low, input_high = float(routed.x.min()), float(routed.x.max())
     mid_low, mid_high = float("inf"), float("-inf")
-    chunk = gptq_chunk_size(shapes, len(bits_list))
+    extra = export_spec(recipe, shapes)
+    chunk = gptq_chunk_size(shapes, len(bits_list) + (extra is not None))
     escalated: dict[str, dict] = {}
     for start in range(0, num_experts, chunk):
         experts = list(range(start, min(start + chunk, num_experts)))
@@ -320,6 +340,11 @@ def fill_bank(bank: ExpertBank, loaded: LoadedLayer, routed: RoutedTokens, weigh
             results, factor = quantize_expert_chunk(weight, hessian, setting, bits_list, channel_max)
             for bits, (codes, scale, zero) in results.items():
                 bank.put(projection, bits, experts, codes, scale, zero)
+            if extra is not None:  # the same Hessian, factorized the same way (deterministic), on the export grid
+                export_setting = replace(setting, group_size=extra.group_size, symmetric=extra.symmetric)
+                (codes, scale, zero), = quantize_expert_chunk(weight, hessian, export_setting, (extra.bits,),
+                                                              channel_max)[0].values()
+                bank.put(projection, extra.bits, experts, codes, scale, zero, export=True)
             for j, expert in enumerate(experts):  # record what the Cholesky factorization needed beyond the recipe
                 if factor and (factor["float64"][j] or factor["damp"][j] > setting.damp):
                     escalated[f"{projection}.{expert}"] = {"damp": factor["damp"][j], "float64": factor["float64"][j]}

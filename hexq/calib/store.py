@@ -163,28 +163,31 @@ class ExpertBank:
     the file appears, complete, when `close` is called."""
 
     def __init__(self, path: Path, num_experts: int, shapes: dict[str, tuple[int, int]], bits_list: tuple[int, ...],
-                 group_sizes: dict[str, int]) -> None:
+                 group_sizes: dict[str, int], export: tuple[int, int] | None = None) -> None:
+        """export: (bits, group size) of the export-target replica (hexq.calib.pipeline.export_spec) stored beside
+        the bank under export.<proj>.b<bits>, if the recipe asks for one."""
         from hexq.artifact.bitpack import packed_nbytes
         from hexq.artifact.format import SCALE_DTYPE
 
+        entries = [(bank_prefix(p, bits), p, bits, group_sizes[p]) for p in shapes for bits in bits_list]
+        if export is not None:
+            entries += [(bank_prefix(p, export[0], export=True), p, export[0], export[1]) for p in shapes]
         specs = {}
-        for projection, (rows, cols) in shapes.items():
-            groups = cols // group_sizes[projection]
-            for bits in bits_list:
-                prefix = bank_prefix(projection, bits)
-                specs[f"{prefix}.codes"] = (torch.uint8, (num_experts, packed_nbytes(rows * cols, bits)))
-                specs[f"{prefix}.scale"] = (SCALE_DTYPE, (num_experts, rows, groups))
-                specs[f"{prefix}.zero"] = (SCALE_DTYPE, (num_experts, rows, groups))
+        for prefix, projection, bits, group in entries:
+            rows, cols = shapes[projection]
+            specs[f"{prefix}.codes"] = (torch.uint8, (num_experts, packed_nbytes(rows * cols, bits)))
+            specs[f"{prefix}.scale"] = (SCALE_DTYPE, (num_experts, rows, cols // group))
+            specs[f"{prefix}.zero"] = (SCALE_DTYPE, (num_experts, rows, cols // group))
         self.writer = SafetensorsWriter(path, dict(sorted(specs.items())))
 
     def put(self, projection: str, bits: int, experts: list[int], codes: torch.Tensor, scale: torch.Tensor,
-            zero: torch.Tensor) -> None:
+            zero: torch.Tensor, export: bool = False) -> None:
         """codes [n, rows, cols] (uint8 on the grid), scale/zero [n, rows, groups] of the consecutive experts
-        `experts`."""
+        `experts` (export: the export-target replica)."""
         from hexq.artifact.bitpack import pack_bits
         from hexq.artifact.format import SCALE_DTYPE
 
-        prefix, first = bank_prefix(projection, bits), experts[0]
+        prefix, first = bank_prefix(projection, bits, export), experts[0]
         if experts != list(range(first, first + len(experts))):
             raise ValueError(f"a bank chunk must hold consecutive experts, got {experts}")
         codes = codes.cpu()
@@ -223,8 +226,10 @@ def open_bank(out: Path, index: int):
         yield handle
 
 
-def bank_prefix(projection: str, bits: int) -> str:
-    return f"experts.{projection}.b{bits}"
+def bank_prefix(projection: str, bits: int, export: bool = False) -> str:
+    """Keys of one replica in a bank file: experts.<proj>.b<bits>, or export.<proj>.b<bits> for the export-target
+    replica."""
+    return f"{'export' if export else 'experts'}.{projection}.b{bits}"
 
 
 def bank_rows(bank, key: str, experts: list[int]) -> torch.Tensor:
