@@ -1,20 +1,35 @@
-"""Dense bit packing of integer codes for every width 1..8.
+"""Dense bit packing of integer codes for every width 1..8, and dequantization of packed codes into a float matrix.
 
 Layout: codes are flattened (row-major) into one little-endian bit stream. Code i occupies stream bits
 [i*bits, (i+1)*bits), least significant bit first, and stream bit j is bit (j % 8) of byte j // 8. The last byte is
 zero-padded. So n codes of `bits` bits take exactly ceil(bits*n/8) bytes, with no per-row or per-byte padding
 (3-bit codes cost 3 bits each, not 4). Shapes are not stored: the caller keeps numel (and the shape) alongside.
+
+How unpacking works without per-code integer temporaries. Codes are unpacked into a uint8 buffer, one byte per code,
+which is worked on through 16-, 32- or 64-bit integer views ("words") of that same buffer: a word of K bytes holds
+the K codes of one whole-byte group (lcm(bits, 8) bits: 1 byte holds 8/bits codes at 1, 2 and 4 bits; 3, 5 and 7
+bytes hold 8 codes; 3 bytes hold 4 codes at 6 bits). First each word receives its group's bits, packed at the
+bottom (bits*i for code i); then log2(K) shift-and-mask steps move code i to bit 8*i, halving the distance each
+time (every step is one contiguous pass over the buffer). Packing runs the same steps backwards. Apart from the
+buffer itself, the only memory is one workspace as large as the buffer; `dequantize_into` takes it from the output
+matrix, which is written last.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
+_WORD_DTYPES = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # bytes per word -> integer dtype
+_CHUNK = 64  # code buffers are rounded up to this many codes: a whole number of word chunks for every width
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+PARAM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
 
 def _check_bits(bits: int) -> None:
-    if not isinstance(bits, int) or not 1 <= bits <= 8:
+    if not isinstance(bits, int) or isinstance(bits, bool) or not 1 <= bits <= 8:
         raise ValueError(f"bits must be an integer in 1..8, got {bits!r}")
 
 
@@ -26,10 +41,149 @@ def packed_nbytes(numel: int, bits: int) -> int:
     return (bits * numel + 7) // 8
 
 
+def code_buffer_nbytes(numel: int) -> int:
+    """Bytes of the uint8 code buffer that unpacking `numel` codes needs: numel rounded up to a multiple of 64."""
+    if numel < 0:
+        raise ValueError(f"numel must be non-negative, got {numel}")
+    return -(-numel // _CHUNK) * _CHUNK
+
+
 def _group(bits: int) -> tuple[int, int]:
     """(bytes, codes) of the smallest whole-byte group: lcm(bits, 8) bits, e.g. 3 bytes hold 8 codes of 3 bits."""
     span = math.lcm(bits, 8)
     return span // 8, span // bits
+
+
+def _signed(value: int, nbits: int) -> int:
+    """An unsigned nbits-bit constant as the signed integer of the same bits (torch's integer dtypes are signed)."""
+    return value - (1 << nbits) if value >> (nbits - 1) else value
+
+
+@functools.cache
+def _spread_steps(bits: int, lanes: int) -> tuple[tuple[int, int, int, int], ...]:
+    """(c, shift, kept mask, moved mask) of each step taking `lanes` codes from bit bits*i to bit 8*i of a word.
+
+    Step c (c = lanes/2, ..., 1) works on runs of 2c codes that start at bit 16c*k, codes packed `bits` apart: the
+    upper c codes of each run move up by c*(8 - bits), to bit 8c of the run. Afterwards runs of c codes start at
+    bit 8c*k, so the last step (c = 1) leaves code i at bit 8*i. Masks cover the codes' bits after the step.
+    """
+    steps = []
+    c = lanes // 2
+    while c:
+        kept = moved = 0
+        for i in range(lanes):
+            field = ((1 << bits) - 1) << (8 * c * (i // c) + bits * (i % c))
+            if (i // c) % 2:
+                moved |= field
+            else:
+                kept |= field
+        steps.append((c, c * (8 - bits), kept, moved))
+        c //= 2
+    return tuple(steps)
+
+
+def _spread(words: torch.Tensor, bits: int, lanes: int, work: torch.Tensor) -> None:
+    """Move the `lanes` codes of every word from bit bits*i to bit 8*i, in place. `work`: words-sized scratch."""
+    nbits = 8 * words.element_size()
+    for c, shift, kept, moved in _spread_steps(bits, lanes):
+        if bits <= 2 and c <= 2:
+            # At 1 and 2 bits a run and its shifted copy never overlap, so x | x << shift == x * (1 + 2^shift):
+            # one multiply instead of a shift and an or. Runs of 2c <= 4 codes stay inside 32-bit halves, so this
+            # is done on int32 views, whose multiply the CPU vectorizes (int64's it does not); products stay
+            # below 2^26.
+            halves = words.view(torch.int32)
+            halves.mul_(1 + (1 << shift))
+            halves.bitwise_and_(_signed((kept | moved) & 0xFFFFFFFF, 32))
+            continue
+        shifted = work[: words.numel()]
+        torch.bitwise_left_shift(words, shift, out=shifted)
+        if bits <= 4:  # the unshifted upper codes and the shifted lower ones fall outside the new positions
+            words.bitwise_or_(shifted)
+            words.bitwise_and_(_signed(kept | moved, nbits))
+        else:
+            shifted.bitwise_and_(_signed(moved, nbits))
+            words.bitwise_and_(_signed(kept, nbits))
+            words.bitwise_or_(shifted)
+
+
+def _gather(words: torch.Tensor, bits: int, lanes: int, work: torch.Tensor) -> None:
+    """Inverse of _spread: move code i of every word from bit 8*i to bit bits*i, in place."""
+    nbits = 8 * words.element_size()
+    for _, shift, kept, moved in reversed(_spread_steps(bits, lanes)):
+        shifted = work[: words.numel()]
+        torch.bitwise_and(words, _signed(moved, nbits), out=shifted)
+        shifted.bitwise_right_shift_(shift)  # moved never holds bit 63: the arithmetic shift is a logical one
+        words.bitwise_and_(_signed(kept, nbits))
+        words.bitwise_or_(shifted)
+
+
+def _columns(group_bytes: int, word_bytes: int) -> list[tuple[int, int, bool]]:
+    """For the groups of `group_bytes` bytes read from a stream of `word_bytes`-byte words: a chunk of group_bytes
+    stream words holds word_bytes groups; group j starts in stream word a at bit o, and `spans` into word a + 1."""
+    cols = []
+    for j in range(word_bytes):
+        a, o = divmod(8 * group_bytes * j, 8 * word_bytes)
+        cols.append((a, o, o + 8 * group_bytes > 8 * word_bytes))
+    return cols
+
+
+def _workspace_nbytes(numel: int, bits: int) -> int:
+    """Bytes of workspace _unpack_into needs besides the code buffer (0 at 8 bits)."""
+    group_bytes, lanes = _group(bits)
+    if lanes == 1:
+        return 0
+    buffer = code_buffer_nbytes(numel)
+    if group_bytes == 1:
+        return buffer
+    chunks = buffer // (lanes * lanes)
+    return max(buffer, chunks * group_bytes * lanes + chunks * lanes)  # staged stream + one word column
+
+
+def _carve(tensor: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """`nbytes` bytes of a contiguous tensor's memory, starting 8-byte aligned, or fresh ones if it is too small."""
+    flat = tensor.reshape(-1).view(torch.uint8)
+    skip = (-flat.storage_offset()) % 8
+    if flat.numel() - skip >= nbytes:
+        return flat[skip:skip + nbytes]
+    return torch.empty(nbytes, dtype=torch.uint8, device=tensor.device)
+
+
+def _unpack_into(codes: torch.Tensor, packed: torch.Tensor, bits: int, numel: int, work: torch.Tensor) -> torch.Tensor:
+    """Unpack `numel` codes into `codes` (uint8, >= code_buffer_nbytes(numel), 8-byte aligned); returns codes[:numel].
+
+    `work` holds at least _workspace_nbytes(numel, bits) bytes, 8-byte aligned, and is overwritten.
+    """
+    group_bytes, lanes = _group(bits)
+    if lanes == 1:
+        codes[:numel].copy_(packed)
+        return codes[:numel]
+    if numel == 0:
+        return codes[:0]
+    dtype = _WORD_DTYPES[lanes]
+    nbytes = packed.numel()
+    if group_bytes == 1:  # 1, 2 and 4 bits: one stream byte per word, widened by the copy
+        words = codes[: nbytes * lanes].view(dtype)
+        words.copy_(packed)
+    else:  # 3, 5, 6 and 7 bits: groups straddle stream words; cut each group out of its one or two stream words
+        chunks = code_buffer_nbytes(numel) // (lanes * lanes)
+        stream = work[: chunks * group_bytes * lanes]
+        stream[:nbytes].copy_(packed)  # also aligns the stream, which may sit at any byte offset of a file mapping
+        stream[nbytes:].zero_()
+        source = stream.view(dtype).view(chunks, group_bytes)
+        column = work[stream.numel(): stream.numel() + chunks * lanes].view(dtype)
+        words = codes[: chunks * lanes * lanes].view(dtype)
+        target = words.view(chunks, lanes)
+        for j, (a, o, spans) in enumerate(_columns(group_bytes, lanes)):
+            # An arithmetic shift: the copies of the sign bit it brings in are masked off below, or here, where
+            # the next word's bits are or-ed into their place.
+            torch.bitwise_right_shift(source[:, a], o, out=target[:, j])
+            if spans:
+                target[:, j].bitwise_and_((1 << (8 * lanes - o)) - 1)
+                torch.bitwise_left_shift(source[:, a + 1], 8 * lanes - o, out=column)
+                target[:, j].bitwise_or_(column)
+        words.bitwise_and_(_signed((1 << (8 * group_bytes)) - 1, 8 * lanes))
+    _spread(words, bits, lanes, work.view(dtype))
+    return codes[:numel]
 
 
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -38,36 +192,175 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if codes.dtype.is_floating_point or codes.dtype.is_complex or codes.dtype == torch.bool:
         raise ValueError(f"codes must be an integer tensor (uint8), got dtype {codes.dtype}")
     flat = codes.reshape(-1)
-    if flat.numel():
+    numel = flat.numel()
+    if numel:
         lo, hi = int(flat.min()), int(flat.max())
         if lo < 0 or hi > 2**bits - 1:
             raise ValueError(f"codes must lie in [0, {2**bits - 1}] for {bits} bits, got values in [{lo}, {hi}]")
-    numel = flat.numel()
-    group_bytes, group_codes = _group(bits)
-    # The stream is little-endian: a group of `group_codes` codes is one integer sum(code_i << bits*i) (at most
-    # 56 bits, so int64 holds it), written as its `group_bytes` low bytes.
-    flat = torch.nn.functional.pad(flat.to(torch.int64), (0, (-numel) % group_codes)).reshape(-1, group_codes)
-    code_shifts = bits * torch.arange(group_codes, dtype=torch.int64, device=flat.device)
-    value = (flat << code_shifts).sum(dim=1)
-    byte_shifts = 8 * torch.arange(group_bytes, dtype=torch.int64, device=flat.device)
-    stream = ((value[:, None] >> byte_shifts) & 0xFF).to(torch.uint8).reshape(-1)
-    return stream[: packed_nbytes(numel, bits)].contiguous()
+    group_bytes, lanes = _group(bits)
+    if lanes == 1:
+        return flat.to(torch.uint8).contiguous().clone()
+    buffer = torch.zeros(code_buffer_nbytes(numel), dtype=torch.uint8, device=flat.device)
+    buffer[:numel].copy_(flat)
+    work = torch.empty(_workspace_nbytes(numel, bits), dtype=torch.uint8, device=flat.device)
+    dtype = _WORD_DTYPES[lanes]
+    nbytes = packed_nbytes(numel, bits)
+    words = buffer.view(dtype)
+    _gather(words, bits, lanes, work.view(dtype))
+    if group_bytes == 1:  # each word's group now sits in its low byte
+        return words[:nbytes].to(torch.uint8)
+    chunks = buffer.numel() // (lanes * lanes)
+    stream = work[: chunks * group_bytes * lanes]
+    stream.zero_()
+    target = stream.view(dtype).view(chunks, group_bytes)
+    column = work[stream.numel(): stream.numel() + chunks * lanes].view(dtype)
+    source = words.view(chunks, lanes)
+    for j, (a, o, spans) in enumerate(_columns(group_bytes, lanes)):
+        torch.bitwise_left_shift(source[:, j], o, out=column)
+        target[:, a].bitwise_or_(column)
+        if spans:  # the group's top bits go to the next stream word (source is non-negative: a logical shift)
+            torch.bitwise_right_shift(source[:, j], 8 * lanes - o, out=column)
+            target[:, a + 1].bitwise_or_(column)
+    return stream[:nbytes].clone()
 
 
-def unpack_bits(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
-    """Inverse of pack_bits: the first `numel` codes as a 1-D uint8 tensor (reshape to the stored shape)."""
+def _check_packed(packed: torch.Tensor, bits: int, numel: int) -> None:
     expected = packed_nbytes(numel, bits)
     if packed.dtype != torch.uint8 or packed.ndim != 1:
         raise ValueError(f"packed must be a 1-D uint8 tensor, got dtype {packed.dtype} and shape {tuple(packed.shape)}")
     if packed.numel() != expected:
         raise ValueError(f"packed buffer has {packed.numel()} bytes, expected {expected} for {numel} codes of "
                          f"{bits} bits")
-    group_bytes, group_codes = _group(bits)
-    if group_bytes == 1:  # 1, 2, 4 and 8 bits: whole codes per byte, no widening needed
-        shifts = bits * torch.arange(group_codes, dtype=torch.uint8, device=packed.device)
-        return ((packed[:, None] >> shifts) & (2**bits - 1)).reshape(-1)[:numel]
-    grouped = torch.nn.functional.pad(packed, (0, (-packed.numel()) % group_bytes)).reshape(-1, group_bytes)
-    byte_shifts = 8 * torch.arange(group_bytes, dtype=torch.int64, device=packed.device)
-    value = (grouped.to(torch.int64) << byte_shifts).sum(dim=1)
-    code_shifts = bits * torch.arange(group_codes, dtype=torch.int64, device=packed.device)
-    return ((value[:, None] >> code_shifts) & (2**bits - 1)).to(torch.uint8).reshape(-1)[:numel]
+
+
+def unpack_bits(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+    """Inverse of pack_bits: the first `numel` codes as a 1-D uint8 tensor (reshape to the stored shape)."""
+    _check_packed(packed, bits, numel)
+    if bits == 8:
+        return packed.clone()
+    codes = torch.empty(code_buffer_nbytes(numel), dtype=torch.uint8, device=packed.device)
+    work = torch.empty(_workspace_nbytes(numel, bits), dtype=torch.uint8, device=packed.device)
+    return _unpack_into(codes, packed, bits, numel, work)
+
+
+# ------------------------------------------------------------------------------------------ dequantization
+
+
+class DequantScratch:
+    """The reusable uint8 code buffer of `dequantize_into`: one byte per code, for matrices of up to `numel` codes.
+
+    The caller owns it (one per thread: calls that share one must not overlap), sizes it once for the largest matrix
+    it will dequantize, and reserves `nbytes` in its memory budget. It never grows: a larger matrix is a ValueError.
+    """
+
+    def __init__(self, numel: int, device: torch.device | str) -> None:
+        self.buffer = torch.empty(code_buffer_nbytes(numel), dtype=torch.uint8, device=device)
+
+    @classmethod
+    def for_shapes(cls, shapes: list[tuple[int, int]], device: torch.device | str) -> DequantScratch:
+        """A scratch large enough for every [rows, cols] in `shapes`."""
+        return cls(max((rows * cols for rows, cols in shapes), default=0), device)
+
+    @staticmethod
+    def nbytes_for(numel: int) -> int:
+        """Bytes a scratch for matrices of up to `numel` codes takes, without allocating it."""
+        return code_buffer_nbytes(numel)
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel()
+
+    @property
+    def device(self) -> torch.device:
+        return self.buffer.device
+
+    def codes(self, numel: int, device: torch.device) -> torch.Tensor:
+        """The code buffer for a matrix of `numel` codes on `device`."""
+        if device != self.device:
+            raise ValueError(f"DequantScratch is on {self.device}, the packed codes on {device}; make it with "
+                             f"device={str(device)!r}")
+        needed = code_buffer_nbytes(numel)
+        if needed > self.nbytes:
+            raise ValueError(f"DequantScratch holds {self.nbytes} bytes, a matrix of {numel} codes needs {needed}; "
+                             f"size it for the largest matrix (DequantScratch.for_shapes)")
+        return self.buffer[:needed]
+
+
+def _check_dequant_args(out: torch.Tensor, packed: torch.Tensor, bits: int, scale: torch.Tensor, zero: torch.Tensor,
+                        group_size: int) -> None:
+    _check_bits(bits)
+    if out.dtype not in OUT_DTYPES:
+        raise ValueError(f"out must be bfloat16, float16 or float32, got dtype {out.dtype}")
+    if out.ndim != 2 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [rows, cols] tensor, got shape {tuple(out.shape)} "
+                         f"(contiguous: {out.is_contiguous()})")
+    rows, cols = out.shape
+    if not isinstance(group_size, int) or group_size < 1 or cols % group_size:
+        raise ValueError(f"group_size must be a positive divisor of the {cols} columns, got {group_size!r}")
+    _check_packed(packed, bits, rows * cols)
+    groups = (rows, cols // group_size)
+    for name, t in (("scale", scale), ("zero", zero)):
+        if t.dtype not in PARAM_DTYPES:
+            raise ValueError(f"{name} must be float16, bfloat16 or float32, got dtype {t.dtype}")
+        if tuple(t.shape) != groups:
+            raise ValueError(f"{name} must have shape [rows, cols // group_size] = {list(groups)}, got "
+                             f"{list(t.shape)}")
+    for name, t in (("out", out), ("scale", scale), ("zero", zero)):
+        if t.device != packed.device:
+            raise ValueError(f"{name} is on {t.device} but the packed codes are on {packed.device}; put them on one "
+                             f"device")
+
+
+def dequantize_into(out: torch.Tensor, packed: torch.Tensor, bits: int, scale: torch.Tensor, zero: torch.Tensor,
+                    group_size: int, scratch: DequantScratch | None = None) -> torch.Tensor:
+    """W = (q - zero) * scale written into `out` [rows, cols] (bfloat16, float16 or float32), q the codes `packed`
+    holds (pack_bits of rows*cols codes, row-major), scale and zero [rows, cols // group_size]; returns out.
+
+    float32: exactly the float32 reference hexq.algos.quant.dequantize (same operations, same order). bfloat16 and
+    float16: the affine is computed in float32 and rounded once into out, which equals the float32 reference
+    rounded to out's dtype whenever that reference is exact - it is for float16 scale and zero with |zero| >= 2^-6
+    or zero = 0, so for every artifact hexq packs; otherwise it is within float32 rounding of it.
+
+    Memory: the codes are unpacked into `scratch` (a DequantScratch; None allocates one for this call); the unpack
+    workspace is out's own memory, written over before the result; besides, only per-group float32 copies of scale
+    and zero (and a vector of ones) are allocated. Runs on the device of `packed`; all arguments must be on it.
+    """
+    _check_dequant_args(out, packed, bits, scale, zero, group_size)
+    rows, cols = out.shape
+    numel = rows * cols
+    if numel == 0:
+        return out
+    if bits == 8:
+        codes = packed
+    else:
+        if scratch is None:
+            scratch = DequantScratch(numel, packed.device)
+        buffer = scratch.codes(numel, packed.device)
+        codes = _unpack_into(buffer, packed, bits, numel, _carve(out, _workspace_nbytes(numel, bits)))
+    _affine_into(out, codes.view(rows, cols), scale, zero, group_size)
+    return out
+
+
+def _affine_into(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                 group_size: int) -> None:
+    """out = (codes - zero) * scale per group of `group_size` columns (hexq.algos.quant.dequantize), in place."""
+    rows, cols = out.shape
+    groups = cols // group_size
+    scale32, zero32 = scale.to(torch.float32), zero.to(torch.float32)
+    out.copy_(codes)  # codes are integers below 256: exact in every float dtype
+    if out.dtype == torch.float32:
+        grouped = out.view(rows, groups, group_size)
+        grouped.sub_(zero32[..., None])
+        grouped.mul_(scale32[..., None])
+        return
+    # bfloat16 / float16 out with float32 scale and zero: a mixed-dtype elementwise op on CPU would first copy the
+    # whole matrix to float32. Inference batch norm is the one kernel that applies a per-channel affine with float32
+    # parameters to a half-precision tensor in one pass, computing in float32 and rounding once: with every group
+    # a channel, running mean = zero, running var = 1, eps = 0, weight = scale, it computes q * scale - zero * scale
+    # (exact: q*scale and zero*scale are exact float32 products of 8- and 11-bit numbers, and so is their
+    # difference, the same number the reference (q - zero) * scale rounds to float32).
+    channels = out.view(1, rows * groups, group_size)
+    ones = torch.ones(rows * groups, dtype=torch.float32, device=out.device)
+    unused = torch.empty(0, dtype=torch.float32, device=out.device)
+    torch.ops.aten.native_batch_norm.out(channels, scale32.reshape(-1), None, zero32.reshape(-1), ones, False, 0.0,
+                                         0.0, out=channels, save_mean=unused, save_invstd=unused)
