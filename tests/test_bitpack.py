@@ -133,10 +133,10 @@ def test_dequantize_into_matches_reference(bits: int, shape: tuple, symmetric: b
 
 
 def _within_one_rounding(out: torch.Tensor, exact: torch.Tensor, slack: torch.Tensor) -> bool:
-    """|out - exact| <= half a unit in the last place of out's dtype at exact, plus float32 slack."""
-    mantissa = torch.finfo(out.dtype).eps  # 2^-(significand bits - 1)
-    tiny = torch.finfo(out.dtype).smallest_normal
-    half_ulp = exact.abs().clamp(min=tiny) * mantissa / 2 * 2  # up to 2x: |exact| just below a power of two
+    """|out - exact| <= slack + half a unit in the last place of out's dtype at |exact| + slack (eps/2 * |x| bounds
+    half an ulp at x; the smallest normal stands in for subnormals)."""
+    eps, tiny = torch.finfo(out.dtype).eps, torch.finfo(out.dtype).smallest_normal
+    half_ulp = (exact.abs() + slack).clamp(min=tiny) * eps / 2
     return bool(((out.double() - exact).abs() <= half_ulp + slack).all())
 
 

@@ -317,9 +317,9 @@ def dequantize_into(out: torch.Tensor, packed: torch.Tensor, bits: int, scale: t
     holds (pack_bits of rows*cols codes, row-major), scale and zero [rows, cols // group_size]; returns out.
 
     float32: exactly the float32 reference hexq.algos.quant.dequantize (same operations, same order). bfloat16 and
-    float16: the affine is computed in float32 and rounded once into out, which equals the float32 reference
-    rounded to out's dtype whenever that reference is exact - it is for float16 scale and zero with |zero| >= 2^-6
-    or zero = 0, so for every artifact hexq packs; otherwise it is within float32 rounding of it.
+    float16: the affine is computed in float32 and rounded once into out. With float16 (or bfloat16) scale and zero
+    and zero = 0 or |zero| >= 2^-6 - every artifact hexq packs - that float32 value is the reference's, so out is
+    bit for bit the reference converted to out's dtype; otherwise the two differ by float32 rounding first.
 
     Memory: the codes are unpacked into `scratch` (a DequantScratch; None allocates one for this call); the unpack
     workspace is out's own memory, written over before the result; besides, only per-group float32 copies of scale
@@ -356,9 +356,10 @@ def _affine_into(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, ze
     # bfloat16 / float16 out with float32 scale and zero: a mixed-dtype elementwise op on CPU would first copy the
     # whole matrix to float32. Inference batch norm is the one kernel that applies a per-channel affine with float32
     # parameters to a half-precision tensor in one pass, computing in float32 and rounding once: with every group
-    # a channel, running mean = zero, running var = 1, eps = 0, weight = scale, it computes q * scale - zero * scale
-    # (exact: q*scale and zero*scale are exact float32 products of 8- and 11-bit numbers, and so is their
-    # difference, the same number the reference (q - zero) * scale rounds to float32).
+    # a channel, running mean = zero, running var = 1, eps = 0, weight = scale, it computes q*scale - zero*scale.
+    # With half-precision scale and zero both products are exact in float32 (8 or 11 bits times 11 bits), so that
+    # is (q - zero) * scale rounded once to float32: the reference's value whenever its q - zero is exact, i.e.
+    # zero = 0 or |zero| >= 2^-6.
     channels = out.view(1, rows * groups, group_size)
     ones = torch.ones(rows * groups, dtype=torch.float32, device=out.device)
     unused = torch.empty(0, dtype=torch.float32, device=out.device)
