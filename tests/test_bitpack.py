@@ -94,11 +94,12 @@ def test_large_odd_round_trip() -> None:
 def test_unpack_misaligned_stream() -> None:
     # a stream read from a file mapping may start at any byte offset
     for bits in range(1, 9):
-        codes = _codes((333,), bits, seed=bits)
-        packed = pack_bits(codes, bits)
-        shifted = torch.cat([torch.zeros(3, dtype=torch.uint8), packed])[3:]
-        assert shifted.storage_offset() == 3
-        assert torch.equal(unpack_bits(shifted, bits, 333), codes)
+        for numel in (320, 333):  # whole 64-code chunks (no padding needed), and a tail
+            codes = _codes((numel,), bits, seed=bits)
+            packed = pack_bits(codes, bits)
+            shifted = torch.cat([torch.zeros(3, dtype=torch.uint8), packed])[3:]
+            assert shifted.storage_offset() == 3
+            assert torch.equal(unpack_bits(shifted, bits, numel), codes)
 
 
 # ------------------------------------------------------------------------------------------ dequantize_into
