@@ -127,6 +127,12 @@ def _columns(group_bytes: int, word_bytes: int) -> list[tuple[int, int, bool]]:
     return cols
 
 
+def _transpose_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst[i, j] = src[j, i] for 2-D tensors. Copied through 3-D views with a unit dimension: on CPU torch's 2-D
+    transposed copy takes a path three times slower."""
+    dst.unsqueeze(1).copy_(src.t().unsqueeze(1))
+
+
 def _workspace_nbytes(numel: int, bits: int) -> int:
     """Bytes of workspace _unpack_into needs besides the code buffer (0 at 8 bits)."""
     group_bytes, lanes = _group(bits)
@@ -135,8 +141,7 @@ def _workspace_nbytes(numel: int, bits: int) -> int:
     buffer = code_buffer_nbytes(numel)
     if group_bytes == 1:
         return buffer
-    chunks = buffer // (lanes * lanes)
-    return max(buffer, chunks * group_bytes * lanes + chunks * lanes)  # staged stream + one word column
+    return buffer // lanes * (group_bytes + lanes)  # the stream words and the groups, both planar
 
 
 def _carve(tensor: torch.Tensor, nbytes: int) -> torch.Tensor:
@@ -164,24 +169,32 @@ def _unpack_into(codes: torch.Tensor, packed: torch.Tensor, bits: int, numel: in
     if group_bytes == 1:  # 1, 2 and 4 bits: one stream byte per word, widened by the copy
         words = codes[: nbytes * lanes].view(dtype)
         words.copy_(packed)
-    else:  # 3, 5, 6 and 7 bits: groups straddle stream words; cut each group out of its one or two stream words
+    else:
+        # 3, 5, 6 and 7 bits: a group straddles stream words. A chunk of group_bytes stream words holds `lanes`
+        # groups; with chunks laid out planar (position in the chunk major), cutting group j out of stream words a
+        # and a + 1 is contiguous work on whole planes; two transposing copies go in and out of that layout.
         chunks = code_buffer_nbytes(numel) // (lanes * lanes)
-        stream = work[: chunks * group_bytes * lanes]
+        stream = codes[: chunks * group_bytes * lanes]  # the code buffer is free until the groups are copied in
         stream[:nbytes].copy_(packed)  # also aligns the stream, which may sit at any byte offset of a file mapping
         stream[nbytes:].zero_()
-        source = stream.view(dtype).view(chunks, group_bytes)
-        column = work[stream.numel(): stream.numel() + chunks * lanes].view(dtype)
-        words = codes[: chunks * lanes * lanes].view(dtype)
-        target = words.view(chunks, lanes)
-        for j, (a, o, spans) in enumerate(_columns(group_bytes, lanes)):
-            # An arithmetic shift: the copies of the sign bit it brings in are masked off below, or here, where
-            # the next word's bits are or-ed into their place.
-            torch.bitwise_right_shift(source[:, a], o, out=target[:, j])
+        source = work[: stream.numel()].view(dtype).view(group_bytes, chunks)
+        _transpose_into(source, stream.view(dtype).view(chunks, group_bytes))
+        groups = work[stream.numel(): stream.numel() + chunks * lanes * lanes].view(dtype).view(lanes, chunks)
+        columns = _columns(group_bytes, lanes)
+        for j in reversed(range(lanes)):  # plane j - 1 is still free: room for a spanning group's upper part
+            a, o, spans = columns[j]
+            # An arithmetic shift: the copies of the sign bit it brings in are masked off here, where the next
+            # word's bits are or-ed into their place, or at the end (above the group, as the spread discards them
+            # from 5 bits on).
+            torch.bitwise_right_shift(source[a], o, out=groups[j])
             if spans:
-                target[:, j].bitwise_and_((1 << (8 * lanes - o)) - 1)
-                torch.bitwise_left_shift(source[:, a + 1], 8 * lanes - o, out=column)
-                target[:, j].bitwise_or_(column)
-        words.bitwise_and_(_signed((1 << (8 * group_bytes)) - 1, 8 * lanes))
+                groups[j].bitwise_and_((1 << (8 * lanes - o)) - 1)
+                torch.bitwise_left_shift(source[a + 1], 8 * lanes - o, out=groups[j - 1])
+                groups[j].bitwise_or_(groups[j - 1])
+        if bits <= 4:
+            groups.bitwise_and_(_signed((1 << (8 * group_bytes)) - 1, 8 * lanes))
+        words = codes[: chunks * lanes * lanes].view(dtype)
+        _transpose_into(words.view(chunks, lanes), groups)
     _spread(words, bits, lanes, work.view(dtype))
     return codes[:numel]
 
@@ -202,25 +215,25 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
         return flat.to(torch.uint8).contiguous().clone()
     buffer = torch.zeros(code_buffer_nbytes(numel), dtype=torch.uint8, device=flat.device)
     buffer[:numel].copy_(flat)
-    work = torch.empty(_workspace_nbytes(numel, bits), dtype=torch.uint8, device=flat.device)
     dtype = _WORD_DTYPES[lanes]
     nbytes = packed_nbytes(numel, bits)
     words = buffer.view(dtype)
-    _gather(words, bits, lanes, work.view(dtype))
+    _gather(words, bits, lanes, torch.empty_like(words))
     if group_bytes == 1:  # each word's group now sits in its low byte
         return words[:nbytes].to(torch.uint8)
+    # The inverse of _unpack_into's planar cut: group j goes to bit o of stream word a (and a + 1 if it spans).
     chunks = buffer.numel() // (lanes * lanes)
-    stream = work[: chunks * group_bytes * lanes]
-    stream.zero_()
-    target = stream.view(dtype).view(chunks, group_bytes)
-    column = work[stream.numel(): stream.numel() + chunks * lanes].view(dtype)
-    source = words.view(chunks, lanes)
+    groups = torch.empty(lanes, chunks, dtype=dtype, device=flat.device)
+    _transpose_into(groups, words.view(chunks, lanes))
+    target = torch.zeros(group_bytes, chunks, dtype=dtype, device=flat.device)
+    upper = torch.empty(chunks, dtype=dtype, device=flat.device)
     for j, (a, o, spans) in enumerate(_columns(group_bytes, lanes)):
-        torch.bitwise_left_shift(source[:, j], o, out=column)
-        target[:, a].bitwise_or_(column)
-        if spans:  # the group's top bits go to the next stream word (source is non-negative: a logical shift)
-            torch.bitwise_right_shift(source[:, j], 8 * lanes - o, out=column)
-            target[:, a + 1].bitwise_or_(column)
+        if spans:  # groups are non-negative after the gather: this right shift is a logical one
+            torch.bitwise_right_shift(groups[j], 8 * lanes - o, out=upper)
+            target[a + 1].bitwise_or_(upper)
+        target[a].bitwise_or_(groups[j].bitwise_left_shift_(o))
+    stream = buffer[: chunks * group_bytes * lanes]
+    _transpose_into(stream.view(dtype).view(chunks, group_bytes), target)
     return stream[:nbytes].clone()
 
 
