@@ -9,10 +9,11 @@ How unpacking works without per-code integer temporaries. Codes are unpacked int
 which is worked on through 16-, 32- or 64-bit integer views ("words") of that same buffer: a word of K bytes holds
 the K codes of one whole-byte group (lcm(bits, 8) bits: 1 byte holds 8/bits codes at 1, 2 and 4 bits; 3, 5 and 7
 bytes hold 8 codes; 3 bytes hold 4 codes at 6 bits). First each word receives its group's bits, packed at the
-bottom (bits*i for code i); then log2(K) shift-and-mask steps move code i to bit 8*i, halving the distance each
-time (every step is one contiguous pass over the buffer). Packing runs the same steps backwards. Apart from the
-buffer itself, the only memory is one workspace as large as the buffer; `dequantize_into` takes it from the output
-matrix, which is written last.
+bottom (bits*i for code i): at 1, 2 and 4 bits a widening copy of the stream bytes; at 3, 5, 6 and 7 bits, where
+groups straddle stream words, shifts and masks on a planar copy of the stream (see _unpack_into). Then log2(K)
+shift-and-mask steps move code i to bit 8*i, halving the distance each time. Every step is a few whole-tensor ops,
+however many codes there are. Packing runs the same steps backwards. Besides the code buffer, unpacking needs a
+workspace of 1 to 1.9 times its size; `dequantize_into` takes it from the output matrix, which is written last.
 """
 
 from __future__ import annotations
@@ -127,6 +128,38 @@ def _columns(group_bytes: int, word_bytes: int) -> list[tuple[int, int, bool]]:
     return cols
 
 
+@functools.lru_cache(maxsize=32)
+def _cut_plan(bits: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[tuple]]:
+    """How to cut the groups of a chunk out of its stream words, as tensors on `device` (made once per device):
+    (first word [lanes], right shift [lanes, 1], spans), spans a list of (rows, next word [k], kept bits [k, 1],
+    left shift [k, 1]) for the groups that reach into the next word, `rows` a slice over group positions."""
+    group_bytes, lanes = _group(bits)
+    dtype, width = _WORD_DTYPES[lanes], 8 * lanes
+    columns = _columns(group_bytes, lanes)
+    spanning = [j for j, (_, _, spans) in enumerate(columns) if spans]
+    runs: list[list[int]] = []  # spanning positions as arithmetic runs, each one slice of the planes
+    for j in spanning:
+        if runs and (len(runs[-1]) == 1 or j - runs[-1][-1] == runs[-1][1] - runs[-1][0]):
+            runs[-1].append(j)
+        else:
+            runs.append([j])
+
+    def index(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    def column(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=device)[:, None]
+
+    spans = []
+    for run in runs:
+        step = run[1] - run[0] if len(run) > 1 else 1
+        rows = slice(run[0], run[-1] + 1, step)
+        spans.append((rows, index([columns[j][0] + 1 for j in run]),
+                      column([_signed((1 << (width - columns[j][1])) - 1, width) for j in run]),
+                      column([width - columns[j][1] for j in run])))
+    return index([a for a, _, _ in columns]), column([o for _, o, _ in columns]), spans
+
+
 def _transpose_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     """dst[i, j] = src[j, i] for 2-D tensors. Copied through 3-D views with a unit dimension: on CPU torch's 2-D
     transposed copy takes a path three times slower."""
@@ -180,17 +213,17 @@ def _unpack_into(codes: torch.Tensor, packed: torch.Tensor, bits: int, numel: in
         source = work[: stream.numel()].view(dtype).view(group_bytes, chunks)
         _transpose_into(source, stream.view(dtype).view(chunks, group_bytes))
         groups = work[stream.numel(): stream.numel() + chunks * lanes * lanes].view(dtype).view(lanes, chunks)
-        columns = _columns(group_bytes, lanes)
-        for j in reversed(range(lanes)):  # plane j - 1 is still free: room for a spanning group's upper part
-            a, o, spans = columns[j]
-            # An arithmetic shift: the copies of the sign bit it brings in are masked off here, where the next
-            # word's bits are or-ed into their place, or at the end (above the group, as the spread discards them
-            # from 5 bits on).
-            torch.bitwise_right_shift(source[a], o, out=groups[j])
-            if spans:
-                groups[j].bitwise_and_((1 << (8 * lanes - o)) - 1)
-                torch.bitwise_left_shift(source[a + 1], 8 * lanes - o, out=groups[j - 1])
-                groups[j].bitwise_or_(groups[j - 1])
+        first, right, spans = _cut_plan(bits, packed.device)
+        # Group j = word a >> o, which is all of it unless it spans into word a + 1: then only the 8*lanes - o
+        # bits that came from a are kept (the shift is an arithmetic one) and word a + 1 << (8*lanes - o) is or-ed
+        # in. Each step is one op over a set of planes, with per-plane shifts and masks.
+        torch.index_select(source, 0, first, out=groups)
+        groups.bitwise_right_shift_(right)
+        for rows, second, keep, left in spans:
+            upper = codes[: second.numel() * chunks * lanes].view(dtype).view(-1, chunks)  # free: stream in `source`
+            torch.index_select(source, 0, second, out=upper)
+            groups[rows].bitwise_and_(keep)
+            groups[rows].bitwise_or_(upper.bitwise_left_shift_(left))
         if bits <= 4:
             groups.bitwise_and_(_signed((1 << (8 * group_bytes)) - 1, 8 * lanes))
         words = codes[: chunks * lanes * lanes].view(dtype)
