@@ -307,5 +307,6 @@ class Artifact:
                        dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up [2I, H], down [H, I]) of one expert at `bits`, dequantized; bits 0 gives zeros (skipped)."""
         if bits == 0:
-            return tuple(torch.zeros(self.expert_shape(p), dtype=dtype) for p in PROJECTIONS)
+            # on the CPU, like every tensor read from the shards
+            return tuple(torch.zeros(self.expert_shape(p), dtype=dtype, device="cpu") for p in PROJECTIONS)
         return tuple(dequantize_packed(self.packed_expert(layer, expert, bits, p), dtype) for p in PROJECTIONS)
