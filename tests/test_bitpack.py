@@ -1,4 +1,5 @@
-"""Dense bit packing: round trips over every width and odd shapes, exact sizes, layout, errors."""
+"""Dense bit packing and dequantization: round trips over every width and odd shapes, exact sizes, layout, results
+against the float32 reference in every destination dtype, scratch reuse, devices, errors."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import math
 import pytest
 import torch
 
-from hexq.artifact.bitpack import pack_bits, packed_nbytes, unpack_bits
+from hexq.algos.quant import QuantMeta, QuantSpec, dequantize, quantize
+from hexq.artifact.bitpack import DequantScratch, dequantize_into, pack_bits, packed_nbytes, unpack_bits
+from hexq.artifact.format import PackedWeight, dequantize_packed, dequantize_packed_into
 
 
 def _codes(shape: tuple[int, ...], bits: int, seed: int = 0) -> torch.Tensor:
@@ -79,3 +82,178 @@ def test_errors() -> None:
         unpack_bits(packed.to(torch.int32), 3, 10)
     with pytest.raises(ValueError, match="non-negative"):
         packed_nbytes(-1, 3)
+
+
+def test_large_odd_round_trip() -> None:
+    # > one 64-code chunk, not a multiple of it: exercises the word paths and the tail of every width
+    for bits in range(1, 9):
+        codes = _codes((3, 1001), bits, seed=10 + bits)
+        assert torch.equal(unpack_bits(pack_bits(codes, bits), bits, codes.numel()).reshape(3, 1001), codes)
+
+
+def test_unpack_misaligned_stream() -> None:
+    # a stream read from a file mapping may start at any byte offset
+    for bits in range(1, 9):
+        for numel in (320, 333):  # whole 64-code chunks (no padding needed), and a tail
+            codes = _codes((numel,), bits, seed=bits)
+            packed = pack_bits(codes, bits)
+            shifted = torch.cat([torch.zeros(3, dtype=torch.uint8), packed])[3:]
+            assert shifted.storage_offset() == 3
+            assert torch.equal(unpack_bits(shifted, bits, numel), codes)
+
+
+# ------------------------------------------------------------------------------------------ dequantize_into
+
+SHAPES = [(7, 96, 32), (5, 256, 128), (3, 100, None)]  # (rows, cols, group_size); None: one group per row
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def _packed_weight(rows: int, cols: int, bits: int, group: int | None, symmetric: bool, seed: int = 0):
+    """(packed codes, float16 scale, float16 zero, group_size, float32 reference) as hexq packs a weight."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, cols, generator=g) * torch.rand(rows, 1, generator=g)
+    codes, meta = quantize(w, QuantSpec(bits, group, symmetric=symmetric))
+    scale, zero = meta.scale.half(), meta.zero.half()
+    reference = dequantize(codes, QuantMeta(scale.float(), zero.float(), meta.group_size, bits))
+    return pack_bits(codes, bits), scale, zero, meta.group_size, reference
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_dequantize_into_matches_reference(bits: int, shape: tuple, symmetric: bool) -> None:
+    rows, cols, group = shape
+    packed, scale, zero, group_size, reference = _packed_weight(rows, cols, bits, group, symmetric, seed=bits)
+    if bits == 1:  # the 1-bit grids: zero 0.5 (symmetric) or -min/scale, not an integer (asymmetric)
+        assert not torch.equal(zero, zero.round())
+    for dtype in DTYPES:
+        out = torch.full((rows, cols), float("nan"), dtype=dtype)
+        assert dequantize_into(out, packed, bits, scale, zero, group_size) is out
+        # float32: the reference itself; half types: the float32 reference converted, bit for bit (hexq's grids have
+        # zero = 0 or |zero| >= 2^-6)
+        assert torch.equal(out, reference.to(dtype)), dtype
+
+
+def _within_one_rounding(out: torch.Tensor, exact: torch.Tensor, slack: torch.Tensor) -> bool:
+    """|out - exact| <= slack + half a unit in the last place of out's dtype at |exact| + slack (eps/2 * |x| bounds
+    half an ulp at x; the smallest normal stands in for subnormals)."""
+    eps, tiny = torch.finfo(out.dtype).eps, torch.finfo(out.dtype).smallest_normal
+    half_ulp = (exact.abs() + slack).clamp(min=tiny) * eps / 2
+    return bool(((out.double() - exact).abs() <= half_ulp + slack).all())
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("param_dtype", [torch.float16, torch.float32])
+def test_dequantize_into_arbitrary_grid(bits: int, param_dtype: torch.dtype) -> None:
+    # zeros that are not integers, negative or beyond the code range, and float32 parameters: float32 out is still
+    # the reference exactly, half types within one rounding of the exact value
+    rows, cols, group_size = 9, 64, 16
+    g = torch.Generator().manual_seed(bits)
+    codes = torch.randint(0, 2**bits, (rows, cols), generator=g).to(torch.uint8)
+    scale = (torch.rand(rows, cols // group_size, generator=g) * 0.1 + 1e-3).to(param_dtype)
+    zero = ((torch.rand(rows, cols // group_size, generator=g) * 1.5 - 0.25) * 2**bits).to(param_dtype)
+    packed = pack_bits(codes, bits)
+    reference = dequantize(codes, QuantMeta(scale.float(), zero.float(), group_size, bits))
+    s = scale.double().repeat_interleave(group_size, dim=1)
+    z = zero.double().repeat_interleave(group_size, dim=1)
+    exact = (codes.double() - z) * s
+    out32 = dequantize_into(torch.empty(rows, cols), packed, bits, scale, zero, group_size)
+    assert torch.equal(out32, reference)
+    slack = 2.0**-22 * (codes.double() + z.abs()) * s  # float32 rounding of q*scale - zero*scale
+    for dtype in (torch.bfloat16, torch.float16):
+        out = dequantize_into(torch.empty(rows, cols, dtype=dtype), packed, bits, scale, zero, group_size)
+        assert _within_one_rounding(out, exact, slack), dtype
+
+
+def test_scratch_reuse_across_shapes_and_widths() -> None:
+    shapes = [(7, 96), (5, 256), (3, 100), (1, 32)]
+    scratch = DequantScratch.for_shapes(shapes, "cpu")
+    assert scratch.nbytes == DequantScratch.nbytes_for(5 * 256) == 1280
+    assert DequantScratch.nbytes_for(300) == 320  # rounded up to 64 codes
+    for round_ in range(2):
+        for bits in (3, 1, 8, 4, 7, 2):
+            for rows, cols in shapes:
+                group = cols // 2 if cols % 2 == 0 else None
+                packed, scale, zero, group_size, reference = _packed_weight(rows, cols, bits, group, False, round_)
+                out = torch.empty(rows, cols, dtype=torch.bfloat16)
+                dequantize_into(out, packed, bits, scale, zero, group_size, scratch)
+                assert torch.equal(out, reference.bfloat16()), (bits, rows, cols)
+
+
+def test_out_in_a_larger_buffer() -> None:
+    # out may be a view at any element offset of a larger buffer (its memory doubles as unpack workspace)
+    packed, scale, zero, group_size, reference = _packed_weight(8, 64, 3, 32, False)
+    slab = torch.zeros(3 + 8 * 64 + 5, dtype=torch.bfloat16)
+    out = slab[3:3 + 8 * 64].view(8, 64)
+    dequantize_into(out, packed, 3, scale, zero, group_size)
+    assert torch.equal(out, reference.bfloat16())
+    assert not slab[:3].any() and not slab[-5:].any()
+
+
+def test_dequantize_packed_through_new_path() -> None:
+    packed, scale, zero, group_size, reference = _packed_weight(6, 64, 3, 32, False)
+    weight = PackedWeight(packed, scale, zero, 3, (6, 64))
+    assert torch.equal(dequantize_packed(weight), reference)
+    assert torch.equal(dequantize_packed(weight, torch.bfloat16), reference.bfloat16())
+    assert torch.equal(dequantize_packed(weight, torch.float64), reference.double())
+    out = torch.empty(6, 64, dtype=torch.bfloat16)
+    assert dequantize_packed_into(out, weight, DequantScratch(6 * 64, "cpu")) is out
+    assert torch.equal(out, reference.bfloat16())
+    with pytest.raises(ValueError, match=r"out has shape \[6, 32\]"):
+        dequantize_packed_into(torch.empty(6, 32), weight)
+
+
+def test_default_device_meta() -> None:
+    # every tensor dequantize_into makes is put on the inputs' device, not on the default one
+    packed, scale, zero, group_size, reference = _packed_weight(5, 96, 3, 32, False)
+    weight = PackedWeight(packed, scale, zero, 3, (5, 96))
+    codes = _codes((77,), 5)
+    torch.set_default_device("meta")
+    try:
+        outs = [dequantize_into(torch.empty(5, 96, dtype=dtype, device="cpu"), packed, 3, scale, zero, group_size,
+                                DequantScratch(5 * 96, "cpu")) for dtype in DTYPES]
+        outs.append(dequantize_packed(weight, torch.bfloat16))
+        round_trip = unpack_bits(pack_bits(codes, 5), 5, 77)
+    finally:
+        torch.set_default_device(None)
+    for out, dtype in zip(outs, DTYPES + [torch.bfloat16], strict=True):
+        assert out.device.type == "cpu" and torch.equal(out, reference.to(dtype))
+    assert round_trip.device.type == "cpu" and torch.equal(round_trip, codes)
+
+
+def test_no_temporary_above_code_buffer() -> None:
+    # the largest block allocated during a call is the per-call scratch (one byte per code), nothing wider
+    rows, cols = 64, 256
+    packed, scale, zero, group_size, _ = _packed_weight(rows, cols, 3, 32, False)
+    scratch = DequantScratch(rows * cols, "cpu")
+    outs = [torch.empty(rows, cols, dtype=dtype) for dtype in DTYPES]
+    with torch.profiler.profile(profile_memory=True) as prof:
+        for out in outs:
+            dequantize_into(out, packed, 3, scale, zero, group_size, scratch)
+    allocated = [e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0]
+    assert allocated and max(allocated) <= rows * cols // 8  # per-group parameters only
+
+
+def test_dequantize_errors() -> None:
+    packed, scale, zero, group_size, _ = _packed_weight(4, 64, 3, 32, False)
+    out = torch.empty(4, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="out must be bfloat16, float16 or float32"):
+        dequantize_into(out.double(), packed, 3, scale, zero, group_size)
+    with pytest.raises(ValueError, match="contiguous"):
+        dequantize_into(torch.empty(64, 4, dtype=torch.bfloat16).t(), packed, 3, scale, zero, group_size)
+    with pytest.raises(ValueError, match="group_size must be a positive divisor of the 64 columns"):
+        dequantize_into(out, packed, 3, scale, zero, 24)
+    with pytest.raises(ValueError, match="has 96 bytes, expected 128"):
+        dequantize_into(out, packed, 4, scale, zero, group_size)
+    with pytest.raises(ValueError, match=r"scale must have shape \[rows, cols // group_size\] = \[4, 2\]"):
+        dequantize_into(out, packed, 3, scale[:, :1], zero, group_size)
+    with pytest.raises(ValueError, match="zero must be float16, bfloat16 or float32"):
+        dequantize_into(out, packed, 3, scale, zero.to(torch.int32), group_size)
+    with pytest.raises(ValueError, match="bits must be an integer in 1..8"):
+        dequantize_into(out, packed, 0, scale, zero, group_size)
+    with pytest.raises(ValueError, match="DequantScratch holds 192 bytes, a matrix of 256 codes needs 256"):
+        dequantize_into(out, packed, 3, scale, zero, group_size, DequantScratch(150, "cpu"))
+    with pytest.raises(ValueError, match="DequantScratch is on meta"):
+        dequantize_into(out, packed, 3, scale, zero, group_size, DequantScratch(256, "meta"))
+    with pytest.raises(ValueError, match="scale is on meta"):
+        dequantize_into(out, packed, 3, scale.to("meta"), zero, group_size)

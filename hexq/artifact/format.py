@@ -37,8 +37,8 @@ import torch
 from safetensors import safe_open
 
 from hexq import __version__
-from hexq.algos.quant import QuantMeta, dequantize
-from hexq.artifact.bitpack import pack_bits, packed_nbytes, unpack_bits
+from hexq.algos.quant import QuantMeta
+from hexq.artifact.bitpack import OUT_DTYPES, DequantScratch, dequantize_into, pack_bits, packed_nbytes
 from hexq.errors import HexqError
 from hexq.io import save_tensors, write_json_atomic
 
@@ -97,12 +97,30 @@ def pack_weight(codes: torch.Tensor, meta: QuantMeta) -> PackedWeight:
                         meta.zero.to(SCALE_DTYPE).contiguous(), meta.bits, tuple(codes.shape))
 
 
-def dequantize_packed(weight: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The float matrix [out, in] a PackedWeight stands for."""
+def dequantize_packed(weight: PackedWeight, dtype: torch.dtype = torch.float32,
+                      scratch: DequantScratch | None = None) -> torch.Tensor:
+    """The float matrix [out, in] a PackedWeight stands for, in `dtype`, on the device of its codes.
+
+    bfloat16, float16 and float32 are produced directly (bitpack.dequantize_into); other dtypes are the float32
+    result converted.
+    """
+    direct = dtype if dtype in OUT_DTYPES else torch.float32
+    out = torch.empty(weight.shape, dtype=direct, device=weight.codes.device)
+    return dequantize_packed_into(out, weight, scratch).to(dtype)
+
+
+def dequantize_packed_into(out: torch.Tensor, weight: PackedWeight,
+                           scratch: DequantScratch | None = None) -> torch.Tensor:
+    """Write the matrix a PackedWeight stands for into `out` (preallocated [out, in], bfloat16, float16 or float32,
+    on the codes' device) and return it; `scratch` is the reusable code buffer (see bitpack.DequantScratch)."""
+    if tuple(out.shape) != tuple(weight.shape):
+        raise ValueError(f"out has shape {list(out.shape)}, the packed weight is {list(weight.shape)}")
     rows, cols = weight.shape
-    codes = unpack_bits(weight.codes, weight.bits, rows * cols).reshape(rows, cols)
-    meta = QuantMeta(weight.scale.float(), weight.zero.float(), cols // weight.scale.shape[-1], weight.bits)
-    return dequantize(codes, meta).to(dtype)
+    groups = weight.scale.shape[-1] if weight.scale.ndim == 2 else 0
+    if not groups or cols % groups:
+        raise ValueError(f"packed weight scale has shape {list(weight.scale.shape)}: expected [{rows}, groups] with "
+                         f"groups dividing {cols}")
+    return dequantize_into(out, weight.codes, weight.bits, weight.scale, weight.zero, cols // groups, scratch)
 
 
 def packed_weight_nbytes(shape: tuple[int, int], bits: int, group_size: int) -> int:
