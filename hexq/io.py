@@ -323,3 +323,49 @@ def save_tensors(path: str | Path, tensors: dict[str, torch.Tensor], metadata: d
     with SafetensorsWriter(path, specs, metadata) as writer:
         for name, tensor in ordered.items():
             writer.write(name, tensor.cpu())
+
+
+def seal_path(path: Path) -> Path:
+    """Where the seal of a JSON file lives: manifest.json -> manifest.sha256."""
+    return Path(path).with_suffix(".sha256")
+
+
+def write_sealed_json(path: str | Path, obj) -> None:
+    """Write `obj` as JSON and, beside it, its SHA-256 in sha256sum's format (`sha256sum -c` checks it), so that any
+    later edit of the file is detected and named by `read_sealed_json`. The seal is written second: a run killed in
+    between leaves a file that fails its check rather than one that passes it."""
+    import hashlib
+
+    path = Path(path)
+    data = (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode()
+    write_bytes_atomic(path, data)
+    write_bytes_atomic(seal_path(path), f"{hashlib.sha256(data).hexdigest()}  {path.name}\n".encode())
+
+
+def read_sealed_json(path: str | Path):
+    """The JSON object in `path`, after checking it against its seal (write_sealed_json); a missing, unreadable or
+    different seal, or invalid JSON, is a one-line HexqError naming the file."""
+    import hashlib
+
+    from hexq.errors import HexqError
+
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise HexqError(f"{path} is missing") from None
+    except OSError as err:
+        raise HexqError(f"{path} is unreadable: {err}") from None
+    seal = seal_path(path)
+    try:
+        recorded = seal.read_text().split()[0]
+    except (OSError, IndexError, UnicodeDecodeError):
+        raise HexqError(f"{seal} is missing or unreadable: {path.name} cannot be checked") from None
+    actual = hashlib.sha256(data).hexdigest()
+    if actual != recorded:
+        raise HexqError(f"{path} was changed after hexq wrote it: sha256 {actual[:16]}..., {seal.name} says "
+                        f"{recorded[:16]}...")
+    try:
+        return json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise HexqError(f"{path} is not valid JSON: {err}") from None

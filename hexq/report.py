@@ -530,9 +530,10 @@ def header_items(info: dict, manifest: dict) -> list[tuple[str, str]]:
     return [
         ("model", f"{model['model_type']}: {model['num_layers']} layers x {model['num_experts']} experts, "
                   f"top-{model.get('top_k', '?')}"),
-        ("artifact size", f"{format_bytes(info['accounting']['files'])} (experts at the allocation "
-                          f"{format_bytes(info['allocation']['bytes'])}, full replica banks "
-                          f"{format_bytes(info['accounting']['banks'])})"),
+        ("artifact size", f"{format_bytes(info['accounting']['files'])} (experts stored "
+                          f"{format_bytes(info['accounting']['stored_experts'])} = "
+                          f"{info['accounting']['experts_vs_bf16']:.1%} of their bf16 size; at the allocation "
+                          f"{format_bytes(info['allocation']['bytes'])})"),
         ("average bits", f"{info['allocation']['average_bits']:.3f} (widths {info['allocation']['bits_set']})"),
         ("budget", info["allocation"]["budget"]),
         ("placement", f"{info['placement']['scheme']}, {info['placement']['hot_per_layer']} hot experts per layer"),
@@ -560,7 +561,7 @@ def report_files(artifact_path: Path, results_dir: Path, placement_json: Path) -
     artifact = Artifact(artifact_path)
     manifest = artifact.manifest
     stats = artifact.shard_tensors(STATS_SHARD)
-    L, E = artifact.num_layers, artifact.num_experts
+    L, E = len(artifact.moe_layers), artifact.num_experts  # rows of the stats: MoE layers
     name = benchmark_name(manifest["model"]["model_type"])
     share = routed_share(stats["router.counts"])
     scheme = manifest["placement"]["scheme"]

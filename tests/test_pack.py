@@ -16,6 +16,7 @@ from hexq.artifact.pack import Budget, pack
 from hexq.calib.pipeline import calibrated_model
 from hexq.calib.store import bank_weights
 from hexq.errors import HexqError
+from hexq.io import write_sealed_json
 from hexq.recipe import Pack
 from hexq.runtime.model import artifact_model
 from hexq.streaming import stream_logits
@@ -137,9 +138,41 @@ def test_newer_format_version_is_refused(artifact_25, tmp_path):
     newer = tmp_path / "newer.hexq"
     shutil.copytree(artifact_25, newer)
     manifest = json.loads((newer / "manifest.json").read_text())
-    (newer / "manifest.json").write_text(json.dumps(manifest | {"format_version": FORMAT_VERSION + 1}))
+    write_sealed_json(newer / "manifest.json", manifest | {"format_version": FORMAT_VERSION + 1})
     with pytest.raises(HexqError, match="newer than this hexq reads"):
         Artifact(newer)
+
+
+def test_an_edited_manifest_is_named_even_when_every_shard_is_intact(artifact_25, tmp_path):
+    """Changing the allocation (or top_k, or the group size) in manifest.json would change what the runtime serves
+    without touching a shard: the manifest's seal names the edit, and inspect's checksums fail."""
+    edited = tmp_path / "edited.hexq"
+    shutil.copytree(artifact_25, edited)
+    manifest = json.loads((edited / "manifest.json").read_text())
+    for change in ({"allocation": manifest["allocation"] | {"bits": [[4] * 8] * 2}},
+                   {"model": manifest["model"] | {"top_k": 3}},
+                   {"experts": manifest["experts"] | {"group_size": 32}}):
+        (edited / "manifest.json").write_text(json.dumps(manifest | change, indent=2) + "\n")
+        with pytest.raises(HexqError, match="manifest.json was changed after hexq wrote it"):
+            Artifact(edited)
+        result = runner.invoke(app, ["inspect", str(edited)])
+        assert result.exit_code == 1 and "changed after hexq wrote it" in result.output
+    (edited / "manifest.sha256").unlink()
+    with pytest.raises(HexqError, match="manifest.sha256 is missing"):
+        Artifact(edited)
+
+
+def test_a_resealed_manifest_with_impossible_fields_is_refused(artifact_25, tmp_path):
+    edited = tmp_path / "edited.hexq"
+    shutil.copytree(artifact_25, edited)
+    manifest = json.loads((edited / "manifest.json").read_text())
+    for change, field in (({"model": manifest["model"] | {"top_k": 9}}, "top_k"),
+                          ({"allocation": manifest["allocation"] | {"bits": [[5] * 8] * 2}}, "allocation.bits"),
+                          ({"experts": manifest["experts"] | {"group_size": 7}}, "group size"),
+                          ({"model": manifest["model"] | {"moe_layers": [1, 0]}}, "moe_layers")):
+        write_sealed_json(edited / "manifest.json", manifest | change)
+        with pytest.raises(HexqError, match=field):
+            Artifact(edited)
 
 
 def test_infeasible_budget_names_the_minimum_and_leaves_nothing(mixed_calibration, tmp_path):

@@ -27,7 +27,6 @@ these bytes, which is the model's definition from here on.
 from __future__ import annotations
 
 import hashlib
-import json
 import shutil
 import threading
 from dataclasses import dataclass
@@ -40,7 +39,7 @@ from hexq import __version__
 from hexq.algos.quant import QuantMeta
 from hexq.artifact.bitpack import OUT_DTYPES, DequantScratch, dequantize_into, pack_bits, packed_nbytes
 from hexq.errors import HexqError
-from hexq.io import save_tensors, write_json_atomic
+from hexq.io import read_sealed_json, save_tensors, write_sealed_json
 
 FORMAT = "hexq-artifact"
 FORMAT_VERSION = 2  # 2: per-layer dense shards, MoE-layer rows, only the allocated + bank widths stored
@@ -163,7 +162,8 @@ class ArtifactWriter:
         self._record(name)
 
     def finish(self, manifest: dict) -> None:
-        write_json_atomic(self.folder / MANIFEST, {"format": FORMAT, "format_version": FORMAT_VERSION,
+        """Write the manifest and its seal (manifest.sha256): any later edit of the manifest is named on open."""
+        write_sealed_json(self.folder / MANIFEST, {"format": FORMAT, "format_version": FORMAT_VERSION,
                                                    "hexq_version": __version__, **manifest,
                                                    "files": dict(sorted(self.files.items()))})
 
@@ -172,17 +172,15 @@ class ArtifactWriter:
 
 
 def read_artifact_manifest(path: Path) -> dict:
-    """The manifest of the artifact at `path`, with its format and version checked."""
+    """The manifest of the artifact at `path`: its seal checked (any edit is named), then its format, version and
+    every field the readers rely on (validate_manifest)."""
     manifest_path = Path(path) / MANIFEST
     if not Path(path).is_dir():
         raise HexqError(f"{path} is not a hexq artifact folder (made by hexq pack)")
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except FileNotFoundError:
-        raise HexqError(f"{path} has no {MANIFEST}: not a hexq artifact, or hexq pack did not finish") from None
-    except (OSError, json.JSONDecodeError) as err:
-        raise HexqError(f"{manifest_path} is unreadable: {err}") from None
-    if manifest.get("format") != FORMAT:
+    if not manifest_path.is_file():
+        raise HexqError(f"{path} has no {MANIFEST}: not a hexq artifact, or hexq pack did not finish")
+    manifest = read_sealed_json(manifest_path)
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise HexqError(f"{manifest_path} is not a hexq artifact manifest (format {manifest.get('format')!r})")
     version = manifest.get("format_version")
     if not isinstance(version, int) or version > FORMAT_VERSION:
@@ -191,7 +189,69 @@ def read_artifact_manifest(path: Path) -> dict:
     if version < FORMAT_VERSION:
         raise HexqError(f"{path} has artifact format version {version}; this hexq reads version {FORMAT_VERSION}: "
                         "pack the calibration again")
+    validate_manifest(manifest, manifest_path)
     return manifest
+
+
+def _field(manifest: dict, dotted: str, kind, where: Path):
+    """manifest[a][b]... of type `kind`, or a one-line HexqError naming the field."""
+    value = manifest
+    for key in dotted.split("."):
+        if not isinstance(value, dict) or key not in value:
+            raise HexqError(f"{where}: field {dotted} is missing")
+        value = value[key]
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+        raise HexqError(f"{where}: field {dotted} has the wrong type ({type(value).__name__})")
+    return value
+
+
+def _ints(values, name: str, where: Path, low: int, high: int) -> list[int]:
+    if not isinstance(values, list) or not all(isinstance(v, int) and not isinstance(v, bool) and low <= v <= high
+                                               for v in values):
+        raise HexqError(f"{where}: field {name} must be a list of integers in {low}..{high}")
+    return values
+
+
+def validate_manifest(manifest: dict, where: Path) -> None:
+    """Every field the readers and the runtime rely on has its type and is consistent with the others (the seal
+    catches edits; this catches a manifest hexq did not write the way it reads)."""
+    layers = _field(manifest, "model.num_layers", int, where)
+    experts = _field(manifest, "model.num_experts", int, where)
+    top_k = _field(manifest, "model.top_k", int, where)
+    if experts < 1 or not 1 <= top_k <= experts:
+        raise HexqError(f"{where}: model.top_k {top_k} must be in 1..model.num_experts ({experts})")
+    moe = _ints(_field(manifest, "model.moe_layers", list, where), "model.moe_layers", where, 0, layers - 1)
+    if not moe or moe != sorted(set(moe)):
+        raise HexqError(f"{where}: field model.moe_layers must list distinct layers in order")
+    replica = _ints(_field(manifest, "experts.replica_bits", list, where), "experts.replica_bits", where, 1, 8)
+    _ints(_field(manifest, "experts.bank_bits", list, where), "experts.bank_bits", where, 1, 8)
+    if not set(manifest["experts"]["bank_bits"]) <= set(replica):
+        raise HexqError(f"{where}: experts.bank_bits {manifest['experts']['bank_bits']} are not calibrated widths "
+                        f"{replica}")
+    shapes = _field(manifest, "experts.shapes", dict, where)
+    group = manifest["experts"].get("group_size")
+    for projection in PROJECTIONS:
+        shape = _ints(shapes.get(projection), f"experts.shapes.{projection}", where, 1, 1 << 31)
+        if len(shape) != 2 or group is not None and (not isinstance(group, int) or group < 1 or shape[1] % group):
+            raise HexqError(f"{where}: experts.shapes.{projection} {shape} does not fit group size {group}")
+    rows = _field(manifest, "allocation.bits", list, where)
+    if len(rows) != len(moe):
+        raise HexqError(f"{where}: allocation.bits has {len(rows)} rows for {len(moe)} MoE layers")
+    for row in rows:
+        _ints(row, "allocation.bits", where, 0, 8)
+        if len(row) != experts or not set(row) <= {0, *replica}:
+            raise HexqError(f"{where}: allocation.bits rows must give one of {[0, *replica]} per expert ({experts})")
+    hot = _field(manifest, "placement.hot", list, where)
+    if len(hot) != len(moe) or any(_ints(h, "placement.hot", where, 0, experts - 1) is None for h in hot):
+        raise HexqError(f"{where}: placement.hot must have one list of experts per MoE layer")
+    quantized = _field(manifest, "dense.quantized_linears", dict, where)
+    if not all(isinstance(b, int) and 1 <= b <= 8 for b in quantized.values()):
+        raise HexqError(f"{where}: dense.quantized_linears must map weight names to widths in 1..8")
+    _field(manifest, "dense.aliases", dict, where)
+    for name, entry in _field(manifest, "files", dict, where).items():
+        if not (isinstance(entry, dict) and isinstance(entry.get("sha256"), str)
+                and isinstance(entry.get("bytes"), int)) or ".." in Path(name).parts or Path(name).is_absolute():
+            raise HexqError(f"{where}: files entry {name!r} is malformed")
 
 
 class Artifact:
