@@ -187,9 +187,24 @@ def test_changed_source_model_is_refused(mixed_calibration, tmp_path):
     shutil.copytree(mixed_calibration[0], calib)
     manifest = json.loads((calib / "manifest.json").read_text())
     manifest["fingerprint"]["model"] = "0" * 64
-    (calib / "manifest.json").write_text(json.dumps(manifest))
+    write_sealed_json(calib / "manifest.json", manifest)  # as if the model had changed after calibrating
     with pytest.raises(HexqError, match="changed since"):
         pack(calib, tmp_path / "x.hexq")
+    (calib / "manifest.json").write_text(json.dumps(manifest))  # an edit without the seal is named as such
+    with pytest.raises(HexqError, match="manifest.json was changed after hexq wrote it"):
+        pack(calib, tmp_path / "x.hexq")
+
+
+def test_a_corrupt_calibration_file_is_named(mixed_calibration, tmp_path):
+    calib = tmp_path / "cal"
+    shutil.copytree(mixed_calibration[0], calib)
+    bank = calib / "layer_001.bank.safetensors"
+    data = bytearray(bank.read_bytes())
+    data[-7] ^= 0x10  # one flipped bit in a packed code: a silently different expert without the check
+    bank.write_bytes(bytes(data))
+    with pytest.raises(HexqError, match=r"layer_001\.bank\.safetensors is corrupt: sha256"):
+        pack(calib, tmp_path / "x.hexq")
+    assert not (tmp_path / "x.hexq").exists()
 
 
 def test_cli_pack_and_inspect(mixed_calibration, tmp_path):

@@ -50,12 +50,14 @@ from hexq.calib.store import (
     bank_weights,
     differing_inputs,
     is_finished,
+    layer_file_records,
     layer_meta,
     layers_done,
     load_layer,
     model_fingerprint,
     open_bank,
     packed_matrix,
+    progress_files,
     put_packed,
     read_json,
     read_manifest,
@@ -66,7 +68,7 @@ from hexq.calib.store import (
 from hexq.checkpoint import Checkpoint
 from hexq.data import calibration_windows
 from hexq.errors import HexqError
-from hexq.io import write_json_atomic
+from hexq.io import write_json_atomic, write_sealed_json
 from hexq.recipe import Recipe, WeightQuant, calibration_hash, recipe_from_dict, recipe_to_dict, validate_for_model
 from hexq.simulate import (
     RoutedTokens,
@@ -565,12 +567,12 @@ def calibrate(model_path: str | Path, recipe: Recipe, data: str, out: str | Path
                                 "over, or pick another output folder")
             work.clear()
             done = 0
-        write_progress(work.path, fingerprint, done)
+        write_progress(work.path, fingerprint, done, progress_files(work.path))
         manifest = run_layers(streamed, tokenizer, recipe, windows, work.path, fingerprint, done, device,
                               batch_size, activation_limit, progress)
         manifest["model"]["path"] = str(model_path.resolve())
         manifest["data"]["source"] = data
-        write_json_atomic(work.path / "manifest.json", manifest)
+        write_sealed_json(work.path / "manifest.json", manifest)
     return CalibrationSummary(out, num_layers, done, manifest["fallback_experts"], time.time() - started)
 
 
@@ -586,6 +588,8 @@ def run_layers(streamed: StreamedModel, tokenizer, recipe: Recipe, windows, fold
     hidden = HiddenStore(activation_limit, folder)
     kwargs = streamed.layer_inputs(windows.ids, batch_size, hidden)
     timings = read_json(folder / "timings.json") or {}
+    files = {name: record for name, record in progress_files(folder).items()
+             if int(name[len("layer_"):len("layer_") + 3]) < done}
     for index in range(num_layers):
         layer_started = time.time()
         with streamed.layer(index, experts=index >= done) as loaded:
@@ -600,9 +604,10 @@ def run_layers(streamed: StreamedModel, tokenizer, recipe: Recipe, windows, fold
                 tensors, meta, outputs = calibrate_layer(loaded, adapter, hidden, kwargs, recipe, index, device,
                                                          activation_limit, folder, progress)
                 save_layer(folder, index, tensors, meta)
+                files |= layer_file_records(folder, index)
                 timings[f"layer_{index:03d}"] = round(time.time() - layer_started, 2)
                 write_json_atomic(folder / "timings.json", timings)
-                write_progress(folder, fingerprint, index + 1)
+                write_progress(folder, fingerprint, index + 1, files)
         hidden.close()
         hidden = outputs
         if progress:
@@ -621,6 +626,7 @@ def run_layers(streamed: StreamedModel, tokenizer, recipe: Recipe, windows, fold
         "expert_bits": list(expert_bits_list(recipe)),
         "fallback_experts": sum(len(meta.get("fallback_experts", [])) for meta in summaries),
         "layers": summaries,
+        "files": dict(sorted(files.items())),
     }
 
 

@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file
 
 from hexq.errors import HexqError
-from hexq.io import SafetensorsWriter, save_tensors, write_json_atomic
+from hexq.io import SafetensorsWriter, read_sealed_json, save_tensors, write_json_atomic
 
 FORMAT = "hexq-calibration"
 FORMAT_VERSION = 2  # 2: bit-packed codes and float16 scales (1 stored one byte per code)
@@ -45,15 +45,16 @@ def layer_meta(out: Path, index: int) -> dict:
     """The JSON summary of one finished layer (without reading its tensors)."""
     _, meta_path = layer_paths(out, index)
     try:
-        return json.loads(meta_path.read_text())
+        return json.loads(checked(out, meta_path.name).read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise HexqError(f"calibration layer {index} in {out} is unreadable ({exc}); rerun hexq calibrate") from None
 
 
 def load_layer(out: Path, index: int) -> tuple[dict[str, torch.Tensor], dict]:
     tensor_path, meta_path = layer_paths(out, index)
+    checked(out, tensor_path.name)
     try:
-        return load_file(tensor_path), json.loads(meta_path.read_text())
+        return load_file(tensor_path), json.loads(checked(out, meta_path.name).read_text())
     except Exception as exc:  # OSError, JSONDecodeError, and safetensors' own error types
         raise HexqError(f"calibration layer {index} in {out} is unreadable ({exc}); rerun hexq calibrate") from None
 
@@ -64,6 +65,7 @@ def open_layer(out: Path, index: int):
     from safetensors import SafetensorError, safe_open
 
     tensor_path, _ = layer_paths(Path(out), index)
+    checked(out, tensor_path.name)
     try:
         handle = safe_open(str(tensor_path), framework="pt")
     except (OSError, SafetensorError) as exc:
@@ -100,7 +102,7 @@ def is_finished(out: Path, fingerprint: dict) -> bool:
     """Does `out` hold a finished calibration of exactly these model, data and recipe (nothing to do)?"""
     if not (out / "manifest.json").is_file():
         return False
-    manifest = read_json(out / "manifest.json")
+    manifest = read_sealed_json(out / "manifest.json")
     return isinstance(manifest, dict) and manifest.get("fingerprint") == fingerprint
 
 
@@ -121,13 +123,74 @@ def differing_inputs(folder: Path, fingerprint: dict) -> str:
     return ", ".join(key for key in fingerprint if recorded.get(key) != fingerprint[key]) or "input"
 
 
-def write_progress(out: Path, fingerprint: dict, layers_done: int) -> None:
-    write_json_atomic(out / "progress.json", {"format": FORMAT, "fingerprint": fingerprint, "layers_done": layers_done})
+def write_progress(out: Path, fingerprint: dict, layers_done: int, files: dict | None = None) -> None:
+    """The resume point: layers done for this fingerprint and the size and SHA-256 of every file they wrote."""
+    write_json_atomic(out / "progress.json", {"format": FORMAT, "fingerprint": fingerprint, "layers_done": layers_done,
+                                              "files": files or {}})
+
+
+def progress_files(out: Path) -> dict:
+    """The file records of an unfinished run (progress.json), for resuming."""
+    progress = read_json(Path(out) / "progress.json") or {}
+    files = progress.get("files", {})
+    return files if isinstance(files, dict) else {}
+
+
+def layer_file_records(out: Path, index: int) -> dict[str, dict]:
+    """{file name: {sha256, bytes}} of one finished layer's files."""
+    names = [path.name for path in layer_paths(out, index)] + [bank_path(out, index).name]
+    return {name: file_record(Path(out) / name) for name in names if (Path(out) / name).is_file()}
+
+
+def file_record(path: Path) -> dict:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 24), b""):
+            digest.update(chunk)
+    return {"sha256": digest.hexdigest(), "bytes": path.stat().st_size}
+
+
+_checked: set[tuple[str, int, int]] = set()  # (path, size, mtime) of calibration files verified by this process
+
+
+def checked(out: Path, name: str) -> Path:
+    """The path of calibration file `name`, after checking its size and SHA-256 against the record the calibration
+    made when it wrote it (the sealed manifest of a finished calibration, progress.json of an unfinished one), once
+    per process. A file written by the run in progress before its layer is recorded is not checked."""
+    out = Path(out)
+    path = out / name
+    manifest_path = out / "manifest.json"
+    records = read_sealed_json(manifest_path).get("files", {}) if manifest_path.is_file() else progress_files(out)
+    expected = records.get(name)
+    if expected is None:
+        if manifest_path.is_file():
+            raise HexqError(f"calibration file {path} is not listed in {manifest_path}; calibrate again")
+        return path
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        raise HexqError(f"calibration file {path} is missing; calibrate again") from None
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if key in _checked:
+        return path
+    if stat.st_size != expected.get("bytes"):
+        raise HexqError(f"calibration file {path} is truncated or altered: {stat.st_size} bytes, the record says "
+                        f"{expected.get('bytes')}")
+    actual = file_record(path)["sha256"]
+    if actual != expected.get("sha256"):
+        raise HexqError(f"calibration file {path} is corrupt: sha256 {actual[:16]}..., the record says "
+                        f"{str(expected.get('sha256'))[:16]}...")
+    _checked.add(key)
+    return path
 
 
 def read_manifest(out: Path) -> dict:
-    manifest = read_json(Path(out) / "manifest.json")
-    if manifest is None or manifest.get("format") != FORMAT:
+    """The manifest of a finished calibration, its seal checked (an edit is named), format and version too."""
+    path = Path(out) / "manifest.json"
+    if not path.is_file():
+        raise HexqError(f"{out} is not a finished hexq calibration folder (no manifest.json)")
+    manifest = read_sealed_json(path)
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise HexqError(f"{out} is not a finished hexq calibration folder (no manifest.json)")
     version = manifest.get("format_version", 0)
     if version > FORMAT_VERSION:
@@ -216,7 +279,7 @@ def open_bank(out: Path, index: int):
     the pages read stop counting in the process's memory)."""
     from safetensors import SafetensorError, safe_open
 
-    path = bank_path(out, index)
+    path = checked(out, bank_path(out, index).name)
     try:
         handle = safe_open(str(path), framework="pt")
     except (OSError, SafetensorError) as exc:
