@@ -31,7 +31,7 @@ class EvalRow:
 
 def is_artifact(path: Path) -> bool:
     manifest = path / "manifest.json"
-    return manifest.is_file() and '"hexq-artifact"' in manifest.read_text()
+    return manifest.is_file() and b'"hexq-artifact"' in manifest.read_bytes()
 
 
 def open_target(path: Path, device: torch.device, expert_bits: int | None):
