@@ -1,9 +1,16 @@
-"""Calibration cost: hexq's full 5-width replica bank (experts-mixed recipe) vs llmcompressor's single W4A16
-GPTQ oneshot, same model, same calibration windows, each in a fresh subprocess on this machine, one run.
+"""Calibration cost: hexq's 5-width replica bank (recipe experts-mixed: HAQ W8A8 attention, GPTQ replicas at 1, 2, 3, 4
+and 8 bits + loss tables) against llmcompressor's single-width W4A16 GPTQ oneshot on the same model and the same
+calibration windows, and against hexq's previous release (a source tree given with --previous), each in a fresh
+subprocess, in one run: wall seconds, peak RSS and their ratios.
 
-    python benchmarks/calibrate_cost.py --samples 64
+    python benchmarks/calibrate_cost.py --samples 64                        # the two reference models
+    python benchmarks/calibrate_cost.py --models qwen3-30b-a3b --checkpoint qwen3-30b-a3b=/path/to/2-layer-ckpt \\
+        --samples 128                                                       # a real-shaped checkpoint
 
-Prints wall time and peak RSS of each and their ratios (hexq / llmcompressor).
+Real-shaped checkpoints come from scripts/make_checkpoint.py (published layer shapes, fewer layers). There the peer
+loads the model in its stored bf16, as a user of that size would; on the reference models it runs in float32 like
+hexq's quality comparisons. hexq's per-layer seconds (timings.json) are reported with an extrapolation to the
+published model's depth.
 """
 
 from __future__ import annotations
@@ -21,10 +28,12 @@ from provenance import start_run, write_results
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = {"mixtral": ROOT / "models" / "hexq-tiny-mixtral", "qwen3moe": ROOT / "models" / "hexq-tiny-qwen3moe"}
+PUBLISHED_LAYERS = {"qwen3-30b-a3b": 48, "mixtral-8x7b": 32, "olmoe-1b-7b": 16}
 
 HEXQ = """
-import sys
+import json, sys
 from dataclasses import replace
+from pathlib import Path
 from hexq.calib.pipeline import calibrate
 from hexq.recipe import load_recipe
 recipe = load_recipe("experts-mixed")
@@ -33,46 +42,77 @@ calibrate(sys.argv[1], recipe, "bundled", sys.argv[3])
 """
 
 PEER = """
-import sys
+import sys, torch
 from hexq.data import calibration_windows
 from hexq.eval.llmcompressor_peer import PEER_SCHEMES, run_peer
-from hexq.models import load_model
-_, tokenizer, _ = load_model(sys.argv[1])
+from transformers import AutoTokenizer
+tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
 ids = calibration_windows(tokenizer, "bundled", int(sys.argv[2]), 256, seed=0).ids
-run_peer(sys.argv[1], PEER_SCHEMES["w4a16"], ids)
+run_peer(sys.argv[1], PEER_SCHEMES["w4a16"], ids, dtype=getattr(torch, sys.argv[3]))
 """
 
 
-def measure(code: str, *args: str) -> tuple[float, int]:
+def measure(code: str, *args: str, pythonpath: str | None = None) -> tuple[float, int]:
     """(wall seconds, peak RSS bytes) of `python -c code args`. Called in a wrapper process whose only child is
     this run, so RUSAGE_CHILDREN's ru_maxrss (KiB on Linux) is that run's own peak."""
+    import os
+
+    env = os.environ | ({"PYTHONPATH": pythonpath} if pythonpath else {})
     started = time.time()
-    subprocess.run([sys.executable, "-c", code, *args], check=True, capture_output=True)
+    subprocess.run([sys.executable, "-c", code, *args], check=True, capture_output=True, env=env)
     wall = time.time() - started
     return wall, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
 
 
+def in_wrapper(*args: str) -> tuple[float, int]:
+    """One measured run in its own wrapper process (RUSAGE_CHILDREN's peak is a maximum over all children)."""
+    out = subprocess.run([sys.executable, __file__, "--child", *args], check=True, capture_output=True, text=True)
+    return tuple(json.loads(out.stdout))
+
+
+def git_commit(tree: Path) -> str | None:
+    result = subprocess.run(["git", "-C", str(tree), "rev-parse", "HEAD"], capture_output=True, text=True)
+    return result.stdout.strip() or None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--samples", type=int, default=64)
+    parser.add_argument("--models", nargs="+", default=list(MODELS), help="reference model names or names given "
+                        "with --checkpoint")
+    parser.add_argument("--checkpoint", action="append", default=[], metavar="NAME=FOLDER",
+                        help="a real-shaped checkpoint to measure under NAME (e.g. qwen3-30b-a3b=/data/q2)")
+    parser.add_argument("--samples", type=int, default=64, help="calibration windows of 256 tokens")
+    parser.add_argument("--previous", type=Path, default=None,
+                        help="source tree of hexq's previous release (its calibrate is timed on the same windows)")
+    parser.add_argument("--no-peer", action="store_true", help="skip llmcompressor")
     parser.add_argument("-o", "--out", type=Path, default=ROOT / "benchmarks" / "results" / "calibrate_cost.json")
     args = parser.parse_args()
     record = start_run(args)
+    folders = {name: str(path) for name, path in MODELS.items()}
+    folders |= dict(item.split("=", 1) for item in args.checkpoint)
     rows = []
     for name in args.models:
-        folder = str(MODELS[name])
-        with tempfile.TemporaryDirectory() as work:
-            # RUSAGE_CHILDREN's peak is a running maximum over all children: each run gets its own wrapper
-            hexq = json.loads(subprocess.run([sys.executable, __file__, "--child", "hexq", folder,
-                                              str(args.samples), f"{work}/cal"], check=True,
-                                             capture_output=True, text=True).stdout)
-            peer = json.loads(subprocess.run([sys.executable, __file__, "--child", "peer", folder,
-                                              str(args.samples)], check=True, capture_output=True, text=True).stdout)
-        row = {"model": name, "samples": args.samples, "hexq_bank_seconds": round(hexq[0], 1),
-               "hexq_bank_peak_rss_mib": round(hexq[1] / 2**20), "llmc_w4a16_seconds": round(peer[0], 1),
-               "llmc_w4a16_peak_rss_mib": round(peer[1] / 2**20),
-               "time_ratio": round(hexq[0] / peer[0], 2), "rss_ratio": round(hexq[1] / peer[1], 2)}
+        folder, real = folders[name], name not in MODELS
+        row = {"model": name, "samples": args.samples, "seqlen": 256}
+        with tempfile.TemporaryDirectory(dir=ROOT / "benchmarks") as work:
+            seconds, rss = in_wrapper("hexq", folder, str(args.samples), f"{work}/cal")
+            timings = json.loads((Path(work) / "cal" / "timings.json").read_text())
+            row |= {"hexq_bank_seconds": round(seconds, 1), "hexq_bank_peak_rss_mib": round(rss / 2**20),
+                    "hexq_seconds_per_layer": [timings[key] for key in sorted(timings)]}
+            if real:
+                per_layer = sum(row["hexq_seconds_per_layer"]) / len(row["hexq_seconds_per_layer"])
+                row["hexq_extrapolated_hours"] = round(per_layer * PUBLISHED_LAYERS.get(name, 0) / 3600, 2)
+            if args.previous is not None and not real:
+                seconds, rss = in_wrapper("previous", str(args.previous), folder, str(args.samples), f"{work}/old")
+                row |= {"previous_seconds": round(seconds, 1), "previous_peak_rss_mib": round(rss / 2**20),
+                        "previous_commit": git_commit(args.previous),
+                        "speedup_vs_previous": round(seconds / row["hexq_bank_seconds"], 2)}
+        if not args.no_peer:
+            seconds, rss = in_wrapper("peer", folder, str(args.samples), "bfloat16" if real else "float32")
+            row |= {"llmc_w4a16_seconds": round(seconds, 1), "llmc_w4a16_peak_rss_mib": round(rss / 2**20),
+                    "llmc_dtype": "bfloat16" if real else "float32",
+                    "time_ratio": round(row["hexq_bank_seconds"] / seconds, 2),
+                    "rss_ratio": round(row["hexq_bank_peak_rss_mib"] * 2**20 / rss, 2)}
         rows.append(row)
         print(json.dumps(row), flush=True)
         write_results(args.out, {"rows": rows}, record)
@@ -81,7 +121,11 @@ def main() -> None:
 
 def child() -> None:
     kind, *rest = sys.argv[2:]
-    print(json.dumps(measure(HEXQ if kind == "hexq" else PEER, *rest)))
+    if kind == "previous":
+        tree, *rest = rest
+        print(json.dumps(measure(HEXQ, *rest, pythonpath=tree)))
+    else:
+        print(json.dumps(measure(HEXQ if kind == "hexq" else PEER, *rest)))
 
 
 if __name__ == "__main__":

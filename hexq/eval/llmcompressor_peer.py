@@ -172,7 +172,8 @@ def causal_mask(seqlen: int, dtype: torch.dtype = torch.float32) -> torch.Tensor
     return torch.zeros(1, seqlen, seqlen, dtype=dtype).masked_fill(blocked, torch.finfo(dtype).min)
 
 
-def calibration_loader(calib_ids: torch.Tensor, batch_size: int = 1, explicit_causal_mask: bool = True) -> DataLoader:
+def calibration_loader(calib_ids: torch.Tensor, batch_size: int = 1, explicit_causal_mask: bool = True,
+                       dtype: torch.dtype = torch.float32) -> DataLoader:
     """The windows as the DataLoader oneshot consumes (it skips its own tokenization, sampling and collation
     for a DataLoader): every window once, in order, no truncation or padding.
 
@@ -190,27 +191,28 @@ def calibration_loader(calib_ids: torch.Tensor, batch_size: int = 1, explicit_ca
     if batch_size < 1:
         raise HexqError(f"batch_size must be at least 1, got {batch_size}")
     ids = calib_ids.to(torch.long).cpu()
-    mask = causal_mask(ids.shape[1]) if explicit_causal_mask else torch.ones(ids.shape[1], dtype=torch.long)
+    mask = causal_mask(ids.shape[1], dtype) if explicit_causal_mask else torch.ones(ids.shape[1], dtype=torch.long)
     samples = [{"input_ids": row, "attention_mask": mask} for row in ids]
     return DataLoader(samples, batch_size=batch_size, shuffle=False, collate_fn=default_data_collator)
 
 
 def run_peer(model_folder: str | Path, scheme: str | PeerScheme, calib_ids: torch.Tensor,
              pipeline: Pipeline = "independent", batch_size: int = 1, fix_causal_mask: bool = True,
-             fix_token_scales: bool = True) -> torch.nn.Module:
+             fix_token_scales: bool = True, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """llmcompressor oneshot on a fresh fp32 copy of the model, calibrated on exactly `calib_ids` [n, L].
 
     Every window is used once (no shuffling, truncation or padding). Returns the in-memory quantized model in
     eval mode, ready for `perplexity(...)`; its experts are llmcompressor's linearized per-expert Linears with
     fake quantization in forward. The two fixes (both on by default, so hexq is not compared with a peer
     handicapped by stack bugs; turn them off to measure the peer exactly as shipped): `fix_causal_mask`, see
-    `calibration_loader`; `fix_token_scales`, see the module docstring.
+    `calibration_loader`; `fix_token_scales`, see the module docstring. dtype: what the model is loaded in
+    (float32 for quality comparisons on small models; a real-size user loads the checkpoint's bf16).
     """
     from llmcompressor import oneshot
 
     spec = peer_scheme(scheme)
-    loader = calibration_loader(calib_ids, batch_size, explicit_causal_mask=fix_causal_mask)
-    model, tokenizer, _ = load_model(model_folder, device="cpu")
+    loader = calibration_loader(calib_ids, batch_size, explicit_causal_mask=fix_causal_mask, dtype=dtype)
+    model, tokenizer, _ = load_model(model_folder, device="cpu", dtype=dtype)
     model = oneshot(
         model=model,
         processor=tokenizer,
