@@ -75,7 +75,7 @@ from hexq.simulate import (
     act_quantizer,
     attach_input_quant,
     expert_intermediate,
-    expert_output,
+    expert_outputs,
     quantized_expert_output,
 )
 from hexq.streaming import (
@@ -93,6 +93,8 @@ Progress = Callable[[str, int, int], None]  # (what, done, total)
 # Working memory for one chunk of experts' GPTQ (weights of every width stacked, Hessians and factors, float32).
 GPTQ_CHUNK_BYTES = 1 << 30
 MOE_SAMPLE_EVERY = 8  # every 8th MoE-input token: the layer-wide sample for cold experts' fallbacks
+# Activations of the full-precision expert and all its replicas computed at once for the loss table.
+LOSS_TABLE_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -438,12 +440,15 @@ def loss_table(routed: RoutedTokens, weights_of, tensors: dict, bank, bits_list:
         for j, expert in enumerate(experts):
             token, slot = routed.rows(expert)
             x = routed.x[token] if len(token) else moe_sample  # never routed: measure on the layer's sample
-            reference = expert_output(x, fp_gate_up[j], fp_down[j], act_fn)
-            for column, bits in enumerate(bits_list):
-                gate_up, down = replicas[bits]
-                sse[expert, column] = float((expert_output(x, gate_up[j], down[j], act_fn) - reference)
-                                            .double().pow(2).sum())
-            skip_sse[expert] = float(reference.double().pow(2).sum())
+            # the full-precision expert and every replica in one batched product, a bounded number of rows at a time
+            gate_ups = torch.stack([fp_gate_up[j], *(replicas[bits][0][j] for bits in bits_list)])
+            downs = torch.stack([fp_down[j], *(replicas[bits][1][j] for bits in bits_list)])
+            rows = max(1, LOSS_TABLE_BYTES // (4 * gate_ups.shape[0] * max(gate_ups.shape[1], downs.shape[1])))
+            for part in x.split(rows):
+                versions = expert_outputs(part, gate_ups, downs, act_fn)
+                reference = versions[0]
+                sse[expert] += (versions[1:] - reference).pow(2).sum(dim=(1, 2), dtype=torch.float64).cpu()
+                skip_sse[expert] += float(reference.pow(2).sum(dtype=torch.float64))
             if len(token):
                 y = quantized_expert_output(x, propagated[0][j], propagated[1][j], act_fn, *quantizers)
                 out.index_add_(0, token, (y * routed.weights[token, slot, None]).to(out.dtype))
