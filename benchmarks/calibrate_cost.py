@@ -90,7 +90,8 @@ def main() -> None:
     record = start_run(args)
     folders = {name: str(path) for name, path in MODELS.items()}
     folders |= dict(item.split("=", 1) for item in args.checkpoint)
-    rows = []
+    previous = json.loads(args.out.read_text()).get("rows", []) if args.out.is_file() else []
+    rows = [row for row in previous if row.get("model") not in args.models]  # rows of other models stay
     for name in args.models:
         folder, real = folders[name], name not in MODELS
         row = {"model": name, "samples": args.samples, "seqlen": 256}
@@ -115,8 +116,8 @@ def main() -> None:
                     "rss_ratio": round(row["hexq_bank_peak_rss_mib"] * 2**20 / rss, 2)}
         rows.append(row)
         print(json.dumps(row), flush=True)
-        write_results(args.out, {"rows": rows}, record)
-    write_results(args.out, {"rows": rows}, record, complete=True)
+        write_results(args.out, {"rows": rows}, record, merged=True)
+    write_results(args.out, {"rows": rows}, record, complete=True, merged=True)
 
 
 def child() -> None:

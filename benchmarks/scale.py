@@ -123,11 +123,11 @@ def main() -> None:
                 row["output"] = result["stdout"].strip().splitlines()[-3:]
             rows.append(row)
             print(json.dumps(row), flush=True)
-            write_results(args.out, {"rows": rows}, record)
+            write_results(args.out, {"rows": rows}, record, merged=True)
         if not args.keep:
             for path in (calibration, artifact, export):
                 shutil.rmtree(path, ignore_errors=True)
-    write_results(args.out, {"rows": rows}, record, complete=True)
+    write_results(args.out, {"rows": rows}, record, complete=True, merged=True)
 
 
 if __name__ == "__main__":
