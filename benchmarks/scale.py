@@ -92,8 +92,8 @@ def main() -> None:
     recipe = recipe_file(args.work, args.bank)
     for layers in args.layers:
         base = args.work / f"{args.family}-{layers}"
-        checkpoint, calibration, artifact = base, base.with_name(base.name + ".cal"), base.with_name(base.name + ".hexq")
-        export = base.with_name(base.name + ".ct")
+        checkpoint = base
+        calibration, artifact, export = (base.with_name(base.name + suffix) for suffix in (".cal", ".hexq", ".ct"))
         commands = {
             "checkpoint": [sys.executable, "scripts/make_checkpoint.py", "--family", args.family, "--size",
                            "published", "--layers", str(layers), "--out", str(checkpoint), "--force"],
