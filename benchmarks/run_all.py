@@ -31,6 +31,7 @@ BENCHMARKS = {
     "placement": ("placement.py", "placement.json"),
     "pack_quality": ("pack_quality.py", "pack_quality.json"),
     "runtime": ("runtime.py", "runtime.json"),
+    "scale": ("scale.py", "scale.json"),
 }
 
 
@@ -53,11 +54,32 @@ def render_placement(results: dict) -> str:
 
 
 def render_cost(results: dict) -> str:
-    lines = ["| model | windows | hexq bank (1,2,3,4,8 bits) s | llmc W4A16 s | time ratio "
-             "| peak RSS MiB hexq / llmc |", "|---|---|---|---|---|---|"]
+    lines = ["| model | windows | hexq bank (1,2,3,4,8 bits) s | s per layer | llmc W4A16 s | hexq / llmc time "
+             "| peak RSS MiB hexq / llmc | previous hexq s (speed-up) | full model, extrapolated |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in results["rows"]:
-        lines.append(f"| {r['model']} | {r['samples']} | {r['hexq_bank_seconds']} | {r['llmc_w4a16_seconds']} | "
-                     f"{r['time_ratio']} | {r['hexq_bank_peak_rss_mib']} / {r['llmc_w4a16_peak_rss_mib']} |")
+        per_layer = r.get("hexq_seconds_per_layer") or []
+        mean = f"{sum(per_layer) / len(per_layer):.1f}" if per_layer else "-"
+        llmc = r.get("llmc_w4a16_seconds", "-")
+        previous = (f"{r['previous_seconds']} ({r['speedup_vs_previous']}x faster now)" if "previous_seconds" in r
+                    else "-")
+        extrapolated = f"{r['hexq_extrapolated_hours']} h" if "hexq_extrapolated_hours" in r else "-"
+        lines.append(f"| {r['model']} | {r['samples']} | {r['hexq_bank_seconds']} | {mean} | {llmc} | "
+                     f"{r.get('time_ratio', '-')} | {r['hexq_bank_peak_rss_mib']} / "
+                     f"{r.get('llmc_w4a16_peak_rss_mib', '-')} | {previous} | {extrapolated} |")
+    return "\n".join(lines)
+
+
+def render_scale(results: dict) -> str:
+    lines = ["| model | layers | step | seconds | s per layer | peak RSS MiB | disk MiB |",
+             "|---|---|---|---|---|---|---|"]
+    for r in results["rows"]:
+        per_layer = r.get("seconds_per_layer")
+        shown = f"{sum(per_layer) / len(per_layer):.0f}" if per_layer else "-"
+        outcome = r.get("error")
+        lines.append(f"| {r['family']} | {r['layers']} | {r['step']} | {r.get('seconds', '-')} | {shown} | "
+                     f"{r.get('peak_rss_mib', '-') if not outcome else 'failed: ' + outcome} | "
+                     f"{r.get('disk_mib', '-')} |")
     return "\n".join(lines)
 
 
@@ -66,6 +88,8 @@ def render(name: str, results: dict) -> str:
         return render_placement(results)
     if name == "calibrate_cost":
         return render_cost(results)
+    if name == "scale":
+        return render_scale(results)
     module = load_script(name)
     return (module.markdown if name == "calibrate_table" else module.render)(results).strip()
 
