@@ -82,3 +82,24 @@ def test_bad_text_and_windows(tiny_qwen3moe, tmp_path, content, args, fragment):
 
 def test_missing_text_file(tiny_qwen3moe, tmp_path):
     one_line_error(run("eval", tiny_qwen3moe, "--data", tmp_path / "none.txt"), "text file not found")
+
+
+def test_run_perplexity_shares_eval_s_window_check(mixed_artifact):
+    """hexq run --ppl with a window longer than the model's context (128) is the same one-line error as hexq eval's,
+    not a perplexity."""
+    one_line_error(run("run", mixed_artifact, "--ppl", "austen", "-L", "4096", "-n", "1"), "window length 4096",
+                   "context of 128")
+    one_line_error(run("eval", mixed_artifact, "-d", "austen", "-L", "4096", "-n", "1"), "window length 4096",
+                   "context of 128")
+
+
+def test_pack_bits_zero_is_refused_not_replaced_by_the_recipe_s(mixed_calibration, tmp_path):
+    one_line_error(run("pack", mixed_calibration[0], "--bits", "0", "-o", tmp_path / "a.hexq"),
+                   "average-bit budget 0.0 is outside the allowed widths")
+    assert not (tmp_path / "a.hexq").exists()
+
+
+def test_device_is_validated_before_any_work(tmp_path):
+    for command in (["calibrate", tmp_path, "-o", tmp_path / "out"], ["eval", tmp_path], ["run", tmp_path, "-p", "x"]):
+        one_line_error(run(*command, "--device", "banana"), "--device banana")
+    assert not (tmp_path / "out").exists()
