@@ -95,7 +95,7 @@ def main() -> None:
     for name in args.models:
         folder, real = folders[name], name not in MODELS
         row = {"model": name, "samples": args.samples, "seqlen": 256}
-        with tempfile.TemporaryDirectory(dir=ROOT / "benchmarks") as work:
+        with tempfile.TemporaryDirectory() as work:
             seconds, rss = in_wrapper("hexq", folder, str(args.samples), f"{work}/cal")
             timings = json.loads((Path(work) / "cal" / "timings.json").read_text())
             row |= {"hexq_bank_seconds": round(seconds, 1), "hexq_bank_peak_rss_mib": round(rss / 2**20),
