@@ -25,9 +25,10 @@ from pathlib import Path
 import torch
 
 from hexq.calib.outliers import inject_outliers
-from hexq.calib.pipeline import calibrate, load_calibrated
+from hexq.calib.pipeline import calibrate
 from hexq.data import calibration_windows, eval_text, tokenize
 from hexq.eval.perplexity import perplexity
+from hexq.eval.run import evaluate_model
 from hexq.models import load_model
 from hexq.recipe import ActivationQuant, Calibration, Experts, Recipe, Smoothing, WeightQuant
 
@@ -59,7 +60,8 @@ SETTINGS = {
     "w3a16": Setting(3, None, True, None),
     "w2a16": Setting(2, None, True, None),
 }
-ACTIVATION_METHODS = ("rtn", "sq+rtn", "gptq", "haq")
+# haq scores each routed expert on its routed tokens (smoothing.moe_objective "routed"); haq-all on every token
+ACTIVATION_METHODS = ("rtn", "sq+rtn", "gptq", "haq", "haq-all")
 WEIGHT_ONLY_METHODS = ("rtn", "gptq", "gptq-act")  # gptq-act: columns in decreasing diag(H) order (GPTQ's actorder)
 
 
@@ -69,8 +71,8 @@ def make_recipe(name: str, setting: Setting, method: str, samples: int) -> Recip
                           act_order="sum_of_squares" if method == "gptq-act" else "none")
     activations = (ActivationQuant(bits=None) if setting.act_bits is None
                    else ActivationQuant(bits=setting.act_bits, dynamic=setting.act_dynamic))
-    smoothing = {"sq+rtn": Smoothing(method="smoothquant", alpha=0.5), "haq": Smoothing(method="haq")}.get(
-        method, Smoothing(method="none"))
+    smoothing = {"sq+rtn": Smoothing(method="smoothquant", alpha=0.5), "haq": Smoothing(method="haq"),
+                 "haq-all": Smoothing(method="haq", moe_objective="all")}.get(method, Smoothing(method="none"))
     return Recipe(name=f"{name}-{method}", smoothing=smoothing, weights=weights, activations=activations,
                   experts=Experts(mode="uniform"), calibration=Calibration(num_samples=samples, seqlen=SEQLEN))
 
@@ -123,9 +125,10 @@ def run(models: list[str], settings: list[str], samples: int, windows: int, outl
                         started = time.time()
                         calibrate(folder, recipe, "bundled", out)
                         seconds = time.time() - started
-                        quantized, _, _ = load_calibrated(out)
+                        rows = evaluate_model(out, list(EVAL_DATA), SEQLEN, windows, 8, "cpu")
                         row = {"model": label, "setting": setting_name, "method": f"hexq {method}",
-                               **ppl(quantized, streams, windows), "calib_seconds": round(seconds, 1)}
+                               **{r.data: round(r.result.perplexity, 4) for r in rows},
+                               "calib_seconds": round(seconds, 1)}
                         results["rows"].append(row)
                         print(json.dumps(row), flush=True)
                         shutil.rmtree(out)

@@ -16,6 +16,7 @@ Attention is W8A8 (HAQ + GPTQ) in every quantized row, so rows differ only in th
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from pathlib import Path
 
@@ -24,12 +25,12 @@ import torch
 from hexq.algos.allocation import shuffled_like
 from hexq.artifact.format import Artifact
 from hexq.artifact.pack import Budget, pack
-from hexq.calib.pipeline import calibrate
+from hexq.calib.pipeline import calibrate, open_model
 from hexq.data import eval_text, tokenize
-from hexq.eval.perplexity import perplexity
-from hexq.models import load_model
+from hexq.eval.perplexity import make_windows
 from hexq.recipe import load_recipe
-from hexq.runtime.model import build_model, resident_experts
+from hexq.runtime.model import artifact_model
+from hexq.streaming import full_precision_plan, stream_nll
 
 from provenance import start_run, write_results
 
@@ -40,41 +41,44 @@ SEQLEN = 256
 BLIND_SEEDS = (0, 1, 2)
 
 
-def evaluate(model, tokenizer, windows: int) -> dict[str, float]:
-    return {source: perplexity(model, tokenize(tokenizer, eval_text(source)), SEQLEN, windows, 8).perplexity
-            for source in EVAL_DATA}
+def evaluate(target, windows: int) -> dict[str, float]:
+    """Perplexity of (streamed model, tokenizer, prepare) on the first `windows` windows of every text."""
+    streamed, tokenizer, prepare = target
+    result = {}
+    for source in EVAL_DATA:
+        cut = make_windows(tokenize(tokenizer, eval_text(source)), SEQLEN, windows)
+        result[source] = math.exp(float(stream_nll(streamed, cut, 8, prepare).sum()) / (cut.shape[0] * (SEQLEN - 1)))
+    return result
 
 
 def with_allocation(artifact: Artifact, allocation: list[list[int]]):
-    """The artifact's model with every expert resident at allocation[layer][expert]."""
-    model, tokenizer, _ = build_model(
-        artifact, experts=lambda layer, old: resident_experts(artifact, layer, allocation[layer], old.act_fn))
-    return model, tokenizer
+    """The artifact's model with every expert at allocation[layer][expert] (the artifact stores every width)."""
+    return artifact_model(artifact, torch.device("cpu"), allocation=allocation)
 
 
 def run_model(name: str, work: Path, windows: int, log) -> dict:
     calib = work / f"{name}-mixed"
     started = time.time()
-    calibrate(MODELS[name], load_recipe("experts-mixed"), "bundled", calib)
+    calibrate(MODELS[name], load_recipe("experts-mixed"), "bundled", calib, force=True)
     log(f"{name}: calibration ready ({time.time() - started:.0f}s)")
     artifacts = {}
     for avg in (2.5, 3.0):
         out = work / f"{name}-{avg}.hexq"
-        pack(calib, out, budget=Budget(avg_bits=avg), overwrite=True)
+        pack(calib, out, budget=Budget(avg_bits=avg), overwrite=True, bank=("all",))
         artifacts[avg] = Artifact(out)
     reference = artifacts[2.5]
-    layers, experts = reference.num_layers, reference.num_experts
+    layers, experts = len(reference.moe_layers), reference.num_experts
     rows: dict[str, dict] = {}
-    model, tokenizer, _ = load_model(MODELS[name], "cpu")
-    rows["fp"] = evaluate(model, tokenizer, windows)
+    streamed, tokenizer = open_model(MODELS[name], torch.device("cpu"))
+    rows["fp"] = evaluate((streamed, tokenizer, full_precision_plan(streamed)), windows)
     log(f"{name} fp: {rows['fp']}")
     for bits in (2, 3, 4):
-        rows[f"uniform-{bits}"] = evaluate(*with_allocation(reference, [[bits] * experts] * layers), windows)
+        rows[f"uniform-{bits}"] = evaluate(with_allocation(reference, [[bits] * experts] * layers), windows)
         log(f"{name} uniform-{bits}: {rows[f'uniform-{bits}']}")
     for avg, artifact in artifacts.items():
-        rows[f"mixed-{avg}"] = evaluate(*with_allocation(artifact, artifact.allocation), windows)
+        rows[f"mixed-{avg}"] = evaluate(with_allocation(artifact, artifact.allocation), windows)
         log(f"{name} mixed-{avg}: {rows[f'mixed-{avg}']}")
-        blind = [evaluate(*with_allocation(artifact, [shuffled_like(row, seed * 1000 + layer)
+        blind = [evaluate(with_allocation(artifact, [shuffled_like(row, seed * 1000 + layer)
                                                       for layer, row in enumerate(artifact.allocation)]), windows)
                  for seed in BLIND_SEEDS]
         rows[f"blind-{avg}"] = {source: sum(r[source] for r in blind) / len(blind) for source in EVAL_DATA}

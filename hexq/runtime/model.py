@@ -63,8 +63,11 @@ def attach_dense_quantizers(model: torch.nn.Module, artifact: Artifact, names: l
     return handles
 
 
-def artifact_model(path, device: torch.device, dtype: torch.dtype = torch.float32):
-    """(streamed model, tokenizer, prepare) of an artifact at its static allocation, for hexq.streaming.stream_nll."""
+def artifact_model(path, device: torch.device, dtype: torch.dtype = torch.float32,
+                   allocation: list[list[int]] | None = None):
+    """(streamed model, tokenizer, prepare) of an artifact at its static allocation (or at `allocation`, [MoE row]
+    [expert] widths the artifact stores, e.g. to compare allocations of one `--bank all` artifact), for
+    hexq.streaming.stream_nll."""
     artifact = path if isinstance(path, Artifact) else Artifact(path)
     streamed = StreamedModel(artifact_config(artifact), artifact, device, dtype)
     rows = {layer: row for row, layer in enumerate(artifact.moe_layers)}
@@ -77,7 +80,7 @@ def artifact_model(path, device: torch.device, dtype: torch.dtype = torch.float3
         if not loaded.is_moe:
             return None
         row = rows[loaded.index]
-        bits = artifact.allocation[row]
+        bits = (allocation or artifact.allocation)[row]
 
         def weights_of(experts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
             pairs = [artifact.expert_weights(row, e, bits[e], dtype) for e in experts]
