@@ -216,31 +216,47 @@ def test_export_reloads_in_transformers_under_the_hub_names(family_run):
     assert rel_l2(reloaded, full) <= LOGIT_REL_L2
 
 
-def test_dense_layers_are_smoothed_at_the_dense_setting_in_a_mixed_precision_model(tmp_path):
-    """experts-mixed keeps the routed experts' activations in full precision but quantizes the attention and a dense
-    layer's MLP at W8A8: the post-attention group of a dense layer is smoothed (its MLP reads 8-bit activations),
-    that of a MoE layer is skipped; the 2.5-bit artifact serves and exports with its dense first layers."""
+@pytest.fixture(scope="module")
+def mixed_deepseek(tmp_path_factory) -> Path:
+    """DeepSeek-V3 (two dense first layers) calibrated with experts-mixed, MoE group selected, packed at 2.5 bits."""
     from hexq.artifact.pack import Budget
 
+    root = tmp_path_factory.mktemp("mixed-deepseek")
     recipe = load_recipe("experts-mixed")
     recipe = replace(recipe, calibration=Calibration(num_samples=8, seqlen=64, seed=0),
                      smoothing=replace(recipe.smoothing, groups=("attention", "moe")))
-    overrides, layers, moe_layers = FAMILIES["deepseek_v3"]
-    model = write_checkpoint(tmp_path / "model", "deepseek_v3", layers=layers, **overrides)
-    calibrate(model, recipe, "bundled", tmp_path / "cal")
+    overrides, layers, _moe_layers = FAMILIES["deepseek_v3"]
+    model = write_checkpoint(root / "model", "deepseek_v3", layers=layers, **overrides)
+    calibrate(model, recipe, "bundled", root / "cal")
+    pack(root / "cal", root / "art.hexq", budget=Budget(avg_bits=2.5))
+    return root
+
+
+def test_dense_layers_are_smoothed_at_the_dense_setting_in_a_mixed_precision_model(mixed_deepseek):
+    """experts-mixed keeps the routed experts' activations in full precision but quantizes the attention and a dense
+    layer's MLP at W8A8: the post-attention group of a dense layer is smoothed (its MLP reads 8-bit activations),
+    that of a MoE layer is skipped; the 2.5-bit artifact serves and exports with its dense first layers."""
+    _overrides, layers, moe_layers = FAMILIES["deepseek_v3"]
     for index in range(layers):
-        entry = read_json(tmp_path / "cal" / f"layer_{index:03d}.json")["smoothing"]["moe_in"]
+        entry = read_json(mixed_deepseek / "cal" / f"layer_{index:03d}.json")["smoothing"]["moe_in"]
         if index in moe_layers:
             assert "activations of this group are not quantized" in entry["skipped"]
         else:
             assert entry["method"] == "haq" and "exponent" in entry
-    pack(tmp_path / "cal", tmp_path / "art.hexq", budget=Budget(avg_bits=2.5))
-    artifact = Artifact(tmp_path / "art.hexq")
+    artifact = Artifact(mixed_deepseek / "art.hexq")
     assert artifact.moe_layers == moe_layers and len({b for row in artifact.allocation for b in row}) > 1
     windows = heldout_windows()[:2]
-    with Runtime(tmp_path / "art.hexq", prefetch=False) as runtime:
+    with Runtime(artifact.path, prefetch=False) as runtime:
         resident = runtime.forward(windows).logits
-    with Runtime(tmp_path / "art.hexq", budget_bytes=runtime.expert_bytes // 8) as runtime:
+    with Runtime(artifact.path, budget_bytes=runtime.expert_bytes // 8) as runtime:
         assert torch.equal(runtime.forward(windows).logits, resident)
-    summary = export_artifact(tmp_path / "art.hexq", tmp_path / "ct", windows=2, seqlen=32)
+    summary = export_artifact(artifact.path, mixed_deepseek / "ct", windows=2, seqlen=32)
     assert summary.check.passed and summary.check.vs_served.rel_l2 <= 1e-2
+
+
+@pytest.mark.slow
+def test_report_labels_moe_rows_with_their_model_layers(mixed_deepseek):
+    from hexq.report import write_report
+
+    page = write_report(mixed_deepseek / "art.hexq", mixed_deepseek / "report").read_text()
+    assert "<th>layer 2</th>" in page and "<th>layer 3</th>" in page and "<th>layer 0</th>" not in page
