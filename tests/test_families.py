@@ -217,18 +217,21 @@ def test_export_reloads_in_transformers_under_the_hub_names(family_run):
     assert rel_l2(reloaded, full) <= LOGIT_REL_L2
 
 
+def mixed_recipe():
+    recipe = load_recipe("experts-mixed")
+    return replace(recipe, calibration=Calibration(num_samples=8, seqlen=64, seed=0),
+                   smoothing=replace(recipe.smoothing, groups=("attention", "moe")))
+
+
 @pytest.fixture(scope="module")
 def mixed_deepseek(tmp_path_factory) -> Path:
     """DeepSeek-V3 (two dense first layers) calibrated with experts-mixed, MoE group selected, packed at 2.5 bits."""
     from hexq.artifact.pack import Budget
 
     root = tmp_path_factory.mktemp("mixed-deepseek")
-    recipe = load_recipe("experts-mixed")
-    recipe = replace(recipe, calibration=Calibration(num_samples=8, seqlen=64, seed=0),
-                     smoothing=replace(recipe.smoothing, groups=("attention", "moe")))
     overrides, layers, _moe_layers = FAMILIES["deepseek_v3"]
     model = write_checkpoint(root / "model", "deepseek_v3", layers=layers, **overrides)
-    calibrate(model, recipe, "bundled", root / "cal")
+    calibrate(model, mixed_recipe(), "bundled", root / "cal")
     pack(root / "cal", root / "art.hexq", budget=Budget(avg_bits=2.5))
     return root
 
@@ -261,3 +264,24 @@ def test_report_labels_moe_rows_with_their_model_layers(mixed_deepseek):
 
     page = write_report(mixed_deepseek / "art.hexq", mixed_deepseek / "report").read_text()
     assert "<th>layer 2</th>" in page and "<th>layer 3</th>" in page and "<th>layer 0</th>" not in page
+
+
+@pytest.mark.parametrize("done", [1, 2])  # killed after the last dense layer, after the first MoE layer
+def test_a_resumed_calibration_rebuilds_dense_and_moe_layers_byte_for_byte(mixed_deepseek, tmp_path, done):
+    import shutil
+
+    out, partial = tmp_path / "resumed", tmp_path / ".resumed.partial"
+    shutil.copytree(mixed_deepseek / "cal", partial)
+    _overrides, layers, _moe_layers = FAMILIES["deepseek_v3"]
+    for index in range(done, layers):
+        for suffix in (".safetensors", ".json", ".bank.safetensors"):
+            (partial / f"layer_{index:03d}{suffix}").unlink(missing_ok=True)
+    (partial / "manifest.json").unlink()
+    progress = json.loads((partial / "progress.json").read_text())
+    (partial / "progress.json").write_text(json.dumps(progress | {"layers_done": done}))
+    assert calibrate(mixed_deepseek / "model", mixed_recipe(), "bundled", out).resumed_from == done
+
+    def folder_bytes(folder: Path) -> dict[str, bytes]:
+        return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name != "timings.json"}
+
+    assert folder_bytes(out) == folder_bytes(mixed_deepseek / "cal")
