@@ -245,7 +245,12 @@ def integer_ticks(ax) -> None:
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
 
 
-def plot_hotness(share: torch.Tensor, placed: torch.Tensor, scheme: str) -> bytes:
+def layer_ticks(ax, layer_ids: list[int]) -> None:
+    """Label the MoE rows of a heatmap with their model layer indices (dense layers take no row)."""
+    ax.set_yticks(range(len(layer_ids)), [str(i) for i in layer_ids])
+
+
+def plot_hotness(share: torch.Tensor, placed: torch.Tensor, scheme: str, layer_ids: list[int]) -> bytes:
     L, E = share.shape
     fig = Figure(figsize=(10, 1.6 + min(0.45 * L, 8)), layout="constrained")
     ax = fig.add_subplot()
@@ -262,6 +267,7 @@ def plot_hotness(share: torch.Tensor, placed: torch.Tensor, scheme: str) -> byte
                 color = "black" if value > 0.6 * float(share.max()) else "white"
                 ax.text(expert, layer, f"{value:.0%}", ha="center", va="center", fontsize=8, color=color)
     integer_ticks(ax)
+    layer_ticks(ax, layer_ids)
     ax.set(xlabel="expert", ylabel="layer", title=f"routed-token share per expert (uniform routing = {1 / E:.1%})")
     fig.legend(handles=[Patch(fill=False, edgecolor="cyan", linewidth=box, label=f"fast tier ({scheme} placement)")],
                loc="outside lower right", fontsize=8)
@@ -274,7 +280,7 @@ def grid(count: int, max_cols: int) -> tuple[int, int]:
 
 
 def plot_loss_tables(table: torch.Tensor, skip: torch.Tensor, replica_bits: list[int], allocation: list[list[int]],
-                     share: torch.Tensor, with_skip: bool) -> bytes:
+                     share: torch.Tensor, with_skip: bool, layer_ids: list[int]) -> bytes:
     """One panel per layer: MSE vs width of every expert, coloured by routed share, allocated width dotted."""
     L, E, _ = table.shape
     bits = ([0] if with_skip else []) + list(replica_bits)
@@ -294,7 +300,7 @@ def plot_loss_tables(table: torch.Tensor, skip: torch.Tensor, replica_bits: list
                 ax.plot(width, float(losses[layer, expert, bits.index(width)]), "o", color=color,
                         markeredgecolor="black", markersize=4)
         ax.set_yscale("log")
-        ax.set_title(f"layer {layer}", fontsize=9)
+        ax.set_title(f"layer {layer_ids[layer]}", fontsize=9)
         ax.set_xticks(bits)
         ax.grid(True, which="major", alpha=0.3)
     for ax in axes[L:]:
@@ -314,7 +320,7 @@ def width_color(bits: int):
     return (0.85, 0.85, 0.85, 1.0) if bits == 0 else matplotlib.colormaps["plasma"](min(bits, 8) / 8 * 0.85)
 
 
-def plot_allocation(allocation: list[list[int]]) -> bytes:
+def plot_allocation(allocation: list[list[int]], layer_ids: list[int]) -> bytes:
     grid_bits = torch.tensor(allocation)
     L, E = grid_bits.shape
     widths = sorted(set(grid_bits.flatten().tolist()))
@@ -332,15 +338,16 @@ def plot_allocation(allocation: list[list[int]]) -> bytes:
     ax.legend(handles=[Patch(color=width_color(b), label=f"{b} bits ({counts[b]} experts)") for b in widths],
               loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, title="width")
     integer_ticks(ax)
+    layer_ticks(ax, layer_ids)
     ax.set(xlabel="expert", ylabel="layer",
            title=f"bit allocation ({float(grid_bits.double().mean()):.3f} bits on average)")
     return png_bytes(fig)
 
 
-def plot_hit_rates(rows: list[HitRow], num_layers: int, num_experts: int) -> bytes:
+def plot_hit_rates(rows: list[HitRow], layer_ids: list[int], num_experts: int) -> bytes:
     fig = Figure(figsize=(11, 4), layout="constrained")
     axes = fig.subplots(1, len(FRACTIONS), sharey=True, squeeze=False)[0]
-    layers = list(range(num_layers))
+    layers = list(layer_ids)
     for ax, fraction in zip(axes, FRACTIONS, strict=True):
         K = fraction_k(fraction, num_experts)
         for row in rows:
@@ -420,10 +427,9 @@ def percent(value: float) -> str:
     return f"{value:.1%}"
 
 
-def hit_rate_table(rows: list[HitRow]) -> Table:
-    num_layers = len(rows[0].per_layer)
-    per_layer = num_layers <= 12  # beyond that the plot carries the per-layer story
-    header = ("K", "scheme", "trace", *([f"layer {i}" for i in range(num_layers)] if per_layer else []),
+def hit_rate_table(rows: list[HitRow], layer_ids: list[int]) -> Table:
+    per_layer = len(layer_ids) <= 12  # beyond that the plot carries the per-layer story
+    header = ("K", "scheme", "trace", *([f"layer {i}" for i in layer_ids] if per_layer else []),
               "mean", "min", "max")
     body = []
     for row in sorted(rows, key=lambda r: (r.fraction, r.scheme, r.trace)):
@@ -448,13 +454,13 @@ def frontier_table(points: list[FrontierPoint]) -> Table:
     return Table(("model", "avg bits", "file", *texts), tuple(body))
 
 
-def hit_rate_section(stats: dict[str, torch.Tensor], placement_json: Path, name: str, num_layers: int,
+def hit_rate_section(stats: dict[str, torch.Tensor], placement_json: Path, name: str, layer_ids: list[int],
                      num_experts: int) -> tuple[Section, bytes]:
     rows = calibration_hit_rates(stats["router.topk"], stats["router.counts"])
     notes: list[str] = []
     results, note = read_results(placement_json)
     if results is not None:
-        heldout, note = heldout_hit_rates(results, name, num_layers, num_experts, placement_json)
+        heldout, note = heldout_hit_rates(results, name, len(layer_ids), num_experts, placement_json)
         rows += heldout
     if note:
         notes.append(note)
@@ -465,8 +471,8 @@ def hit_rate_section(stats: dict[str, torch.Tensor], placement_json: Path, name:
                f"K/E line and for layers where every scheme drops (routing there is spread out).")
     section = Section("Fast-tier hit rate per layer", "hit_rates.png",
                       "hit rate per layer for placement schemes 1, 2 and 3 at K = 25% and 50% of the experts",
-                      caption, tuple(notes), hit_rate_table(rows))
-    return section, plot_hit_rates(rows, num_layers, num_experts)
+                      caption, tuple(notes), hit_rate_table(rows, layer_ids))
+    return section, plot_hit_rates(rows, layer_ids, num_experts)
 
 
 def frontier_section(results_dir: Path, name: str) -> tuple[Section, bytes | None]:
@@ -561,7 +567,7 @@ def report_files(artifact_path: Path, results_dir: Path, placement_json: Path) -
     artifact = Artifact(artifact_path)
     manifest = artifact.manifest
     stats = artifact.shard_tensors(STATS_SHARD)
-    L, E = len(artifact.moe_layers), artifact.num_experts  # rows of the stats: MoE layers
+    layer_ids, E = artifact.moe_layers, artifact.num_experts  # one row per MoE layer, labelled by its model index
     name = benchmark_name(manifest["model"]["model_type"])
     share = routed_share(stats["router.counts"])
     scheme = manifest["placement"]["scheme"]
@@ -570,11 +576,12 @@ def report_files(artifact_path: Path, results_dir: Path, placement_json: Path) -
     images: dict[str, bytes] = {}
     # Matplotlib's defaults, not the user's matplotlibrc: the same artifact must give the same PNG bytes anywhere.
     with style.context("default"):
-        images["hotness.png"] = plot_hotness(share, stats["placement"].bool(), scheme)
+        images["hotness.png"] = plot_hotness(share, stats["placement"].bool(), scheme, layer_ids)
         images["loss_tables.png"] = plot_loss_tables(stats["loss_table"], stats["loss_table.skip"],
-                                                     artifact.replica_bits, artifact.allocation, share, with_skip)
-        images["allocation.png"] = plot_allocation(artifact.allocation)
-        hits, images["hit_rates.png"] = hit_rate_section(stats, placement_json, name, L, E)
+                                                     artifact.replica_bits, artifact.allocation, share, with_skip,
+                                                     layer_ids)
+        images["allocation.png"] = plot_allocation(artifact.allocation, layer_ids)
+        hits, images["hit_rates.png"] = hit_rate_section(stats, placement_json, name, layer_ids, E)
         frontier, frontier_png = frontier_section(results_dir, name)
         if frontier_png is not None:
             images["frontier.png"] = frontier_png

@@ -39,7 +39,9 @@ def test_injection_preserves_logits_and_creates_outlier_channels(model_type):
     injected_logits, after = logits_and_norm_outputs(model, adapter)
 
     assert (injected_logits - logits).abs().max() <= 1e-4 * logits.abs().max()
-    assert set(changed) == {(layer, group) for layer in range(2) for group in (ATTN_IN, MOE_IN)}
+    groups = {(layer, group.name) for layer in range(2)
+              for group in smoothing_groups(model.model.layers[layer], adapter)}
+    assert set(changed) == groups and {(layer, name) for layer in range(2) for name in (ATTN_IN, MOE_IN)} <= groups
     for key, channels in changed.items():
         assert len(set(channels)) == 4 and list(channels) == sorted(channels)
         x0, x1 = before[key], after[key]

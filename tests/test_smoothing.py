@@ -276,41 +276,47 @@ def fold_random_scales(model, adapter, seed: int = 0) -> None:
             fold_scales(group, torch.empty(group.channels).uniform_(-1.5, 1.5, generator=generator).exp())
 
 
-EXPECTED_READERS = {
-    "mixtral": (["q_proj", "k_proj", "v_proj"], ["gate", "experts.gate_up_proj"]),
-    "qwen3_moe": (["q_proj", "k_proj", "v_proj"], ["gate", "experts.gate_up_proj"]),
-    "olmoe": (["q_proj", "k_proj", "v_proj"], ["gate", "experts.gate_up_proj"]),
-    "phimoe": (["q_proj", "k_proj", "v_proj"], ["router", "experts.gate_up_proj"]),
-    "qwen2_moe": (["q_proj", "k_proj", "v_proj"], ["gate", "experts.gate_up_proj", "shared_expert.gate_proj",
-                                                   "shared_expert.up_proj", "shared_expert_gate"]),
-    "deepseek_v2": (["q_proj", "kv_a_proj_with_mqa"], ["gate", "experts.gate_up_proj", "shared_experts.gate_proj",
-                                                        "shared_experts.up_proj"]),
-    "deepseek_v3": (["q_a_proj", "kv_a_proj_with_mqa"], ["gate", "experts.gate_up_proj",
-                                                          "shared_experts.gate_proj", "shared_experts.up_proj"]),
+QKV = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
+SHARED = ["mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj"]
+EXPECTED_GROUPS = {  # group -> readers (weight paths without ".weight"), as transformers' modeling code wires them
+    "mixtral": {"attn_in": QKV, "moe_in": ["mlp.gate", "mlp.experts.gate_up_proj"]},
+    "qwen3_moe": {"attn_in": QKV, "moe_in": ["mlp.gate", "mlp.experts.gate_up_proj"]},
+    "olmoe": {"attn_in": QKV, "moe_in": ["mlp.gate", "mlp.experts.gate_up_proj"]},
+    "phimoe": {"attn_in": QKV, "moe_in": ["mlp.router", "mlp.experts.gate_up_proj"]},
+    "qwen2_moe": {"attn_in": QKV, "moe_in": ["mlp.gate", "mlp.experts.gate_up_proj", "mlp.shared_expert.gate_proj",
+                                             "mlp.shared_expert.up_proj", "mlp.shared_expert_gate"]},
+    # MLA: q_lora_rank None (V2-Lite) reads q_proj; with q_lora_rank, q_a_proj -> q_a_layernorm -> q_b_proj
+    "deepseek_v2": {"attn_in": ["self_attn.q_proj", "self_attn.kv_a_proj_with_mqa"],
+                    "kv_a": ["self_attn.kv_b_proj"], "moe_in": ["mlp.gate", "mlp.experts.gate_up_proj", *SHARED]},
+    "deepseek_v3": {"attn_in": ["self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa"], "q_a": ["self_attn.q_b_proj"],
+                    "kv_a": ["self_attn.kv_b_proj"], "moe_in": ["mlp.gate", "mlp.experts.gate_up_proj", *SHARED]},
 }
+
+
+def reader_names(group) -> list[str]:
+    return [r.name.removesuffix(".weight") for r in group.readers]
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_groups_name_every_weight_that_reads_each_norm(model_type):
     model, adapter = build_tiny_model(model_type), adapter_for(model_type)
-    attn_names, moe_names = EXPECTED_READERS[model_type]
     layer = model.model.layers[0]
-    attn, moe = smoothing_groups(layer, adapter)
-    assert (attn.name, moe.name) == (ATTN_IN, MOE_IN)
-    assert [r.name.removeprefix("self_attn.").removesuffix(".weight") for r in attn.readers] == attn_names
-    assert [r.name.removeprefix("mlp.").removesuffix(".weight") for r in moe.readers] == moe_names
-    assert [r.quantized for r in moe.readers][0] is False  # the router stays in full precision
+    groups = smoothing_groups(layer, adapter)
+    assert {g.name: reader_names(g) for g in groups} == EXPECTED_GROUPS[model_type]
+    assert (groups[0].name, groups[-1].name) == (ATTN_IN, MOE_IN)
+    assert [r.quantized for r in groups[-1].readers][0] is False  # the router stays in full precision
 
-    # Completeness, traced: every module owning parameters whose input IS a norm's output must be a reader.
+    # Completeness, traced: every module owning parameters whose input IS a norm's output must be a reader, and a
+    # norm no group names must feed no linear (Qwen3-MoE / OLMoE q_norm, k_norm feed the attention product).
     norm_outputs, inputs = {}, {}
 
     def record_input(module, args, kwargs) -> None:
         inputs[module] = args[0] if args else kwargs.get("hidden_states")
 
-    handles = [group.norm.register_forward_hook(lambda _m, _i, out, n=group.name: norm_outputs.update({n: out}))
-               for group in (attn, moe)]
+    norms = {module for name, module in layer.named_modules() if "norm" in name.rsplit(".", 1)[-1]}
+    handles = [norm.register_forward_hook(lambda m, _i, out: norm_outputs.update({m: out})) for norm in norms]
     for module in layer.modules():
-        if next(module.parameters(recurse=False), None) is not None and module not in (attn.norm, moe.norm):
+        if next(module.parameters(recurse=False), None) is not None and module not in norms:
             handles.append(module.register_forward_pre_hook(record_input, with_kwargs=True))
     try:
         with torch.no_grad():
@@ -318,11 +324,14 @@ def test_groups_name_every_weight_that_reads_each_norm(model_type):
     finally:
         for handle in handles:
             handle.remove()
-    for group in (attn, moe):
-        out = norm_outputs[group.name].reshape(-1, group.channels)
+    by_norm = {group.norm: group for group in groups}
+    for norm, out in norm_outputs.items():
+        out = out.reshape(-1, out.shape[-1])
         readers_seen = {m for m, x in inputs.items() if isinstance(x, torch.Tensor) and x.numel() == out.numel()
-                        and torch.equal(x.reshape(-1, group.channels), out)}
-        assert readers_seen == {reader.module for reader in group.readers}, group.name
+                        and torch.equal(x.reshape(-1, out.shape[-1]), out)}
+        expected = {reader.module for reader in by_norm[norm].readers} if norm in by_norm else set()
+        assert readers_seen == expected, (model_type, by_norm[norm].name if norm in by_norm else norm)
+    assert set(by_norm) <= set(norm_outputs)
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
@@ -344,7 +353,7 @@ def test_folding_random_scales_preserves_logits_and_routing(model_type):
                                                    ("qwen3_moe", {"mlp_only_layers": [0]})])
 def test_dense_layers_fold_into_their_mlp(model_type, dense):
     model, adapter = build_tiny_model(model_type, **dense), adapter_for(model_type)
-    _attn, moe = smoothing_groups(model.model.layers[0], adapter)
+    moe = smoothing_groups(model.model.layers[0], adapter)[-1]
     assert [r.name for r in moe.readers] == ["mlp.gate_proj.weight", "mlp.up_proj.weight"]
     logits, _ = run_with_routing(model, adapter)
     fold_random_scales(model, adapter)

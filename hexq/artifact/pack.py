@@ -305,7 +305,7 @@ def pack(calib_dir: str | Path, out: str | Path, settings: Pack | None = None, b
     layer at a time. settings: the pack section to use (default: the calibration's recipe's); budget: overrides
     settings.avg_bits; bank: widths kept for every expert besides its allocated one (see `bank_widths`)."""
     from hexq.calib.pipeline import open_model
-    from hexq.calib.smooth import fold_scales, smoothing_groups
+    from hexq.calib.smooth import fold_calibrated
 
     started = time.time()
     calib_dir, out = Path(calib_dir), Path(out)
@@ -353,8 +353,7 @@ def pack(calib_dir: str | Path, out: str | Path, settings: Pack | None = None, b
         for index in range(num_layers):
             tensors, _ = load_layer(calib_dir, index)  # the layer's bank is a file of its own, read below
             with streamed.layer(index, experts=False) as loaded:
-                for group in smoothing_groups(loaded.module, adapter):
-                    fold_scales(group, tensors[f"smooth.{group.name}"])
+                fold_calibrated(loaded.module, adapter, tensors)
                 dense, names = dense_layer_tensors(loaded, adapter, tensors, f"model.layers.{index}.",
                                                    recipe.weights.bits)
             quantized |= names

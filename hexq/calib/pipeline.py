@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from hexq import __version__
-from hexq.adapters import MoEAdapter
+from hexq.adapters import MoEAdapter, check_moe_layers
 from hexq.algos.gptq import factorize_hessians, gptq_bank, gptq_replicas
 from hexq.algos.hessian import blend_cold_hessian
 from hexq.algos.quant import QuantMeta, QuantSpec, quantize
@@ -41,7 +41,7 @@ from hexq.calib.capture import (
     expert_statistics,
     quantized_linears,
 )
-from hexq.calib.smooth import ATTN_IN, MOE_IN, fold_scales, smoothing_groups
+from hexq.calib.smooth import MOE_IN, fold_calibrated, fold_scales, smoothing_groups, unsmoothed_linears
 from hexq.calib.store import (
     FORMAT,
     FORMAT_VERSION,
@@ -87,7 +87,6 @@ from hexq.streaming import (
     run_layer,
 )
 
-GROUP_OF_SECTION = {"attention": ATTN_IN, "moe": MOE_IN}
 PROJECTIONS = ("gate_up", "down")
 Progress = Callable[[str, int, int], None]  # (what, done, total)
 # Working memory for one chunk of experts' GPTQ (weights of every width stacked, Hessians and factors, float32).
@@ -193,32 +192,37 @@ def export_spec(recipe: Recipe, shapes: dict[str, tuple[int, int]]) -> QuantSpec
 
 def smooth_layer(loaded: LoadedLayer, adapter: MoEAdapter, hidden: HiddenStore, kwargs: list[dict], recipe: Recipe,
                  seed: int, tensors: dict) -> tuple[dict, torch.Tensor | None]:
-    """Choose and fold smoothing factors for the recipe's groups; returns the per-group report and the column scale
-    the routed experts' gate_up must take (None when the MoE group is not smoothed or the layer is dense).
+    """Choose and fold smoothing factors for the recipe's groups; returns the per-group report (every group of the
+    layer: what was chosen, or why it was skipped) and the column scale the routed experts' gate_up must take (None
+    when the MoE group is not smoothed or the layer is dense).
 
-    The MoE group's HAQ objective (003 eq. 1) scores each routed expert on the tokens routed to it (the router's
-    top-k of the same sampled tokens), the router and shared expert on all of them (`smoothing.moe_objective:
-    routed`); `all` scores every expert on every token, as if each were routed everything."""
+    Each group is scored with the setting its quantized readers get: the attention groups and a dense layer's MLP
+    with `weights`/`activations`, a MoE layer's post-attention group with the experts' settings. The MoE group's HAQ
+    objective (003 eq. 1) scores each routed expert on the tokens routed to it (the router's top-k of the same
+    sampled tokens), the router and shared expert on all of them (`smoothing.moe_objective: routed`); `all` scores
+    every expert on every token, as if each were routed everything."""
     layer = loaded.module
     groups = {group.name: group for group in smoothing_groups(layer, adapter)}
     for group in groups.values():
         tensors[f"smooth.{group.name}"] = torch.ones(group.channels, device="cpu")
     method = recipe.smoothing.method
     if method == "none":
-        return {}, None
-    selected = [GROUP_OF_SECTION[section] for section in recipe.smoothing.groups]
+        return {name: {"skipped": "smoothing.method is none"} for name in groups}, None
+    report: dict = {name: {"skipped": f"smoothing.groups does not list {group.section!r}"}
+                    for name, group in groups.items() if group.section not in recipe.smoothing.groups}
+    selected = [name for name in groups if name not in report]
     with capture_norm_outputs({name: groups[name].norm for name in selected}) as outputs:
         routed = run_layer(loaded, hidden, kwargs, None, experts=None)
-    report, expert_scale = {}, None
+    expert_scale = None
     generator = torch.Generator().manual_seed(seed)
     for name in selected:
         group, x = groups[name], torch.cat(outputs.pop(name))
         act_max = x.abs().amax(dim=0)
         median = float(act_max.median().clamp(min=1e-12))
         entry = {"method": method, "act_max_over_median": round(float(act_max.max()) / median, 3)}
-        w_setting, a_setting = ((recipe.weights, recipe.activations) if name == ATTN_IN
-                                else (recipe.expert_weights, recipe.expert_activations))
         routed_experts = name == MOE_IN and loaded.is_moe  # the experts are read from their stored copy
+        w_setting, a_setting = ((recipe.expert_weights, recipe.expert_activations) if routed_experts
+                                else (recipe.weights, recipe.activations))
         weights, quantized = group.weights(), group.quantized()
         if method == "smoothquant":
             if routed_experts:
@@ -226,12 +230,13 @@ def smooth_layer(loaded: LoadedLayer, adapter: MoEAdapter, hidden: HiddenStore, 
             s = smoothquant_scales(act_max, weights, recipe.smoothing.alpha)
             entry["alpha"] = recipe.smoothing.alpha
         elif not a_setting.enabled:
-            entry["skipped"] = "activations of this group are not quantized: the W8A8 objective has nothing to fix"
+            report[name] = {"skipped": "activations of this group are not quantized: the W8A8 objective has "
+                                       "nothing to fix"}
             continue
         else:
             picked = torch.randperm(x.shape[0], generator=generator, device="cpu")[: recipe.smoothing.max_tokens]
             sample = x[picked.to(x.device)]
-            bits = default_expert_bits(recipe) if name == MOE_IN else None
+            bits = default_expert_bits(recipe) if routed_experts else None
             common = dict(w_spec=w_setting.spec(bits), a_bits=a_setting.bits, a_symmetric=a_setting.symmetric)
             if routed_experts and recipe.smoothing.moe_objective == "routed":
                 search = search_exponent_routed(sample, routed.index[picked.to(routed.index.device)], act_max,
@@ -252,7 +257,7 @@ def smooth_layer(loaded: LoadedLayer, adapter: MoEAdapter, hidden: HiddenStore, 
             expert_scale = s.float()
         tensors[f"smooth.{name}"] = s.float().cpu()
         report[name] = entry
-    return report, expert_scale
+    return {name: report[name] for name in groups}, expert_scale
 
 
 # ------------------------------------------------------------------------------------------ pass B: quantization
@@ -388,8 +393,7 @@ def apply_dense_part(loaded: LoadedLayer, adapter: MoEAdapter, tensors: dict, re
     weights and activation fake quantization on every quantized linear."""
     layer = loaded.module
     if fold:
-        for group in smoothing_groups(layer, adapter):
-            fold_scales(group, tensors[f"smooth.{group.name}"])
+        fold_calibrated(layer, adapter, tensors)
     for name, module in quantized_linears(layer, adapter).items():
         weight = dequantize_packed(packed_matrix(tensors, f"linear.{name}", tuple(module.weight.shape),
                                                  recipe.weights.bits))
@@ -494,7 +498,8 @@ def calibrate_layer(loaded: LoadedLayer, adapter: MoEAdapter, hidden: HiddenStor
                                      (propagate.input_quant, propagate.mid_quant), moe_sample, loaded.act_fn, chunk,
                                      progress)
         add_expert_outputs(outputs, routed, experts_out)
-    meta = {"layer": index, "smoothing": smoothing, **report}
+    meta = {"layer": index, "smoothing": smoothing, "unsmoothed": unsmoothed_linears(loaded.module, adapter),
+            **report}
     return tensors, meta, outputs
 
 
@@ -530,7 +535,9 @@ def open_model(model_path: Path, device: torch.device) -> tuple[StreamedModel, o
         tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise HexqError(f"cannot load model from {model_path}: {str(exc).splitlines()[0]}") from None
-    return StreamedModel(config, checkpoint, device), tokenizer
+    streamed = StreamedModel(config, checkpoint, device)
+    check_moe_layers(streamed.adapter, config, [i for i in range(streamed.num_layers) if streamed.is_moe(i)])
+    return streamed, tokenizer
 
 
 def calibrate(model_path: str | Path, recipe: Recipe, data: str, out: str | Path, device: str | None = None,

@@ -99,10 +99,15 @@ def read_json(path: Path) -> dict | None:
 
 
 def is_finished(out: Path, fingerprint: dict) -> bool:
-    """Does `out` hold a finished calibration of exactly these model, data and recipe (nothing to do)?"""
+    """Does `out` hold a finished calibration of exactly these model, data and recipe (nothing to do)? A folder
+    whose manifest fails its seal (edited, or from a hexq before the seal) is not: the output rule decides whether
+    it may be replaced."""
     if not (out / "manifest.json").is_file():
         return False
-    manifest = read_sealed_json(out / "manifest.json")
+    try:
+        manifest = read_sealed_json(out / "manifest.json")
+    except HexqError:
+        return False
     return isinstance(manifest, dict) and manifest.get("fingerprint") == fingerprint
 
 
