@@ -30,7 +30,12 @@ def rtn_quantize_model(model, adapter: MoEAdapter, spec: QuantSpec) -> None:
             if isinstance(module, torch.nn.Linear):
                 module.weight.copy_(fake_quantize(module.weight, spec))
         moe = getattr(layer, adapter.moe)
-        experts = getattr(moe, adapter.experts)
+        experts = getattr(moe, adapter.experts, None)
+        if experts is None:  # a dense layer (DeepSeek's first layers): its MLP is quantized like the attention
+            for module in moe.modules():
+                if isinstance(module, torch.nn.Linear):
+                    module.weight.copy_(fake_quantize(module.weight, spec))
+            continue
         experts.gate_up_proj.copy_(fake_quantize_experts(experts.gate_up_proj, spec))
         experts.down_proj.copy_(fake_quantize_experts(experts.down_proj, spec))
         if adapter.shared_expert:

@@ -56,9 +56,10 @@ if TYPE_CHECKING:
     from torch.utils.data import DataLoader
 
 # Modules never quantized: the output head, the routers (transformers-5 routers are not nn.Linear, so this is
-# a guard for families whose router is one) and Qwen2-MoE's 1-wide shared-expert gate; llm-compressor's own
+# a guard for families whose router is one: PhiMoE's `router` is) and Qwen2-MoE's 1-wide shared-expert gate;
+# llm-compressor's own
 # MoE examples ignore the same.
-PEER_IGNORE = ("lm_head", r"re:.*mlp\.gate$", r"re:.*mlp\.shared_expert_gate$")
+PEER_IGNORE = ("lm_head", r"re:.*mlp\.gate$", r"re:.*mlp\.router$", r"re:.*mlp\.shared_expert_gate$")
 
 # llmcompressor's calibration pipelines: "independent" (its default) gives each modifier its own pass and
 # infers "sequential" (layer by layer, errors propagated) for SmoothQuant and GPTQ; "basic" runs whole-model
