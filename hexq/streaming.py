@@ -300,7 +300,11 @@ class StreamedModel:
         server keeps resident (`hexq run`)."""
         for index, layer in enumerate(self.layers):
             self._materialize(layer, f"model.layers.{index}.", skip=self.experts_path if self.is_moe(index) else None)
+        tied = getattr(self.config, "tie_word_embeddings", False)
         for name in ("model.embed_tokens", "model.norm", "lm_head"):
+            if name == "lm_head" and tied:  # one copy, as the source had: never a second one, even for a moment
+                self.model.lm_head.weight = self.model.model.embed_tokens.weight
+                continue
             self._materialize_top(self.model.get_submodule(name), name)
         self.source.release()
 
