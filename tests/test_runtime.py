@@ -25,13 +25,17 @@ def reference_logits(mixed_artifact):
     return stream_logits(streamed, IDS[None], prepare)
 
 
+FP32 = {"dtype": "fp32", "cache_dtype": "fp32"}
+
+
 @pytest.mark.parametrize("fraction", [0.1, 0.5, 1.0])
 @pytest.mark.parametrize("prefetch", [True, False])
 def test_static_policy_logits_do_not_depend_on_the_budget(mixed_artifact, reference_logits, fraction, prefetch):
-    probe = Runtime(mixed_artifact)
+    """fp32 mode: the streamed eval's logits under every budget, warm start and cost model included."""
+    probe = Runtime(mixed_artifact, **FP32)
     budget = max(int(fraction * probe.expert_bytes), probe.cache.capacity_bytes // 16)
     probe.close()
-    with Runtime(mixed_artifact, budget, prefetch=prefetch) as runtime:
+    with Runtime(mixed_artifact, budget, prefetch=prefetch, **FP32) as runtime:
         logits = runtime.forward(IDS[None]).logits
         stats = runtime.stats()
     assert (logits - reference_logits).abs().max() <= 1e-5
@@ -40,8 +44,26 @@ def test_static_policy_logits_do_not_depend_on_the_budget(mixed_artifact, refere
         assert stats.cache.evictions + stats.cache.bypass_loads > 0
 
 
+@pytest.fixture(scope="module")
+def bf16_logits(mixed_artifact):
+    with Runtime(mixed_artifact, warm="none") as runtime:
+        return runtime.forward(IDS[None]).logits
+
+
+@pytest.mark.parametrize("options", [{"warm": "3"}, {"warm": "1", "prefetch": False}, {"warm": "2", "admission": False},
+                                     {"kernel": False}, {"mode": "ondemand"}])
+@pytest.mark.parametrize("fraction", [0.1, 0.5])
+def test_bf16_logits_are_bit_identical_across_budgets(mixed_artifact, bf16_logits, options, fraction):
+    """The default bf16 runtime: the same bits under every budget, warm start, cost model and dequantization path."""
+    probe = Runtime(mixed_artifact)
+    budget = max(int(fraction * probe.expert_bytes), probe.source.expert_nbytes)
+    probe.close()
+    with Runtime(mixed_artifact, budget, **options) as runtime:
+        assert torch.equal(runtime.forward(IDS[None]).logits, bf16_logits)
+
+
 def test_load_on_demand_computes_the_same(mixed_artifact, reference_logits):
-    with Runtime(mixed_artifact, mode="ondemand") as runtime:
+    with Runtime(mixed_artifact, mode="ondemand", **FP32) as runtime:
         logits = runtime.forward(IDS[None]).logits
         assert runtime.stats().peak_bytes == 0 and runtime.stats().cache.bypass_loads > 0
     assert (logits - reference_logits).abs().max() <= 1e-5
@@ -62,7 +84,7 @@ def test_perplexity_matches_the_streamed_eval(mixed_artifact):
     ids = torch.randint(0, 8192, (200,), generator=torch.Generator().manual_seed(2))
     streamed, _, prepare = artifact_model(mixed_artifact, torch.device("cpu"))
     want = math.exp(float(stream_nll(streamed, make_windows(ids, 50), 1, prepare).sum()) / (4 * 49))
-    with Runtime(mixed_artifact) as runtime:
+    with Runtime(mixed_artifact, **FP32) as runtime:
         got, scored, _ = runtime_perplexity(runtime, ids, 50, None)
     assert scored == 4 * 49 and got == pytest.approx(want, rel=1e-5)
 
@@ -111,7 +133,7 @@ def test_prefill_admits_only_the_layer_share(mixed_artifact):
     probe = Runtime(mixed_artifact)
     one_expert = probe.expert_bytes // (len(probe.artifact.moe_layers) * probe.artifact.num_experts)
     probe.close()
-    with Runtime(mixed_artifact, budget_bytes=4 * one_expert, prefetch=False) as runtime:  # share: 2 per layer
+    with Runtime(mixed_artifact, budget_bytes=4 * one_expert, prefetch=False, warm="none") as runtime:  # 2 a layer
         runtime.forward(IDS[None])
         resident = runtime.cache.resident()
         stats = runtime.stats()

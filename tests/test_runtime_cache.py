@@ -311,9 +311,14 @@ def test_failed_load_releases_its_reservation(make_cache):
     with pytest.raises(OSError):
         cache.get(0, 9, 4)
     cache.prefetch(0, 9, 4)
+    with pytest.raises(OSError, match="bad shard"):  # the worker's failure reaches the caller, once
+        cache.wait_idle()
     cache.wait_idle()
     assert cache.budget.used == 0 and cache.stats.prefetch_dropped == 1
     assert_weights(cache.get(0, 1, 4), 0, 1, 4)  # the worker survived and the cache still works
+    cache.prefetch(0, 2, 4)  # but loads nothing more in the background after a failure
+    cache.wait_idle()
+    assert cache.stats.prefetch_dropped == 2 and (0, 2) not in cache.resident()
 
 
 def test_source_size_mismatch_is_reported(make_cache):
