@@ -140,3 +140,79 @@ def test_prefill_admits_only_the_layer_share(mixed_artifact):
     assert runtime.state.layer_share == 2
     assert all(sum(1 for layer, _ in resident if layer == index) <= 2 for index in range(2))
     assert stats.cache.bypass_loads > 0
+
+
+def test_memory_is_one_budget_for_dense_scratch_and_experts(mixed_artifact):
+    from hexq.runtime.model import dense_bytes
+
+    with Runtime(mixed_artifact, warm="none") as probe:
+        dense, scratch, one = probe.dense_bytes, probe.scratch_bytes, probe.source.expert_nbytes
+        assert dense == dense_bytes(probe.model)  # planned before materializing, exactly what was materialized
+    minimum = dense + scratch + one
+    with pytest.raises(HexqError, match=f"below the minimum of .* \\({minimum} bytes\\)"):
+        Runtime(mixed_artifact, memory_bytes=minimum - 1)
+    memory = minimum + 3 * one + one // 2
+    with Runtime(mixed_artifact, memory_bytes=memory) as runtime:
+        assert runtime.budget_bytes == memory - dense - scratch and runtime.source.slots == 4
+        runtime.generate("It is a truth universally", 4)
+        stats = runtime.stats().as_dict()
+    assert stats["dense_bytes"] + stats["scratch_bytes"] + stats["budget_bytes"] == memory
+    assert stats["peak_bytes"] <= stats["budget_bytes"] and stats["memory_bytes"] == memory
+    with pytest.raises(HexqError, match="not both"):
+        Runtime(mixed_artifact, 10**6, memory_bytes=10**7)
+
+
+@pytest.mark.parametrize("scheme", ["1", "2", "3"])
+def test_warm_start_loads_the_placement(mixed_artifact, scheme):
+    from hexq.algos.placement import frequency_placement, path_placement, two_stage_placement
+    from hexq.artifact.format import STATS_SHARD, Artifact
+
+    artifact = Artifact(mixed_artifact)
+    counts = artifact.tensor(STATS_SHARD, "router.counts").long()
+    topk = artifact.tensor(STATS_SHARD, "router.topk").long()
+    E = artifact.num_experts
+    mask = {"1": path_placement(topk, E, 3), "2": frequency_placement(counts, 3),
+            "3": two_stage_placement(topk, E, 3)}[scheme]
+    with Runtime(mixed_artifact, warm="none") as probe:
+        one = probe.source.expert_nbytes
+    with Runtime(mixed_artifact, 6 * one, warm=scheme) as runtime:  # 3 per layer
+        resident = runtime.cache.resident()
+        stats = runtime.stats()
+    want = {(row, e) for row in range(mask.shape[0]) for e in range(E)
+            if mask[row, e] and artifact.allocation[row][e]}
+    assert set(resident) == want and stats.warm_experts == len(want)
+    assert all(bits == artifact.allocation[row][e] for (row, e), bits in resident.items())
+    assert stats.cache.hits == stats.cache.misses == 0  # counters start after the warm start
+
+
+def test_a_corrupt_shard_found_by_the_prefetch_worker_is_one_line(mixed_artifact, tmp_path):
+    import shutil
+
+    bad = tmp_path / "bad.hexq"
+    shutil.copytree(mixed_artifact, bad)
+    shard = bad / "experts" / "layer_001.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    for warm in ("3", "none"):  # found by the warm start's loads, or by a look-ahead prefetch while decoding
+        result = runner.invoke(app, ["run", str(bad), "--prompt", "It is a truth", "-m", "4", "--warm", warm])
+        lines = [line for line in result.output.splitlines() if line.strip()]
+        assert result.exit_code == 1, result.output
+        assert lines[-1].startswith("error: artifact file") and "layer_001.safetensors is corrupt" in lines[-1]
+        assert "Traceback" not in result.output and "Exception in thread" not in result.output
+        assert sum("corrupt" in line for line in lines) == 1
+
+
+def test_cli_memory_option_and_stats(mixed_artifact, tmp_path):
+    out = tmp_path / "run.json"
+    result = runner.invoke(app, ["run", str(mixed_artifact), "--prompt", "The cat", "-m", "4", "--memory", "1GB",
+                                 "--cache-dtype", "fp32", "--warm", "2", "--no-cost-model", "--stats", "--json",
+                                 str(out)])
+    assert result.exit_code == 0, result.output
+    stats = json.loads(out.read_text())["stats"]
+    assert stats["memory_bytes"] == 10**9 and stats["dense_bytes"] > 0 and stats["cache_dtype"] == "fp32"
+    assert "memory plan" in result.output and "dense" in result.output
+    small = runner.invoke(app, ["run", str(mixed_artifact), "--prompt", "x", "--memory", "100KB"])
+    assert small.exit_code == 1 and "below the minimum" in small.output and len(small.output.splitlines()) == 1
+    bad = runner.invoke(app, ["run", str(mixed_artifact), "--prompt", "x", "--cache-dtype", "fp8"])
+    assert bad.exit_code == 1 and "--cache-dtype fp8" in bad.output

@@ -66,7 +66,11 @@ MODES = ("cache", "ondemand")  # ondemand: no fast tier, every expert loaded fro
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 WARM = ("none", "1", "2", "3")  # placement schemes of 003 Algorithm 2 (hexq.algos.placement)
 LOADERS = 2  # threads that load experts: the forward pass and the prefetch worker
-USAGE_HORIZON = 256.0  # tokens over which the per-expert usage estimates average (hexq.runtime.cost.usage_update)
+# Tokens over which the per-expert usage estimates average (hexq.runtime.cost.usage_update). Short, so that the
+# estimate follows the traffic's locality: decoding 3 x 64 tokens after 128-token prompts on the reference models at
+# 25% and 50% of the experts' bytes, 16 gave the highest hit rates of 4, 16, 64 and 256 in 9 of 12 sequences, and
+# beat plain LRU in 11 of 12 (mixtral 50%: 0.79 / 0.86 / 0.87 against LRU's 0.79 / 0.77 / 0.72).
+USAGE_HORIZON = 16.0
 
 
 def parse_dtype(value: str | torch.dtype, option: str) -> torch.dtype:
@@ -579,7 +583,10 @@ class Runtime:
                prefetch: bool) -> bool:
         """The per-miss cost model (hexq.runtime.cost.admit_fill) on the current usage estimates."""
         usage = self.state.usage
-        return admit_fill(float(usage[key]), self.source.mean_load_seconds(bits),
+        new = usage[key]
+        if prefetch:  # predicted for the next token: valued as it will be once that use is counted
+            new = usage_update(new, torch.ones((), dtype=new.dtype, device=new.device), 1, USAGE_HORIZON)
+        return admit_fill(float(new), self.source.mean_load_seconds(bits),
                           [(float(usage[k]), self.source.mean_load_seconds(b)) for k, b in victims])
 
     def close(self) -> None:

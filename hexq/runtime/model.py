@@ -96,14 +96,17 @@ def skeleton(artifact: Artifact, device: torch.device, dtype: torch.dtype) -> St
 
 
 def dense_plan_bytes(streamed: StreamedModel) -> int:
-    """Bytes `materialize_dense` will allocate: every parameter and persistent buffer outside the routed experts, in
-    the compute dtype (integer tensors in their own), tied embeddings once. Read from the meta skeleton, so a memory
-    budget can be checked before anything is allocated."""
+    """Bytes of the dense part once `materialize_dense` has run: every parameter and persistent buffer outside the
+    routed experts, in the compute dtype (integer tensors in their own), tied embeddings once, plus the buffers the
+    skeleton holds already (rotary frequencies). Read from the meta skeleton, so a memory budget can be checked
+    before anything is allocated."""
     from hexq.streaming import _tensor_slots
 
     skip = streamed.experts_path
     tied = bool(getattr(streamed.config, "tie_word_embeddings", False))
-    total = 0
+    total = sum(buffer.numel() * buffer.element_size() for module in streamed.model.modules()
+                for name, buffer in module._buffers.items()
+                if buffer is not None and name in module._non_persistent_buffers_set)
     for name, _owner, _attr, _is_parameter in _tensor_slots(streamed.model):
         if tied and name == "lm_head.weight":
             continue
