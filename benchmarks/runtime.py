@@ -26,8 +26,10 @@ Configurations (hexq: `hexq.runtime.engine.Runtime`, bf16 dense part and fast ti
                     offload_folder (what a Hugging Face user does when a model does not fit)
 Each runs with the artifact (or checkpoint and offload folder) in the page cache ("hot") and with its pages dropped
 first ("cold": os.posix_fadvise(POSIX_FADV_DONTNEED) on every file, after start-up and warm start, so the timed
-generation reads from the disk). Peak RSS is checked against --memory plus the fixed overhead: the VmHWM of a child
-that imports torch, transformers and hexq and builds the model skeleton and tokenizer without any weights.
+generation reads from the disk). Peak RSS is checked against --memory plus the fixed overhead, measured once per
+model: the peak RSS of the same decode without a fast tier (`ondemand`) minus its dense part and scratch, i.e. the
+interpreter, torch, transformers, the tokenizer, the model skeleton, activations and the KV cache (reported beside
+the VmHWM of a child that only imports and builds the skeleton and tokenizer).
 
 Also measured: perplexity of each reference model with the dense part and the fast tier in fp32 or bf16 (the four
 combinations, all experts resident, --windows windows of 256 tokens of held-out austen); and the dequantization rate
@@ -342,9 +344,15 @@ def sizes(artifact: Path) -> dict:
 def run_model(name: str, artifact: Path, checkpoint: Path, args, log) -> dict:
     size = sizes(artifact)
     base = {"artifact": str(artifact), "prompt": size["prompt"], "decode": args.decode}
-    overhead = run_child({"kind": "overhead", "artifact": str(artifact)}, args.threads)["overhead_mib"]
+    imports = run_child({"kind": "overhead", "artifact": str(artifact)}, args.threads)["overhead_mib"]
+    # The fixed overhead: what the process holds besides the budgeted bytes under the same workload, from a run
+    # without a fast tier (its peak RSS minus its dense part and scratch); a budget-dependent leak cannot hide in it.
+    ondemand = run_child(base | {"kind": "hexq", "config": "ondemand", "cold": False, "options": {"warm": "none"}},
+                         args.threads)
+    overhead = ondemand["peak_rss_mib"] - ondemand["dense_mib"] - ondemand["scratch_mib"]
     log(f"{name}: bf16 model {size['model_bytes'] / 2**20:.1f} MiB (dense {size['dense_bytes'] / 2**20:.1f}, "
-        f"experts {size['expert_bytes'] / 2**20:.1f}); fixed overhead {overhead:.0f} MiB")
+        f"experts {size['expert_bytes'] / 2**20:.1f}); fixed overhead {overhead:.0f} MiB (imports and skeleton "
+        f"alone {imports:.0f} MiB)")
     plan: list[tuple[str, str, dict]] = [("resident", "100% experts", {"options": {}}),
                                          ("ondemand", "-", {"options": {"warm": "none"}})]
     for fraction in args.expert_fractions:
@@ -379,6 +387,7 @@ def run_model(name: str, artifact: Path, checkpoint: Path, args, log) -> dict:
                 f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()
                 if k not in ("config", "budget", "slow_tier")))
     result = {"artifact": str(artifact), "checkpoint": str(checkpoint), "overhead_mib": overhead,
+              "imports_and_skeleton_mib": imports,
               "dense_bytes": size["dense_bytes"], "expert_bytes": size["expert_bytes"],
               "model_bytes": size["model_bytes"], "rows": rows}
     if name in MODELS:
@@ -444,7 +453,8 @@ def render(results: dict) -> str:
         lines.append(f"\n{name}: bf16 model {result['model_bytes'] / 2**20:.1f} MiB (dense "
                      f"{result['dense_bytes'] / 2**20:.1f} MiB, experts {result['expert_bytes'] / 2**20:.1f} MiB); "
                      f"decode {results['decode']} tokens after a {PROMPT_TOKENS}-token prompt (tokens/s = 1 / median "
-                     f"step); {results['threads']} torch thread(s); fixed overhead {result['overhead_mib']:.0f} MiB")
+                     f"step); {results['threads']} torch thread(s); fixed overhead {result['overhead_mib']:.0f} "
+                     f"MiB (imports and skeleton {result['imports_and_skeleton_mib']:.0f} MiB)")
         lines.append("| config | budget | slow tier | " + " | ".join(COLUMNS) + " |")
         lines.append("|---" * (len(COLUMNS) + 3) + "|")
         for row in result["rows"]:

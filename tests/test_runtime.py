@@ -51,8 +51,9 @@ def test_static_policy_logits_do_not_depend_on_the_budget(mixed_artifact, refere
 
 @pytest.fixture(scope="module")
 def bf16_logits(mixed_artifact):
+    """(all-resident bf16 logits, bytes of every expert, bytes of one expert)."""
     with Runtime(mixed_artifact, warm="none") as runtime:
-        return runtime.forward(IDS[None]).logits
+        return runtime.forward(IDS[None]).logits, runtime.expert_bytes, runtime.source.expert_nbytes
 
 
 @pytest.mark.parametrize("options", [{"warm": "3"}, {"warm": "1", "prefetch": False}, {"warm": "2", "admission": False},
@@ -60,11 +61,9 @@ def bf16_logits(mixed_artifact):
 @pytest.mark.parametrize("fraction", [0.1, 0.5])
 def test_bf16_logits_are_bit_identical_across_budgets(mixed_artifact, bf16_logits, options, fraction):
     """The default bf16 runtime: the same bits under every budget, warm start, cost model and dequantization path."""
-    probe = Runtime(mixed_artifact)
-    budget = max(int(fraction * probe.expert_bytes), probe.source.expert_nbytes)
-    probe.close()
-    with Runtime(mixed_artifact, budget, **options) as runtime:
-        assert torch.equal(runtime.forward(IDS[None]).logits, bf16_logits)
+    logits, total, one = bf16_logits
+    with Runtime(mixed_artifact, max(int(fraction * total), one), **options) as runtime:
+        assert torch.equal(runtime.forward(IDS[None]).logits, logits)
 
 
 def test_load_on_demand_computes_the_same(mixed_artifact, reference_logits):
