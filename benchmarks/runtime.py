@@ -200,9 +200,9 @@ def child_accelerate(spec: dict) -> dict:
         ids = tokenizer(spec["prompt"], return_tensors="pt").input_ids
 
         @torch.no_grad()
-        def forward(step_ids, past):
-            out = model(step_ids, past_key_values=past, use_cache=True, logits_to_keep=1)
-            return out.logits, out.past_key_values
+        def forward(step_ids, past):  # the head on a copy of the last position, as hexq's generate does
+            out = model.model(step_ids, past_key_values=past, use_cache=True)
+            return model.lm_head(out.last_hidden_state[0, -1:].clone())[None], out.past_key_values
 
         io_before = disk_read_bytes()
         ttft, tpot, _ = decode_steps(forward, ids, spec["decode"])
@@ -341,9 +341,9 @@ def sizes(artifact: Path) -> dict:
     return {"dense_bytes": dense, "expert_bytes": experts, "model_bytes": dense + experts, "prompt": prompt}
 
 
-def run_model(name: str, artifact: Path, checkpoint: Path, args, log) -> dict:
+def run_model(name: str, artifact: Path, checkpoint: Path, args, log, decode: int) -> dict:
     size = sizes(artifact)
-    base = {"artifact": str(artifact), "prompt": size["prompt"], "decode": args.decode}
+    base = {"artifact": str(artifact), "prompt": size["prompt"], "decode": decode}
     imports = run_child({"kind": "overhead", "artifact": str(artifact)}, args.threads)["overhead_mib"]
     # The fixed overhead: what the process holds besides the budgeted bytes under the same workload, from a run
     # without a fast tier (its peak RSS minus its dense part and scratch); a budget-dependent leak cannot hide in it.
@@ -452,8 +452,9 @@ def render(results: dict) -> str:
     for name, result in results["models"].items():
         lines.append(f"\n{name}: bf16 model {result['model_bytes'] / 2**20:.1f} MiB (dense "
                      f"{result['dense_bytes'] / 2**20:.1f} MiB, experts {result['expert_bytes'] / 2**20:.1f} MiB); "
-                     f"decode {results['decode']} tokens after a {PROMPT_TOKENS}-token prompt (tokens/s = 1 / median "
-                     f"step); {results['threads']} torch thread(s); fixed overhead {result['overhead_mib']:.0f} "
+                     f"decode {result.get('decode', results['decode'])} tokens after a {PROMPT_TOKENS}-token prompt "
+                     f"(tokens/s = 1 / median step); {results['threads']} torch thread(s); fixed overhead "
+                     f"{result['overhead_mib']:.0f} "
                      f"MiB (imports and skeleton {result['imports_and_skeleton_mib']:.0f} MiB)")
         lines.append("| config | budget | slow tier | " + " | ".join(COLUMNS) + " |")
         lines.append("|---" * (len(COLUMNS) + 3) + "|")
@@ -480,6 +481,7 @@ def main() -> None:
     parser.add_argument("--real", type=Path, help="a real-shaped artifact to run as well")
     parser.add_argument("--real-checkpoint", type=Path, help="its source checkpoint (for the accelerate baseline)")
     parser.add_argument("--decode", type=int, default=96)
+    parser.add_argument("--real-decode", type=int, default=32, help="tokens decoded on the real-shaped model")
     parser.add_argument("--windows", type=int, default=8)
     parser.add_argument("--reps", type=int, default=15, help="repetitions of the dequantization timing")
     parser.add_argument("--expert-fractions", type=float, nargs="+", default=[0.25, 0.5])
@@ -511,7 +513,9 @@ def main() -> None:
     if args.real is not None:
         targets.append((f"real:{args.real.name}", args.real, args.real_checkpoint))
     for name, artifact, checkpoint in targets:
-        result = run_model(name, artifact, checkpoint, args, lambda m: print(m, flush=True))
+        decode = args.real_decode if name.startswith("real:") else args.decode
+        result = run_model(name, artifact, checkpoint, args, lambda m: print(m, flush=True), decode)
+        result["decode"] = decode
         result["ratios"] = ratios(result)
         results["models"][name] = result
         write_results(args.out, results, record)

@@ -249,14 +249,14 @@ class StreamedModel:
 
     # ------------------------------------------------------------------------------------------ materializing
 
-    def _materialize(self, module: torch.nn.Module, prefix: str, skip: str | None = None) -> None:
+    def _materialize(self, module: torch.nn.Module, prefix: str, skip: str | None = None, copy: bool = False) -> None:
         for name, owner, attr, is_parameter in _tensor_slots(module):
             if skip is not None and (name == skip or name.startswith(skip + ".")):
                 continue
             current = owner._parameters[attr] if is_parameter else owner._buffers[attr]
             stored = self.source.read_param(prefix + name, tuple(current.shape))
             dtype = self.dtype if stored.is_floating_point() else stored.dtype
-            _put(owner, attr, stored.to(device=self.device, dtype=dtype), is_parameter)
+            _put(owner, attr, stored.to(device=self.device, dtype=dtype, copy=copy), is_parameter)
 
     @contextmanager
     def layer(self, index: int, experts: bool = True) -> Iterator[LoadedLayer]:
@@ -298,15 +298,19 @@ class StreamedModel:
     def materialize_dense(self) -> None:
         """Materialize, for good, every parameter except the routed experts (which stay on meta): the dense part a
         server keeps resident (`hexq run`)."""
+        # Copies, never views of the source's file mapping: a mapped tensor would be read from disk at its first use
+        # (the first request pays for it) and whenever the page cache drops it; the maps are released per layer.
         for index, layer in enumerate(self.layers):
-            self._materialize(layer, f"model.layers.{index}.", skip=self.experts_path if self.is_moe(index) else None)
+            self._materialize(layer, f"model.layers.{index}.", skip=self.experts_path if self.is_moe(index) else None,
+                              copy=True)
+            self.source.release()
         tied = getattr(self.config, "tie_word_embeddings", False)
         for name in ("model.embed_tokens", "model.norm", "lm_head"):
             if name == "lm_head" and tied:  # one copy, as the source had: never a second one, even for a moment
                 self.model.lm_head.weight = self.model.model.embed_tokens.weight
                 continue
-            self._materialize_top(self.model.get_submodule(name), name)
-        self.source.release()
+            self._materialize_top(self.model.get_submodule(name), name, copy=True)
+            self.source.release()
 
     @contextmanager
     def parts(self, *names: str, dtype: torch.dtype | None = None) -> Iterator[None]:
@@ -322,7 +326,8 @@ class StreamedModel:
             for module in modules:
                 _to_meta(module)
 
-    def _materialize_top(self, module: torch.nn.Module, name: str, dtype: torch.dtype | None = None) -> None:
+    def _materialize_top(self, module: torch.nn.Module, name: str, dtype: torch.dtype | None = None,
+                         copy: bool = False) -> None:
         tied = name == "lm_head" and getattr(self.config, "tie_word_embeddings", False)
         for rel, owner, attr, is_parameter in _tensor_slots(module):
             current = owner._parameters[attr] if is_parameter else owner._buffers[attr]
@@ -330,7 +335,7 @@ class StreamedModel:
             if tied and not self.source_has(key):
                 key = "model.embed_tokens.weight"
             stored = self.source.read_param(key, tuple(current.shape))
-            _put(owner, attr, stored.to(device=self.device, dtype=dtype or self.dtype), is_parameter)
+            _put(owner, attr, stored.to(device=self.device, dtype=dtype or self.dtype, copy=copy), is_parameter)
 
     def source_has(self, key: str) -> bool:
         has = getattr(self.source, "has_param", None)
