@@ -27,9 +27,10 @@ Configurations (hexq: `hexq.runtime.engine.Runtime`, bf16 dense part and fast ti
 Each runs with the artifact (or checkpoint and offload folder) in the page cache ("hot") and with its pages dropped
 first ("cold": os.posix_fadvise(POSIX_FADV_DONTNEED) on every file, after start-up and warm start, so the timed
 generation reads from the disk). Peak RSS is checked against --memory plus the fixed overhead, measured once per
-model: the peak RSS of the same decode without a fast tier (`ondemand`) minus its dense part and scratch, i.e. the
-interpreter, torch, transformers, the tokenizer, the model skeleton, activations and the KV cache (reported beside
-the VmHWM of a child that only imports and builds the skeleton and tokenizer).
+model: the peak RSS of the same decode with a fast tier of one expert (prefetch worker running) minus its dense part,
+scratch and that expert, i.e. the interpreter, torch, transformers, the tokenizer, the model skeleton, the worker
+thread, activations and the KV cache (reported beside the VmHWM of a child that only imports and builds the skeleton
+and tokenizer).
 
 Also measured: perplexity of each reference model with the dense part and the fast tier in fp32 or bf16 (the four
 combinations, all experts resident, --windows windows of 256 tokens of held-out austen); and the dequantization rate
@@ -338,18 +339,21 @@ def sizes(artifact: Path) -> dict:
     tokenizer = artifact_tokenizer(opened)
     austen = tokenize(tokenizer, eval_text("austen"))
     prompt = tokenizer.decode(austen[-PROMPT_TOKENS:])  # held-out text the perplexity windows do not use
-    return {"dense_bytes": dense, "expert_bytes": experts, "model_bytes": dense + experts, "prompt": prompt}
+    return {"dense_bytes": dense, "expert_bytes": experts, "model_bytes": dense + experts, "prompt": prompt,
+            "experts": len(opened.moe_layers) * opened.num_experts}
 
 
 def run_model(name: str, artifact: Path, checkpoint: Path, args, log, decode: int) -> dict:
     size = sizes(artifact)
     base = {"artifact": str(artifact), "prompt": size["prompt"], "decode": decode}
     imports = run_child({"kind": "overhead", "artifact": str(artifact)}, args.threads)["overhead_mib"]
-    # The fixed overhead: what the process holds besides the budgeted bytes under the same workload, from a run
-    # without a fast tier (its peak RSS minus its dense part and scratch); a budget-dependent leak cannot hide in it.
-    ondemand = run_child(base | {"kind": "hexq", "config": "ondemand", "cold": False, "options": {"warm": "none"}},
-                         args.threads)
-    overhead = ondemand["peak_rss_mib"] - ondemand["dense_mib"] - ondemand["scratch_mib"]
+    # The fixed overhead: what the process holds besides the budgeted bytes under the same workload, from a run with
+    # the smallest fast tier (one expert; prefetch worker active): its peak RSS minus its dense part, scratch and
+    # that expert. A budget-dependent leak cannot hide in it.
+    one = size["expert_bytes"] // size["experts"]
+    probe = run_child(base | {"kind": "hexq", "config": "overhead probe", "cold": False, "budget": one,
+                              "options": FULL}, args.threads)
+    overhead = probe["peak_rss_mib"] - probe["dense_mib"] - probe["scratch_mib"] - probe["budget_mib"]
     log(f"{name}: bf16 model {size['model_bytes'] / 2**20:.1f} MiB (dense {size['dense_bytes'] / 2**20:.1f}, "
         f"experts {size['expert_bytes'] / 2**20:.1f}); fixed overhead {overhead:.0f} MiB (imports and skeleton "
         f"alone {imports:.0f} MiB)")

@@ -254,9 +254,9 @@ class StreamedModel:
             if skip is not None and (name == skip or name.startswith(skip + ".")):
                 continue
             current = owner._parameters[attr] if is_parameter else owner._buffers[attr]
-            stored = self.source.read_param(prefix + name, tuple(current.shape))
+            stored, owned = self._read(prefix + name, tuple(current.shape), copy)
             dtype = self.dtype if stored.is_floating_point() else stored.dtype
-            _put(owner, attr, stored.to(device=self.device, dtype=dtype, copy=copy), is_parameter)
+            _put(owner, attr, stored.to(device=self.device, dtype=dtype, copy=copy and not owned), is_parameter)
 
     @contextmanager
     def layer(self, index: int, experts: bool = True) -> Iterator[LoadedLayer]:
@@ -334,8 +334,17 @@ class StreamedModel:
             key = f"{name}.{rel}"
             if tied and not self.source_has(key):
                 key = "model.embed_tokens.weight"
-            stored = self.source.read_param(key, tuple(current.shape))
-            _put(owner, attr, stored.to(device=self.device, dtype=dtype or self.dtype, copy=copy), is_parameter)
+            stored, owned = self._read(key, tuple(current.shape), copy)
+            _put(owner, attr, stored.to(device=self.device, dtype=dtype or self.dtype, copy=copy and not owned),
+                 is_parameter)
+
+    def _read(self, name: str, shape: tuple[int, ...], copy: bool) -> tuple[torch.Tensor, bool]:
+        """(tensor, whether it is in memory of its own): with `copy`, through the source's read_param_copy when it
+        has one (no mapping at all, so no moment with both the file pages and the copy), else read_param."""
+        reader = getattr(self.source, "read_param_copy", None) if copy else None
+        if reader is not None:
+            return reader(name, shape), True
+        return self.source.read_param(name, shape), False
 
     def source_has(self, key: str) -> bool:
         has = getattr(self.source, "has_param", None)

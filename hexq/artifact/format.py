@@ -540,6 +540,38 @@ class Artifact:
                             f"needs {list(shape)}")
         return tensor
 
+    def read_param_copy(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """read_param into memory of its own, read with pread: nothing of the file is mapped, so a server that keeps
+        the tensor holds it once (not its file pages as well) and never reads it from disk again."""
+        alias = self.manifest["dense"]["aliases"].get(name, name)
+        if alias in self.manifest["dense"]["quantized_linears"]:
+            return self.read_param(name, shape)  # dequantized into a new tensor already
+        shard = self._dense_file(alias)
+        if shard not in self.files:
+            raise HexqError(f"{self.path}: tensor {alias} is not in {shard}")
+        spans = self._spans.get(shard)
+        if spans is None:
+            spans = self._spans.setdefault(shard, safetensors_spans(self.verify(shard)))
+        span = spans.get(alias)
+        if span is None:
+            raise HexqError(f"{self.path}: tensor {alias} is not in {shard}")
+        if tuple(span.shape) != tuple(shape):
+            raise HexqError(f"{self.path / shard}: tensor {alias} has shape {list(span.shape)}, the model's config "
+                            f"needs {list(shape)}")
+        out = torch.empty(span.shape, dtype=span.dtype, device="cpu")
+        target = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
+        fd = os.open(self.path / shard, os.O_RDONLY)
+        try:
+            done = 0
+            while done < span.end - span.start:
+                got = os.preadv(fd, [target[done:]], span.start + done)
+                if got <= 0:
+                    raise HexqError(f"short read of {alias} in {self.path / shard}")
+                done += got
+        finally:
+            os.close(fd)
+        return out
+
     def param_dtype(self, name: str) -> torch.dtype:
         """The stored dtype of a non-expert parameter (a quantized linear dequantizes to float32)."""
         from hexq.checkpoint import safetensors_dtype
