@@ -387,14 +387,24 @@ def print_run_stats(stats: dict) -> None:
     table = Table(title="runtime")
     table.add_column("measure")
     table.add_column("value", justify="right")
-    rows = [("expert budget", f"{stats['budget_bytes'] / 2**20:.2f} MiB of {stats['expert_bytes'] / 2**20:.2f} MiB"),
-            ("peak cached", f"{stats['peak_bytes'] / 2**20:.2f} MiB"),
+    def mb(value: int) -> str:
+        return f"{value / 2**20:.2f} MiB"
+
+    memory = "" if stats["memory_bytes"] is None else f" of --memory {mb(stats['memory_bytes'])}"
+    rows = [("memory plan", f"dense {mb(stats['dense_bytes'])} ({stats['dtype']}) + scratch "
+                            f"{mb(stats['scratch_bytes'])} + experts {mb(stats['budget_bytes'])}{memory}"),
+            ("expert budget", f"{mb(stats['budget_bytes'])} of {mb(stats['expert_bytes'])} ({stats['cache_dtype']}, "
+                              f"{stats['warm_experts']} warm)"),
+            ("peak cached", mb(stats["peak_bytes"])),
             ("hits / misses", f"{cache['hits']} / {cache['misses']} ({cache['hit_rate']:.1%})"),
             ("per-layer hit rate", " ".join(f"{v:.0%}" for v in cache["layer_hit_rate"].values())),
             ("promotions / evictions", f"{cache['promotions']} / {cache['evictions']}"),
-            ("bytes moved", f"{cache['bytes_moved'] / 2**20:.2f} MiB"),
+            ("bypass loads (cost model)", f"{cache['bypass_loads']} ({cache['admission_declined']})"),
+            ("bytes moved / read", f"{mb(cache['bytes_moved'])} / {mb(stats['bytes_read'])}"),
             ("forward wait", f"{cache['wait_seconds']:.3f} s"),
             ("prefetch precision / recall", f"{prefetch['precision']:.1%} / {prefetch['recall']:.1%}")]
+    if stats["peak_rss_bytes"] is not None:
+        rows.append(("peak RSS", mb(stats["peak_rss_bytes"])))
     if stats["ttft_seconds"] is not None:
         rows += [("TTFT", f"{stats['ttft_seconds'] * 1000:.1f} ms"),
                  ("TPOT", "-" if stats["tpot_seconds"] is None else f"{stats['tpot_seconds'] * 1000:.1f} ms"),
@@ -411,8 +421,16 @@ def run(
     prompt: Annotated[str | None, typer.Option("--prompt", "-p", help="Generate a continuation of this text.")] = None,
     ppl: Annotated[str | None, typer.Option("--ppl", help="Measure perplexity on this corpus name or text file "
                                             "instead.")] = None,
-    budget: Annotated[str | None, typer.Option("--budget", help="Memory for compute-ready experts, e.g. 200MB "
+    memory: Annotated[str | None, typer.Option("--memory", help="One budget for the whole process: dense part + "
+                                               "load scratch + expert cache, e.g. 6GB.")] = None,
+    budget: Annotated[str | None, typer.Option("--budget", help="Memory for the expert cache alone, e.g. 200MB "
                                                "or 1.5GiB (default: all experts).")] = None,
+    dtype: Annotated[str, typer.Option("--dtype", help="Dense part: bf16 or fp32.")] = "bf16",
+    cache_dtype: Annotated[str, typer.Option("--cache-dtype", help="Expert cache: bf16 or fp32.")] = "bf16",
+    warm: Annotated[str, typer.Option("--warm", help="Warm start: none, or placement scheme 1 (paths), 2 "
+                                      "(frequency), 3 (two-stage, pack's).")] = "3",
+    cost_model: Annotated[bool, typer.Option("--cost-model/--no-cost-model", help="Per-miss fill or transient "
+                                             "load by expected load time (off: every miss fills).")] = True,
     policy: Annotated[str, typer.Option("--policy", help="Expert precision policy: static, context, online or "
                                         "depth.")] = "static",
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-m", help="Tokens to generate.", min=1)] = 64,
@@ -445,16 +463,21 @@ def run(
 
     resolve_device(device)
     budget_bytes = parse_bytes(budget) if budget is not None else None
-    with Runtime(artifact, budget_bytes, policy, prefetch, mode, prefetch_top, device) as runtime:
-        result: dict = {"artifact": str(artifact), "policy": policy, "mode": mode, "prefetch": prefetch}
+    memory_bytes = parse_bytes(memory) if memory is not None else None
+    with Runtime(artifact, budget_bytes, policy, prefetch, mode, prefetch_top, device, memory_bytes=memory_bytes,
+                 dtype=dtype, cache_dtype=cache_dtype, warm=warm, admission=cost_model) as runtime:
+        result: dict = {"artifact": str(artifact), "policy": policy, "mode": mode, "prefetch": prefetch,
+                        "warm": warm, "cost_model": cost_model}
         if prompt is not None:
             console.print(prompt, end="", style="dim", highlight=False)
 
             def stream(piece: str) -> None:
                 console.print(piece, end="", highlight=False, soft_wrap=True)
 
-            text, run_stats = runtime.generate(prompt, max_new_tokens, stream, temperature, seed)
-            console.print()
+            try:
+                text, run_stats = runtime.generate(prompt, max_new_tokens, stream, temperature, seed)
+            finally:  # end the streamed line, so an error gets a line of its own
+                console.print()
             result |= {"prompt": prompt, "text": text}
         else:
             ids = tokenize(runtime.tokenizer, eval_text(ppl))

@@ -249,14 +249,14 @@ class StreamedModel:
 
     # ------------------------------------------------------------------------------------------ materializing
 
-    def _materialize(self, module: torch.nn.Module, prefix: str, skip: str | None = None) -> None:
+    def _materialize(self, module: torch.nn.Module, prefix: str, skip: str | None = None, copy: bool = False) -> None:
         for name, owner, attr, is_parameter in _tensor_slots(module):
             if skip is not None and (name == skip or name.startswith(skip + ".")):
                 continue
             current = owner._parameters[attr] if is_parameter else owner._buffers[attr]
-            stored = self.source.read_param(prefix + name, tuple(current.shape))
+            stored, owned = self._read(prefix + name, tuple(current.shape), copy)
             dtype = self.dtype if stored.is_floating_point() else stored.dtype
-            _put(owner, attr, stored.to(device=self.device, dtype=dtype), is_parameter)
+            _put(owner, attr, stored.to(device=self.device, dtype=dtype, copy=copy and not owned), is_parameter)
 
     @contextmanager
     def layer(self, index: int, experts: bool = True) -> Iterator[LoadedLayer]:
@@ -298,11 +298,19 @@ class StreamedModel:
     def materialize_dense(self) -> None:
         """Materialize, for good, every parameter except the routed experts (which stay on meta): the dense part a
         server keeps resident (`hexq run`)."""
+        # Copies, never views of the source's file mapping: a mapped tensor would be read from disk at its first use
+        # (the first request pays for it) and whenever the page cache drops it; the maps are released per layer.
         for index, layer in enumerate(self.layers):
-            self._materialize(layer, f"model.layers.{index}.", skip=self.experts_path if self.is_moe(index) else None)
+            self._materialize(layer, f"model.layers.{index}.", skip=self.experts_path if self.is_moe(index) else None,
+                              copy=True)
+            self.source.release()
+        tied = getattr(self.config, "tie_word_embeddings", False)
         for name in ("model.embed_tokens", "model.norm", "lm_head"):
-            self._materialize_top(self.model.get_submodule(name), name)
-        self.source.release()
+            if name == "lm_head" and tied:  # one copy, as the source had: never a second one, even for a moment
+                self.model.lm_head.weight = self.model.model.embed_tokens.weight
+                continue
+            self._materialize_top(self.model.get_submodule(name), name, copy=True)
+            self.source.release()
 
     @contextmanager
     def parts(self, *names: str, dtype: torch.dtype | None = None) -> Iterator[None]:
@@ -318,15 +326,25 @@ class StreamedModel:
             for module in modules:
                 _to_meta(module)
 
-    def _materialize_top(self, module: torch.nn.Module, name: str, dtype: torch.dtype | None = None) -> None:
+    def _materialize_top(self, module: torch.nn.Module, name: str, dtype: torch.dtype | None = None,
+                         copy: bool = False) -> None:
         tied = name == "lm_head" and getattr(self.config, "tie_word_embeddings", False)
         for rel, owner, attr, is_parameter in _tensor_slots(module):
             current = owner._parameters[attr] if is_parameter else owner._buffers[attr]
             key = f"{name}.{rel}"
             if tied and not self.source_has(key):
                 key = "model.embed_tokens.weight"
-            stored = self.source.read_param(key, tuple(current.shape))
-            _put(owner, attr, stored.to(device=self.device, dtype=dtype or self.dtype), is_parameter)
+            stored, owned = self._read(key, tuple(current.shape), copy)
+            _put(owner, attr, stored.to(device=self.device, dtype=dtype or self.dtype, copy=copy and not owned),
+                 is_parameter)
+
+    def _read(self, name: str, shape: tuple[int, ...], copy: bool) -> tuple[torch.Tensor, bool]:
+        """(tensor, whether it is in memory of its own): with `copy`, through the source's read_param_copy when it
+        has one (no mapping at all, so no moment with both the file pages and the copy), else read_param."""
+        reader = getattr(self.source, "read_param_copy", None) if copy else None
+        if reader is not None:
+            return reader(name, shape), True
+        return self.source.read_param(name, shape), False
 
     def source_has(self, key: str) -> bool:
         has = getattr(self.source, "has_param", None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from hexq.runtime.cost import LatencyProfile, measure_latency, n_critical, should_fill
 
@@ -89,3 +90,42 @@ def test_measure_latency_real_clock_smoke():
     p = measure_latency(lambda n: sum(range(50 * n)), lambda n: sum(range(n)), lambda: sum(range(500)),
                         n_tokens=4, repeats=3)
     assert p.lat_slow_per_token >= 0 and p.lat_fast_per_token >= 0 and p.fill_seconds >= 0
+
+
+# ------------------------------------------------------------------------------------------ per-miss admission
+
+
+def test_admit_fill_compares_expected_reload_time():
+    from hexq.runtime.cost import admit_fill
+
+    assert admit_fill(0.5, 1.0, [(0.2, 1.0), (0.2, 1.0)])  # 0.5 > 0.4
+    assert not admit_fill(0.5, 1.0, [(0.3, 1.0), (0.2, 1.0)])  # a tie keeps the transient load
+    assert admit_fill(0.3, 2.0, [(0.5, 1.0)])  # a costlier reload is worth keeping
+    assert admit_fill(1e-9, 1.0, [])  # nothing to evict
+    with pytest.raises(ValueError, match=">= 0"):
+        admit_fill(-1.0, 1.0, [])
+
+
+def test_usage_update_is_a_per_token_moving_average():
+    from hexq.runtime.cost import usage_update
+
+    u = torch.tensor([0.0, 1.0, 0.5], dtype=torch.float64)
+    counts = torch.tensor([2, 0, 1])
+    one_pass = usage_update(u, counts, 2, horizon=4.0)
+    # the same tokens one at a time give the same estimate when each token contributes its share
+    step = usage_update(usage_update(u, torch.tensor([1, 0, 0]), 1, 4.0), torch.tensor([1, 0, 1]), 1, 4.0)
+    keep = 0.75 ** 2
+    assert torch.allclose(one_pass, u * keep + counts.double() * (1 - keep) / 2)
+    assert torch.allclose(one_pass[:2], step[:2])  # experts used the same way in both orders
+    assert torch.equal(usage_update(u, counts, 0, 4.0), u)
+    with pytest.raises(ValueError, match="horizon"):
+        usage_update(u, counts, 1, 0.5)
+
+
+def test_calibration_usage_is_uses_per_token():
+    from hexq.runtime.cost import calibration_usage
+
+    counts = torch.tensor([[6, 2, 0, 0], [0, 0, 0, 0]])  # 4 tokens top-2 in layer 0, nothing in layer 1
+    usage = calibration_usage(counts, top_k=2)
+    assert torch.allclose(usage[0], torch.tensor([1.5, 0.5, 0.0, 0.0], dtype=torch.float64))
+    assert torch.equal(usage[1], torch.zeros(4, dtype=torch.float64))

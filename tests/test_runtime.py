@@ -2,6 +2,10 @@
 
 import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +19,7 @@ from hexq.streaming import stream_logits, stream_nll
 from hexq_cli.main import app
 
 runner = CliRunner()
+ROOT = Path(__file__).resolve().parent.parent
 IDS = torch.randint(0, 8192, (40,), generator=torch.Generator().manual_seed(1))
 
 
@@ -25,13 +30,17 @@ def reference_logits(mixed_artifact):
     return stream_logits(streamed, IDS[None], prepare)
 
 
+FP32 = {"dtype": "fp32", "cache_dtype": "fp32"}
+
+
 @pytest.mark.parametrize("fraction", [0.1, 0.5, 1.0])
 @pytest.mark.parametrize("prefetch", [True, False])
 def test_static_policy_logits_do_not_depend_on_the_budget(mixed_artifact, reference_logits, fraction, prefetch):
-    probe = Runtime(mixed_artifact)
+    """fp32 mode: the streamed eval's logits under every budget, warm start and cost model included."""
+    probe = Runtime(mixed_artifact, **FP32)
     budget = max(int(fraction * probe.expert_bytes), probe.cache.capacity_bytes // 16)
     probe.close()
-    with Runtime(mixed_artifact, budget, prefetch=prefetch) as runtime:
+    with Runtime(mixed_artifact, budget, prefetch=prefetch, **FP32) as runtime:
         logits = runtime.forward(IDS[None]).logits
         stats = runtime.stats()
     assert (logits - reference_logits).abs().max() <= 1e-5
@@ -40,8 +49,25 @@ def test_static_policy_logits_do_not_depend_on_the_budget(mixed_artifact, refere
         assert stats.cache.evictions + stats.cache.bypass_loads > 0
 
 
+@pytest.fixture(scope="module")
+def bf16_logits(mixed_artifact):
+    """(all-resident bf16 logits, bytes of every expert, bytes of one expert)."""
+    with Runtime(mixed_artifact, warm="none") as runtime:
+        return runtime.forward(IDS[None]).logits, runtime.expert_bytes, runtime.source.expert_nbytes
+
+
+@pytest.mark.parametrize("options", [{"warm": "3"}, {"warm": "1", "prefetch": False}, {"warm": "2", "admission": False},
+                                     {"kernel": False}, {"mode": "ondemand"}])
+@pytest.mark.parametrize("fraction", [0.1, 0.5])
+def test_bf16_logits_are_bit_identical_across_budgets(mixed_artifact, bf16_logits, options, fraction):
+    """The default bf16 runtime: the same bits under every budget, warm start, cost model and dequantization path."""
+    logits, total, one = bf16_logits
+    with Runtime(mixed_artifact, max(int(fraction * total), one), **options) as runtime:
+        assert torch.equal(runtime.forward(IDS[None]).logits, logits)
+
+
 def test_load_on_demand_computes_the_same(mixed_artifact, reference_logits):
-    with Runtime(mixed_artifact, mode="ondemand") as runtime:
+    with Runtime(mixed_artifact, mode="ondemand", **FP32) as runtime:
         logits = runtime.forward(IDS[None]).logits
         assert runtime.stats().peak_bytes == 0 and runtime.stats().cache.bypass_loads > 0
     assert (logits - reference_logits).abs().max() <= 1e-5
@@ -62,7 +88,7 @@ def test_perplexity_matches_the_streamed_eval(mixed_artifact):
     ids = torch.randint(0, 8192, (200,), generator=torch.Generator().manual_seed(2))
     streamed, _, prepare = artifact_model(mixed_artifact, torch.device("cpu"))
     want = math.exp(float(stream_nll(streamed, make_windows(ids, 50), 1, prepare).sum()) / (4 * 49))
-    with Runtime(mixed_artifact) as runtime:
+    with Runtime(mixed_artifact, **FP32) as runtime:
         got, scored, _ = runtime_perplexity(runtime, ids, 50, None)
     assert scored == 4 * 49 and got == pytest.approx(want, rel=1e-5)
 
@@ -111,10 +137,88 @@ def test_prefill_admits_only_the_layer_share(mixed_artifact):
     probe = Runtime(mixed_artifact)
     one_expert = probe.expert_bytes // (len(probe.artifact.moe_layers) * probe.artifact.num_experts)
     probe.close()
-    with Runtime(mixed_artifact, budget_bytes=4 * one_expert, prefetch=False) as runtime:  # share: 2 per layer
+    with Runtime(mixed_artifact, budget_bytes=4 * one_expert, prefetch=False, warm="none") as runtime:  # 2 a layer
         runtime.forward(IDS[None])
         resident = runtime.cache.resident()
         stats = runtime.stats()
     assert runtime.state.layer_share == 2
     assert all(sum(1 for layer, _ in resident if layer == index) <= 2 for index in range(2))
     assert stats.cache.bypass_loads > 0
+
+
+def test_memory_is_one_budget_for_dense_scratch_and_experts(mixed_artifact):
+    from hexq.runtime.model import dense_bytes
+
+    with Runtime(mixed_artifact, warm="none") as probe:
+        dense, scratch, one = probe.dense_bytes, probe.scratch_bytes, probe.source.expert_nbytes
+        assert dense == dense_bytes(probe.model)  # planned before materializing, exactly what was materialized
+    minimum = dense + scratch + one
+    with pytest.raises(HexqError, match=f"below the minimum of .* \\({minimum} bytes\\)"):
+        Runtime(mixed_artifact, memory_bytes=minimum - 1)
+    memory = minimum + 3 * one + one // 2
+    with Runtime(mixed_artifact, memory_bytes=memory) as runtime:
+        assert runtime.budget_bytes == memory - dense - scratch and runtime.source.slots == 4
+        runtime.generate("It is a truth universally", 4)
+        stats = runtime.stats().as_dict()
+    assert stats["dense_bytes"] + stats["scratch_bytes"] + stats["budget_bytes"] == memory
+    assert stats["peak_bytes"] <= stats["budget_bytes"] and stats["memory_bytes"] == memory
+    with pytest.raises(HexqError, match="not both"):
+        Runtime(mixed_artifact, 10**6, memory_bytes=10**7)
+
+
+@pytest.mark.parametrize("scheme", ["1", "2", "3"])
+def test_warm_start_loads_the_placement(mixed_artifact, scheme):
+    from hexq.algos.placement import frequency_placement, path_placement, two_stage_placement
+    from hexq.artifact.format import STATS_SHARD, Artifact
+
+    artifact = Artifact(mixed_artifact)
+    counts = artifact.tensor(STATS_SHARD, "router.counts").long()
+    topk = artifact.tensor(STATS_SHARD, "router.topk").long()
+    E = artifact.num_experts
+    mask = {"1": path_placement(topk, E, 3), "2": frequency_placement(counts, 3),
+            "3": two_stage_placement(topk, E, 3)}[scheme]
+    with Runtime(mixed_artifact, warm="none") as probe:
+        one = probe.source.expert_nbytes
+    with Runtime(mixed_artifact, 6 * one, warm=scheme) as runtime:  # 3 per layer
+        resident = runtime.cache.resident()
+        stats = runtime.stats()
+    want = {(row, e) for row in range(mask.shape[0]) for e in range(E)
+            if mask[row, e] and artifact.allocation[row][e]}
+    assert set(resident) == want and stats.warm_experts == len(want)
+    assert all(bits == artifact.allocation[row][e] for (row, e), bits in resident.items())
+    assert stats.cache.hits == stats.cache.misses == 0  # counters start after the warm start
+
+
+def test_a_corrupt_shard_found_by_the_prefetch_worker_is_one_line(mixed_artifact, tmp_path):
+    import shutil
+
+    bad = tmp_path / "bad.hexq"
+    shutil.copytree(mixed_artifact, bad)
+    shard = bad / "experts" / "layer_001.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    for warm in ("3", "none"):  # found by the warm start's loads, or by a look-ahead prefetch while decoding
+        # a real process: what its threads print reaches stderr as a user would see it (no test runner capture)
+        done = subprocess.run([sys.executable, "-m", "hexq_cli.main", "run", str(bad), "--prompt", "It is a truth",
+                               "-m", "4", "--warm", warm], capture_output=True, text=True, cwd=ROOT,
+                              env=dict(os.environ, PYTHONPATH=str(ROOT), HEXQ_DEBUG=""))
+        lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+        assert done.returncode == 1, done.stderr
+        assert done.stderr.strip().splitlines() == [lines[-1]]  # stderr holds the one error line, nothing else
+        assert lines[-1].startswith("error: artifact file") and "layer_001.safetensors is corrupt" in lines[-1]
+
+
+def test_cli_memory_option_and_stats(mixed_artifact, tmp_path):
+    out = tmp_path / "run.json"
+    result = runner.invoke(app, ["run", str(mixed_artifact), "--prompt", "The cat", "-m", "4", "--memory", "1GB",
+                                 "--cache-dtype", "fp32", "--warm", "2", "--no-cost-model", "--stats", "--json",
+                                 str(out)])
+    assert result.exit_code == 0, result.output
+    stats = json.loads(out.read_text())["stats"]
+    assert stats["memory_bytes"] == 10**9 and stats["dense_bytes"] > 0 and stats["cache_dtype"] == "fp32"
+    assert "memory plan" in result.output and "dense" in result.output
+    small = runner.invoke(app, ["run", str(mixed_artifact), "--prompt", "x", "--memory", "100KB"])
+    assert small.exit_code == 1 and "below the minimum" in small.output and len(small.output.splitlines()) == 1
+    bad = runner.invoke(app, ["run", str(mixed_artifact), "--prompt", "x", "--cache-dtype", "fp8"])
+    assert bad.exit_code == 1 and "--cache-dtype fp8" in bad.output

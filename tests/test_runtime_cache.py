@@ -311,9 +311,14 @@ def test_failed_load_releases_its_reservation(make_cache):
     with pytest.raises(OSError):
         cache.get(0, 9, 4)
     cache.prefetch(0, 9, 4)
+    with pytest.raises(OSError, match="bad shard"):  # the worker's failure reaches the caller, once
+        cache.wait_idle()
     cache.wait_idle()
     assert cache.budget.used == 0 and cache.stats.prefetch_dropped == 1
     assert_weights(cache.get(0, 1, 4), 0, 1, 4)  # the worker survived and the cache still works
+    cache.prefetch(0, 2, 4)  # but loads nothing more in the background after a failure
+    cache.wait_idle()
+    assert cache.stats.prefetch_dropped == 2 and (0, 2) not in cache.resident()
 
 
 def test_source_size_mismatch_is_reported(make_cache):
@@ -481,3 +486,67 @@ def test_stress_random_requests_with_concurrent_prefetch(make_cache):
     assert s.bytes_moved == sum(NB(*k) for k in src.loads)
     assert s.prefetch_issued == 2 * 1200
     assert s.hits > 0 and s.promotions > 0 and s.evictions > 0 and s.prefetch_used > 0
+
+
+# ---------------------------------------------------------------- admission, recycling, deferred frees
+
+
+class RecyclingSource(FakeSource):
+    """Records every version handed back, as a slot pool would."""
+
+    def __init__(self):
+        super().__init__()
+        self.recycled: list[ExpertWeights] = []
+        self.transient: list[tuple[int, int, int]] = []
+
+    def recycle(self, weights):
+        self.recycled.append(weights)
+
+    def load_transient(self, layer, expert, bits):
+        self.transient.append((layer, expert, bits))
+        return super().load(layer, expert, bits)
+
+
+def test_admission_sees_the_victims_and_a_declined_fill_is_a_transient_load():
+    asked = []
+
+    def admission(key, bits, victims, prefetch):
+        asked.append((key, bits, victims, prefetch))
+        return key[1] != 7  # expert 7 is never worth an eviction
+
+    source = RecyclingSource()
+    cache = ExpertCache(source, 2 * N, admission)
+    try:
+        cache.get(0, 0, 4)
+        cache.get(0, 1, 2)
+        assert asked == []  # free room: nothing to decide
+        assert_weights(cache.get(0, 7, 4), 0, 7, 4)
+        assert asked == [((0, 7), 4, [((0, 0), 4)], False)]  # the least recently used entry would go
+        assert cache.resident() == {(0, 0): 4, (0, 1): 2} and source.transient == [(0, 7, 4)]
+        stats = cache.stats
+        assert stats.admission_declined == 1 and stats.bypass_loads == 1 and stats.evictions == 0
+        cache.get(0, 3, 4)  # admitted: evicts the LRU entry, whose version goes back to the source
+        assert cache.resident() == {(0, 1): 2, (0, 3): 4}
+        assert [w.gate_up[0, 0].item() for w in source.recycled] == [expected_value(0, 0, 4)]
+        cache.prefetch(0, 7, 4)
+        cache.wait_idle()
+        assert asked[-1][3] is True and (0, 7) not in cache.resident()  # prefetches are asked too, then dropped
+    finally:
+        cache.close()
+    assert len(source.recycled) == 3  # close hands back what was resident
+
+
+def test_a_version_replaced_while_pinned_is_freed_at_the_last_unpin():
+    source = RecyclingSource()
+    cache = ExpertCache(source, 3 * N)
+    try:
+        with cache.pinned(0, [5]):
+            low = cache.get(0, 5, 2)
+            cache.prefetch(0, 5, 4)  # promoted in the background while the 2-bit copy is in use
+            cache.wait_idle()
+            assert cache.resident() == {(0, 5): 4}
+            assert source.recycled == [] and cache.budget.used == 2 * N  # still counted, memory untouched
+            assert_weights(low, 0, 5, 2)
+        assert [w.bits for w in source.recycled] == [2] and cache.budget.used == N
+    finally:
+        cache.close()

@@ -8,7 +8,10 @@ Tiers. The slow tier is an `ExpertSource` (the packed artifact): `load` reads, u
 at one precision into `ExpertWeights`, the compute-ready tensors. The fast tier is this cache: at most
 `capacity_bytes` of ExpertWeights, accounted by a `BudgetTracker`. Every fill reserves its bytes *before* it loads,
 so the accounted bytes never exceed the capacity, not even while a load is in flight. The budget is one pool
-shared by all precisions, because 004's LRU ranks experts of every precision against each other.
+shared by all precisions, because 004's LRU ranks experts of every precision against each other. A source may own
+the memory its weights live in (hexq.runtime.engine.ArtifactSource: fixed slots allocated once): the cache then
+hands every version it stops counting back through `source.recycle(weights)`, and transient loads go through
+`source.load_transient` (a buffer the source reuses, valid until the same thread's next transient load).
 
 Versioned residency (001 §3.2). Each (layer, expert) has one stable `ExpertHandle` that points to its published
 `ExpertVersion` (bits, weights, version number) or to nothing. A version is built only from the object `load`
@@ -32,16 +35,22 @@ unavailable.
 
 Pins and references. `pin`/`pinned` protect the experts the current layer computes with: pinned entries are never
 evicted (refcounted, so overlapping pins compose), and prefetches may not evict them. This is what keeps memory
-accounted under a running compute: pin the layer's experts, compute, unpin. A caller that holds an ExpertWeights
-without a pin still holds a complete, consistent object after its entry is evicted, but the budget stops counting
-those bytes at eviction; they are freed when the caller drops the reference.
+accounted under a running compute: pin the layer's experts, compute, unpin. A version replaced by a promotion while
+its expert is pinned stays counted (and its memory untouched) until the last unpin. Hold a pin while using weights:
+with a source that recycles memory, an evicted version's memory is reused by the next fill.
 
-Bypass. `get(..., fill=False)` returns a resident copy when there is one and otherwise loads the expert without
-caching it; `get` also takes this path when no room can be made (everything resident is pinned). The cost model
-(hexq.runtime.cost.should_fill) may choose it for small token counts. A bypass buffer is transient scratch outside
-the cache budget: whoever sizes the runtime reserves one expert of scratch for it (`ExpertCache.check_capacity`
-gives the size). An expert larger than the whole capacity cannot be cached: `get(..., fill=True)` raises a
-ValueError that states the minimum budget.
+Bypass and admission. `get(..., fill=False)` returns a resident copy when there is one and otherwise loads the
+expert without caching it; `get` also takes this path when no room can be made (everything resident is pinned), or
+when a fill would have to evict and the `admission` callback (the runtime's per-miss cost model,
+hexq.runtime.cost) declines: admission(key, bits, victims, prefetch) sees the entries the fill would evict, least
+recently used first. A bypass buffer is transient scratch outside the cache budget: whoever sizes the runtime
+reserves one expert of scratch for it (`ExpertCache.check_capacity` gives the size). An expert larger than the whole
+capacity cannot be cached: `get(..., fill=True)` raises a HexqError that states the minimum budget.
+
+Errors of the prefetch worker. A failed background load (a corrupt shard, a read error) is not logged as a
+traceback: the first one is kept, the worker stops loading, and the next `get`, `prefetch` or `wait_idle` of the
+forward pass raises it, once, as the caller's own error (with HEXQ_DEBUG=1 the CLI shows its traceback, the worker's
+frames included). Later failures are only counted (prefetch_dropped).
 """
 
 from __future__ import annotations
@@ -51,7 +60,7 @@ import queue
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Protocol
@@ -88,6 +97,9 @@ class ExpertSource(Protocol):
     def load(self, layer: int, expert: int, bits: int) -> ExpertWeights:
         """Read, unpack and dequantize one expert; may be slow; called without the cache lock held."""
         ...
+
+
+Admission = Callable[[tuple[int, int], int, list[tuple[tuple[int, int], int]], bool], bool]
 
 
 class BudgetTracker:
@@ -198,7 +210,8 @@ class CacheStats:
     `get` was blocked (its own loads and waits on in-flight ones). load_seconds: time inside source.load, any
     thread. prefetch_issued: prefetch calls; of those, prefetch_skipped were already resident or on their way,
     prefetch_dropped found no room (or failed, or were cancelled by close), and prefetch_used were later hit by get.
-    bypass_loads: misses served by a transient, uncached load.
+    bypass_loads: misses served by a transient, uncached load; admission_declined: fills (get or prefetch) the
+    admission callback turned down (a declined get is also a bypass load).
     """
 
     hits: int = 0
@@ -213,6 +226,7 @@ class CacheStats:
     prefetch_skipped: int = 0
     prefetch_dropped: int = 0
     prefetch_used: int = 0
+    admission_declined: int = 0
     layer_hits: dict[int, int] = field(default_factory=dict)
     layer_misses: dict[int, int] = field(default_factory=dict)
 
@@ -230,8 +244,14 @@ class ExpertCache:
     and frees everything. All public methods are thread-safe. See the module docstring for the rules.
     """
 
-    def __init__(self, source: ExpertSource, capacity_bytes: int):
+    def __init__(self, source: ExpertSource, capacity_bytes: int, admission: Admission | None = None):
         self._source = source
+        self._admission = admission
+        self._recycle = getattr(source, "recycle", None)
+        self._load_transient = getattr(source, "load_transient", None) or source.load
+        self._deferred: dict[Key, list[ExpertVersion]] = {}  # replaced while pinned: freed at the last unpin
+        self._error: BaseException | None = None  # the prefetch worker's first failure, raised once by the caller
+        self._error_raised = False
         self._budget = BudgetTracker(capacity_bytes)
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # notified on every publish, failed load, unpin and close
@@ -262,6 +282,12 @@ class ExpertCache:
         with self._lock:
             s = self._stats
             return replace(s, layer_hits=dict(s.layer_hits), layer_misses=dict(s.layer_misses))
+
+    def reset_stats(self) -> None:
+        """Start the counters afresh (e.g. after a warm start); what is resident stays, no longer marked prefetched."""
+        with self._lock:
+            self._stats = CacheStats()
+            self._prefetched.clear()
 
     def handle(self, layer: int, expert: int) -> ExpertHandle:
         """The stable handle of (layer, expert); the same object for the cache's lifetime."""
@@ -305,6 +331,8 @@ class ExpertCache:
                 self._pins[key] -= 1
                 if self._pins[key] == 0:
                     del self._pins[key]
+                    for old in self._deferred.pop(key, ()):
+                        self._free(old)
             self._changed.notify_all()
 
     @contextmanager
@@ -329,6 +357,7 @@ class ExpertCache:
         waited = 0.0
         with self._lock:
             self._check_open()
+            self._raise_worker_error()
             while True:
                 version = self._hit_version(key, bits)
                 if version is not None:
@@ -346,9 +375,13 @@ class ExpertCache:
                     break
                 self._check_fits(key, bits, need)
                 promoting = key in self._lru  # before _admit, which may retire the old copy first
-                if self._admit(key, need, background=False):
+                admitted = self._admit(key, bits, need, background=False)
+                if admitted:
                     self._start_fill(key, bits, promoting)
                     self._record(key, hit=False)
+                    break
+                if admitted is None:  # the cost model prefers a transient load to evicting what is resident
+                    fill = False
                     break
                 if self._inflight:  # other loads hold reservations; once published they may be evictable
                     waited += self._wait()
@@ -363,7 +396,7 @@ class ExpertCache:
         try:
             if fill:
                 return self._fill(key, bits, need, prefetched=False)
-            return self._load(key, bits, need)
+            return self._load(key, bits, need, transient=True)
         finally:
             with self._lock:
                 self._stats.wait_seconds += waited + time.perf_counter() - t0
@@ -379,6 +412,7 @@ class ExpertCache:
         key = (layer, expert)
         with self._lock:
             self._check_open()
+            self._raise_worker_error()
             self._stats.prefetch_issued += 1
             on_way = max(self._inflight.get(key, 0), self._queued.get(key, 0))
             if self._hit_version(key, bits) is not None or on_way >= bits:
@@ -392,8 +426,10 @@ class ExpertCache:
         self._queue.put(key)
 
     def wait_idle(self) -> None:
-        """Block until every prefetch queued so far has been loaded or dropped."""
+        """Block until every prefetch queued so far has been loaded or dropped (raises the worker's error)."""
         self._queue.join()
+        with self._lock:
+            self._raise_worker_error()
 
     def close(self) -> None:
         """Stop the worker (queued prefetches are dropped), then unpublish and release every entry."""
@@ -449,6 +485,12 @@ class ExpertCache:
         if self._closed:
             raise RuntimeError("ExpertCache is closed")
 
+    def _raise_worker_error(self) -> None:
+        """Raise the prefetch worker's first failure in the calling thread, once."""
+        if self._error is not None and not self._error_raised:
+            self._error_raised = True
+            raise self._error
+
     def _check_fits(self, key: Key, bits: int, need: int) -> None:
         if need > self._budget.capacity:
             raise HexqError(
@@ -465,23 +507,38 @@ class ExpertCache:
             raise RuntimeError("ExpertCache was closed while waiting")
         return time.perf_counter() - t0
 
-    def _admit(self, key: Key, need: int, *, background: bool) -> bool:
+    def _admit(self, key: Key, bits: int, need: int, *, background: bool) -> bool | None:
         """Reserve `need` bytes for a fill of `key`, evicting unpinned LRU entries; evicts nothing if it fails.
 
         A resident lower-precision copy of `key` stays published and counted ("count both"). Only a blocking get
-        may retire it first when both cannot fit.
+        may retire it first when both cannot fit. Returns True (reserved), False (no room can be made) or None (room
+        could be made, but the admission callback declined the evictions it takes).
         """
+        if self._budget.reserve(need):
+            return True
         old = self._lru.get(key)
         old_version = old.resolve() if old is not None else None
         victims = [k for k in self._lru if k != key and self._pins[k] == 0]
         room = self._budget.available + sum(self._lru[k]._active.nbytes for k in victims)
+        free_first = False
         if room < need:
             if background or old_version is None or room + old_version.nbytes < need:
                 return False
-            self._retire(key)  # free first: old + new cannot coexist within the capacity
+            free_first = True
+        evicted, freed = [], self._budget.available + (old_version.nbytes if free_first else 0)
         for victim in victims:
-            if self._budget.reserve(need):
-                return True
+            if freed >= need:
+                break
+            evicted.append(victim)
+            freed += self._lru[victim]._active.nbytes
+        if self._admission is not None and evicted:
+            chosen = [(k, self._lru[k]._active.bits) for k in evicted]
+            if not self._admission(key, bits, chosen, background):
+                self._stats.admission_declined += 1
+                return None
+        if free_first:
+            self._retire(key)  # free first: old + new cannot coexist within the capacity
+        for victim in evicted:
             self._retire(victim)
             self._stats.evictions += 1
         if self._budget.reserve(need):
@@ -494,7 +551,13 @@ class ExpertCache:
         self._prefetched.discard(key)
         old = handle._unpublish()
         if old is not None:
-            self._budget.release(old.nbytes)
+            self._free(old)
+
+    def _free(self, version: ExpertVersion) -> None:
+        """Return a version no longer published to the budget, and its memory to the source."""
+        self._budget.release(version.nbytes)
+        if self._recycle is not None:
+            self._recycle(version.weights)
 
     def _start_fill(self, key: Key, bits: int, promoting: bool) -> None:
         self._inflight[key] = bits
@@ -503,12 +566,14 @@ class ExpertCache:
 
     # ---------------------------------------------------------------- loads (called without the lock)
 
-    def _load(self, key: Key, bits: int, need: int) -> ExpertWeights:
+    def _load(self, key: Key, bits: int, need: int, transient: bool = False) -> ExpertWeights:
         """Load from the source and check it against the size that was reserved."""
         t0 = time.perf_counter()
-        weights = self._source.load(key[0], key[1], bits)
+        weights = (self._load_transient if transient else self._source.load)(key[0], key[1], bits)
         elapsed = time.perf_counter() - t0
         if weights.bits != bits or weights.nbytes != need:
+            if not transient and self._recycle is not None:
+                self._recycle(weights)
             raise ValueError(f"source returned {weights.bits} bits / {weights.nbytes} bytes for expert {key} at "
                              f"{bits} bits, but its nbytes() said {need}; the cache budget relies on them agreeing")
         with self._lock:
@@ -537,8 +602,11 @@ class ExpertCache:
             handle._publish(weights, need)
             self._lru.pop(key, None)
             self._lru[key] = handle  # most recently used
-            if old is not None:
-                self._budget.release(old.nbytes)  # publish, then free the replaced version
+            if old is not None:  # publish, then free the replaced version (after the last unpin if in use)
+                if self._pins[key]:
+                    self._deferred.setdefault(key, []).append(old)
+                else:
+                    self._free(old)
             if prefetched:
                 self._prefetched.add(key)
             else:
@@ -554,8 +622,11 @@ class ExpertCache:
                 if key is None:
                     return
                 self._prefetch_one(key)
-            except Exception:  # never let one bad load kill the worker; get() would surface the error itself
-                logger.exception("prefetch of expert %s failed", key)
+            except Exception as error:  # kept for the forward pass to raise (module docstring), not printed here
+                logger.debug("prefetch of expert %s failed", key, exc_info=True)
+                with self._lock:
+                    if self._error is None:
+                        self._error = error
             finally:
                 self._queue.task_done()
 
@@ -563,6 +634,9 @@ class ExpertCache:
         with self._lock:
             bits = self._queued.pop(key, None)
             if bits is None or self._closed:
+                return
+            if self._error is not None:  # the worker stops after its first failure
+                self._stats.prefetch_dropped += 1
                 return
             if self._hit_version(key, bits) is not None or self._inflight.get(key, 0) >= bits:
                 self._stats.prefetch_skipped += 1
@@ -572,7 +646,7 @@ class ExpertCache:
                 return
             need = self._source.nbytes(key[0], key[1], bits)
             promoting = key in self._lru
-            if need > self._budget.capacity or not self._admit(key, need, background=True):
+            if need > self._budget.capacity or not self._admit(key, bits, need, background=True):
                 self._stats.prefetch_dropped += 1
                 logger.debug("prefetch of expert %s at %d bits dropped: no unpinned room", key, bits)
                 return

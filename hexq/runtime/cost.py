@@ -24,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 
 @dataclass(frozen=True)
 class LatencyProfile:
@@ -83,3 +85,45 @@ def measure_latency(run_slow: Callable[[int], Any], run_fast: Callable[[int], An
     fast = _median_seconds(lambda: run_fast(n_tokens), repeats, warmup, clock) / n_tokens
     fill = _median_seconds(run_fill, repeats, warmup, clock)
     return LatencyProfile(lat_slow_per_token=slow, lat_fast_per_token=fast, fill_seconds=fill)
+
+
+# ------------------------------------------------------------------------------------------ per-miss admission (CPU)
+#
+# On the CPU runtime a missing expert is computed from compute-ready weights either way: written into a cache slot
+# (fill) or into the transient bypass buffer. Both dequantize once and run the same kernel, so eq. 7-8's two sides
+# are equal for the current n tokens (T_slow(n) = T_fill(n) = T_e + n lat) and what differs is the future: a fill
+# saves the next load of the new expert and forces the next load of the experts it evicts. Over the next token the
+# expected extra load time is, with u the expected uses per token and T_e the measured load time,
+#
+#     fill:      sum over victims v of  u_v T_e(v)        bypass:    u_new T_e(new)
+#
+# so the miss fills iff u_new T_e(new) > sum_v u_v T_e(v) (a tie keeps the transient load: no churn). This is the
+# cost-model form of frequency-based admission in front of LRU: the LRU picks the victims, the usage estimates decide
+# whether the newcomer is worth them. On CUDA, eq. 7-8 in 003's own form (T_CPU against T_sum, `should_fill`) decides
+# where a cold expert is computed.
+
+
+def admit_fill(new_usage: float, new_load_seconds: float, victims: list[tuple[float, float]]) -> bool:
+    """Fill a missing expert at the cost of evicting `victims` [(usage, load seconds)]? (see the comment above)"""
+    if new_usage < 0 or new_load_seconds < 0 or any(u < 0 or t < 0 for u, t in victims):
+        raise ValueError("usage and load seconds must be >= 0")
+    return new_usage * new_load_seconds > sum(u * t for u, t in victims)
+
+
+def usage_update(usage: torch.Tensor, counts: torch.Tensor, tokens: int, horizon: float) -> torch.Tensor:
+    """Expected uses per token of each expert, an exponential moving average over the last ~`horizon` tokens:
+    u <- d^T u + (1 - d^T) c / T with d = 1 - 1/horizon, for `counts` c [E] of one forward pass over T tokens (a pass
+    of T tokens weighs as T single-token steps)."""
+    if tokens <= 0:
+        return usage
+    if horizon < 1:
+        raise ValueError(f"horizon must be >= 1 token, got {horizon}")
+    keep = (1.0 - 1.0 / horizon) ** tokens
+    return usage * keep + counts.to(usage.dtype) * ((1.0 - keep) / tokens)
+
+
+def calibration_usage(counts: torch.Tensor, top_k: int) -> torch.Tensor:
+    """[L, E] expected uses per token from calibration router counts [L, E] (each token routes top_k slots per
+    layer): the prior the runtime's estimates start from."""
+    tokens = counts.sum(dim=1, keepdim=True).double() / top_k
+    return torch.where(tokens > 0, counts.double() / tokens.clamp(min=1), torch.zeros_like(tokens))

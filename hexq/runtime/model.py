@@ -93,14 +93,43 @@ def artifact_model(path, device: torch.device, dtype: torch.dtype = torch.float3
     return streamed, artifact_tokenizer(artifact), prepare
 
 
+def skeleton(artifact: Artifact, device: torch.device, dtype: torch.dtype) -> StreamedModel:
+    """The model of an artifact on the meta device (nothing allocated yet), to be materialized in `dtype`."""
+    return StreamedModel(artifact_config(artifact), artifact, device, dtype)
+
+
+def dense_plan_bytes(streamed: StreamedModel) -> int:
+    """Bytes of the dense part once `materialize_dense` has run: every parameter and persistent buffer outside the
+    routed experts, in the compute dtype (integer tensors in their own), tied embeddings once, plus the buffers the
+    skeleton holds already (rotary frequencies). Read from the meta skeleton, so a memory budget can be checked
+    before anything is allocated."""
+    from hexq.streaming import _tensor_slots
+
+    skip = streamed.experts_path
+    tied = bool(getattr(streamed.config, "tie_word_embeddings", False))
+    total = sum(buffer.numel() * buffer.element_size() for module in streamed.model.modules()
+                for name, buffer in module._buffers.items()
+                if buffer is not None and name in module._non_persistent_buffers_set)
+    for name, _owner, _attr, _is_parameter in _tensor_slots(streamed.model):
+        if tied and name == "lm_head.weight":
+            continue
+        parts = name.split(".")
+        if parts[:2] == ["model", "layers"] and streamed.is_moe(int(parts[2])) \
+                and ".".join(parts[3:]).startswith(skip + "."):
+            continue
+        tensor = streamed.model.get_parameter(name) if _is_parameter else streamed.model.get_buffer(name)
+        size = streamed.dtype.itemsize if tensor.is_floating_point() else tensor.element_size()
+        total += tensor.numel() * size
+    return total
+
+
 def build_model(artifact: Artifact, experts: ExpertsFactory, device: torch.device,
-                dtype: torch.dtype = torch.bfloat16):
+                dtype: torch.dtype = torch.bfloat16, streamed: StreamedModel | None = None):
     """(model, tokenizer) in eval mode: the dense part materialized in `dtype` on `device`, each MoE layer's routed
-    experts replaced by experts(row, family_module) (see the module docstring)."""
-    streamed = StreamedModel(artifact_config(artifact), artifact, device, dtype)
+    experts replaced by experts(row, family_module) (see the module docstring). `streamed`: the skeleton, if the
+    caller made it already (to size a memory budget with dense_plan_bytes first)."""
+    streamed = streamed or skeleton(artifact, device, dtype)
     streamed.materialize_dense()
-    if getattr(streamed.config, "tie_word_embeddings", False):
-        streamed.model.lm_head.weight = streamed.model.model.embed_tokens.weight  # one copy, as the source had
     attach_dense_quantizers(streamed.model, artifact, list(artifact.manifest["dense"]["quantized_linears"]))
     adapter = streamed.adapter
     for row, index in enumerate(artifact.moe_layers):
