@@ -61,7 +61,7 @@ def render_cost(results: dict) -> str:
         per_layer = r.get("hexq_seconds_per_layer") or []
         mean = f"{sum(per_layer) / len(per_layer):.1f}" if per_layer else "-"
         llmc = r.get("llmc_w4a16_seconds", "-")
-        previous = (f"{r['previous_seconds']} ({r['speedup_vs_previous']}x faster now)" if "previous_seconds" in r
+        previous = (f"{r['previous_seconds']} ({r['speedup_vs_previous']}x)" if "previous_seconds" in r
                     else "-")
         extrapolated = f"{r['hexq_extrapolated_hours']} h" if "hexq_extrapolated_hours" in r else "-"
         lines.append(f"| {r['model']} | {r['samples']} | {r['hexq_bank_seconds']} | {mean} | {llmc} | "

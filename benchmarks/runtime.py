@@ -464,8 +464,10 @@ def render(results: dict) -> str:
         lines.append("|---" * (len(COLUMNS) + 3) + "|")
         for row in result["rows"]:
             if "error" in row:
+                # a child's stderr tail: show hexq's one-line error when there is one, not the frames before it
+                message = row["error"].rsplit("HexqError: ", 1)[-1]
                 lines.append(f"| {row['config']} | {row['budget']} | {row['slow_tier']} | error: "
-                             f"{row['error'][:120]} |")
+                             f"{message[:160]} |")
                 continue
             lines.append(f"| {row['config']} | {row['budget']} | {row['slow_tier']} | "
                          + " | ".join(f"{row[c]:.3g}" if isinstance(row.get(c), float) else str(row.get(c, ""))
