@@ -189,6 +189,21 @@ def test_warm_start_loads_the_placement(mixed_artifact, scheme):
     assert stats.cache.hits == stats.cache.misses == 0  # counters start after the warm start
 
 
+def test_warm_start_3_uses_the_placement_pack_stored(mixed_artifact):
+    """With room for exactly pack's hot set, scheme 3 loads the manifest's placement as stored (not a recomputation)."""
+    from hexq.artifact.format import Artifact
+
+    artifact = Artifact(mixed_artifact)
+    placement = artifact.manifest["placement"]
+    K, L = placement["hot_per_layer"], len(placement["hot"])
+    with Runtime(mixed_artifact, warm="none") as probe:
+        one = probe.source.expert_nbytes
+    with Runtime(mixed_artifact, K * L * one, warm="3") as runtime:
+        resident = set(runtime.cache.resident())
+    want = {(row, e) for row, hot in enumerate(placement["hot"]) for e in hot if artifact.allocation[row][e]}
+    assert placement["scheme"] == "two_stage" and want and resident == want
+
+
 def test_a_corrupt_shard_found_by_the_prefetch_worker_is_one_line(mixed_artifact, tmp_path):
     import shutil
 
