@@ -256,19 +256,10 @@ def run_child(spec: dict, threads: int) -> dict:
 # ------------------------------------------------------------------------------------------ the dequantization rate
 
 
-def _median_seconds(fn, reps: int) -> float:
-    fn()
-    samples = []
-    for _ in range(reps):
-        started = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - started)
-    return statistics.median(samples)
-
-
 def dequant_rate(reps: int) -> list[dict]:
     """Output GB/s of a miss on a Qwen3-30B-A3B expert: kernel and torch path against a copy of the same bytes."""
     import torch
+    from dequant_speed import GROUP_SIZE, SHAPES, median_seconds  # the expert shapes and timing of that benchmark
 
     from hexq.algos.quant import QuantSpec, quantize
     from hexq.artifact.bitpack import DequantScratch, pack_bits
@@ -277,28 +268,27 @@ def dequant_rate(reps: int) -> list[dict]:
 
     kernel = load_kernel()
     generator = torch.Generator(device="cpu").manual_seed(0)
-    shapes = {"gate_up": (1536, 2048), "down": (2048, 768)}
     rows = []
     for bits in (2, 3, 4):
         packed = []
-        for shape in shapes.values():
-            codes, meta = quantize(torch.randn(shape, generator=generator), QuantSpec(bits=bits, group_size=32,
+        for shape in SHAPES.values():
+            codes, meta = quantize(torch.randn(shape, generator=generator), QuantSpec(bits=bits, group_size=GROUP_SIZE,
                                                                                       symmetric=False))
             packed.append(PackedWeight(pack_bits(codes.to(torch.uint8), bits), meta.scale.half(), meta.zero.half(),
                                        bits, shape))
         for dtype in (torch.bfloat16, torch.float32):
-            outs = [torch.empty(shape, dtype=dtype) for shape in shapes.values()]
+            outs = [torch.empty(shape, dtype=dtype) for shape in SHAPES.values()]
             sources = [torch.empty_like(out) for out in outs]
-            scratch = DequantScratch.for_shapes(list(shapes.values()), "cpu")
+            scratch = DequantScratch.for_shapes(list(SHAPES.values()), "cpu")
             nbytes = sum(out.numel() * out.element_size() for out in outs)
 
-            copy = _median_seconds(lambda o=outs, s=sources: [a.copy_(b) for a, b in zip(o, s, strict=True)], reps)
-            torch_path = _median_seconds(lambda o=outs, w=packed, c=scratch: [
+            copy, _ = median_seconds(lambda o=outs, s=sources: [a.copy_(b) for a, b in zip(o, s, strict=True)], reps)
+            torch_path, _ = median_seconds(lambda o=outs, w=packed, c=scratch: [
                 dequantize_packed_into(a, b, c) for a, b in zip(o, w, strict=True)], reps)
             row = {"bits": bits, "dtype": str(dtype).removeprefix("torch."), "out_mib": nbytes / 2**20,
                    "copy_ms": copy * 1000, "torch_ms": torch_path * 1000, "torch_over_copy": copy / torch_path}
             if kernel is not None:
-                fast = _median_seconds(lambda o=outs, w=packed: [kernel(a, b) for a, b in zip(o, w, strict=True)],
+                fast, _ = median_seconds(lambda o=outs, w=packed: [kernel(a, b) for a, b in zip(o, w, strict=True)],
                                        reps)
                 row |= {"kernel_ms": fast * 1000, "kernel_over_copy": copy / fast,
                         "kernel_gbps": nbytes / fast / 1e9}
