@@ -26,7 +26,11 @@ Configurations (hexq: `hexq.runtime.engine.Runtime`, bf16 dense part and fast ti
                     offload_folder (what a Hugging Face user does when a model does not fit)
 Each runs with the artifact (or checkpoint and offload folder) in the page cache ("hot") and with its pages dropped
 first ("cold": os.posix_fadvise(POSIX_FADV_DONTNEED) on every file, after start-up and warm start, so the timed
-generation reads from the disk). Peak RSS is checked against --memory plus the fixed overhead, measured once per
+generation reads from the disk). With --cgroup the --memory rows (hexq and accelerate) run once more, cold, inside a
+memory cgroup limited to --memory plus the fixed overhead: the kernel counts the page cache the process fills against
+that limit and reclaims or OOM-kills beyond it, as on a machine with less memory than the model (this machine has
+more, so without it a process can lean on the page cache; needs a writable cgroup v1 or v2 memory controller).
+Peak RSS is checked against --memory plus the fixed overhead, measured once per
 model: the peak RSS of the same decode with a fast tier of one expert (prefetch worker running) minus its dense part,
 scratch and that expert, i.e. the interpreter, torch, transformers, the tokenizer, the model skeleton, the worker
 thread, activations and the KV cache (reported beside the VmHWM of a child that only imports and builds the skeleton
@@ -54,6 +58,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = {"mixtral": ROOT / "models" / "hexq-tiny-mixtral", "qwen3moe": ROOT / "models" / "hexq-tiny-qwen3moe"}
 SEQLEN, PROMPT_TOKENS = 256, 128
+CGROUP_TIER = "disk, cgroup"  # cold, inside a memory cgroup of --memory + the fixed overhead (--cgroup)
 FULL = {"warm": "3", "admission": True, "prefetch": True}
 ABLATION = {"lru": {"warm": "none", "admission": False, "prefetch": False},
             "+warm": {"warm": "3", "admission": False, "prefetch": False},
@@ -137,6 +142,52 @@ def decode_steps(forward, first_ids, decode: int) -> tuple[float, float, list[in
         logits, past = forward(torch.tensor([[token]], device="cpu"), past)
         steps.append(time.perf_counter() - step)
     return ttft, statistics.median(steps), tokens
+
+
+# ------------------------------------------------------------------------------------------ memory cgroups
+
+
+def cgroup_root() -> Path | None:
+    """The writable memory-controller directory of this machine (cgroup v2 unified or v1 memory), or None."""
+    candidates = ((Path("/sys/fs/cgroup"), "memory.max"), (Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes"))
+    for root, limit in candidates:
+        probe = root / f"hexq-bench-probe-{os.getpid()}"
+        try:
+            probe.mkdir()
+        except OSError:
+            continue
+        try:
+            if (probe / limit).exists():
+                return root
+        finally:
+            probe.rmdir()
+    return None
+
+
+class MemoryCgroup:
+    """A memory cgroup of `limit` bytes (page cache included) for one child process; reports its peak and OOM kills."""
+
+    def __init__(self, root: Path, limit: int):
+        self.v2 = (root / "cgroup.controllers").exists()
+        self.path = root / f"hexq-bench-{os.getpid()}-{time.monotonic_ns()}"
+        self.path.mkdir()
+        (self.path / ("memory.max" if self.v2 else "memory.limit_in_bytes")).write_text(str(limit))
+        if not self.v2 and (self.path / "memory.memsw.limit_in_bytes").exists():
+            (self.path / "memory.memsw.limit_in_bytes").write_text(str(limit))  # no escape into swap
+
+    def enter(self) -> None:
+        """Called in the child between fork and exec: every page it touches from then on is charged here."""
+        (self.path / "cgroup.procs").write_text(str(os.getpid()))
+
+    def report(self) -> dict:
+        peak = self.path / ("memory.peak" if self.v2 else "memory.max_usage_in_bytes")
+        events = (self.path / ("memory.events" if self.v2 else "memory.oom_control")).read_text()
+        kills = re.search(r"oom_kill (\d+)", events)
+        return {"cgroup_peak_mib": int(peak.read_text()) / 2**20 if peak.exists() else float("nan"),
+                "cgroup_oom_kills": int(kills.group(1)) if kills else 0}
+
+    def remove(self) -> None:
+        self.path.rmdir()
 
 
 # ------------------------------------------------------------------------------------------ child processes
@@ -242,15 +293,20 @@ def child_ppl(spec: dict) -> dict:
 CHILDREN = {"hexq": child_hexq, "accelerate": child_accelerate, "overhead": child_overhead, "ppl": child_ppl}
 
 
-def run_child(spec: dict, threads: int) -> dict:
-    """Run one configuration in a fresh process; its last stdout line is the JSON result."""
+def run_child(spec: dict, threads: int, cgroup: MemoryCgroup | None = None) -> dict:
+    """Run one configuration in a fresh process (inside `cgroup` when given); its last stdout line is the JSON
+    result."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     done = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec), "--threads", str(threads)],
-                          capture_output=True, text=True, env=env, cwd=ROOT)
+                          capture_output=True, text=True, env=env, cwd=ROOT,
+                          preexec_fn=cgroup.enter if cgroup else None)
+    measured = cgroup.report() if cgroup else {}
     if done.returncode != 0:
+        if measured.get("cgroup_oom_kills"):
+            return {"error": "killed by the kernel's OOM killer at the cgroup's memory limit", **measured}
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-        return {"error": " | ".join(tail)}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+        return {"error": " | ".join(tail), **measured}
+    return json.loads(done.stdout.strip().splitlines()[-1]) | measured
 
 
 # ------------------------------------------------------------------------------------------ the dequantization rate
@@ -364,16 +420,23 @@ def run_model(name: str, artifact: Path, checkpoint: Path, args, log, decode: in
         plan.append(("accelerate", f"{fraction:.0%} model", {"memory": memory, "kind": "accelerate"}))
     rows = []
     for config, budget_label, extra in plan:
-        for cold in (False, True):
-            if config == "resident" and cold:
-                continue  # nothing is read while serving
-            spec = base | {"kind": "hexq", "config": config, "cold": cold, "checkpoint": str(checkpoint),
-                           "work": str(args.work)} | extra
-            row = {"config": config, "budget": budget_label, "slow_tier": "disk" if cold else "page cache"}
-            row |= run_child(spec, args.threads)
-            if "memory" in extra:
+        tiers = ["page cache", "disk"] if config != "resident" else ["page cache"]  # resident reads nothing
+        if "memory" in extra and args.cgroup:
+            tiers.append(CGROUP_TIER)
+        for tier in tiers:
+            spec = base | {"kind": "hexq", "config": config, "cold": tier != "page cache",
+                           "checkpoint": str(checkpoint), "work": str(args.work)} | extra
+            row = {"config": config, "budget": budget_label, "slow_tier": tier}
+            limit = int(extra["memory"] + overhead * 2**20) if "memory" in extra else None
+            cgroup = MemoryCgroup(args.cgroup, limit) if tier == CGROUP_TIER else None
+            try:
+                row |= run_child(spec, args.threads, cgroup)
+            finally:
+                if cgroup:
+                    cgroup.remove()
+            if limit:
                 row["memory_mib"] = extra["memory"] / 2**20
-                row["rss_limit_mib"] = extra["memory"] / 2**20 + overhead
+                row["rss_limit_mib"] = limit / 2**20
                 if "peak_rss_mib" in row:
                     row["rss_within_limit"] = row["peak_rss_mib"] <= row["rss_limit_mib"]
             rows.append(row)
@@ -406,7 +469,7 @@ def ratios(result: dict) -> dict:
 
     out = {}
     resident = pick("resident", "100% experts")
-    for tier in ("page cache", "disk"):
+    for tier in ("page cache", "disk", CGROUP_TIER):
         half, ondemand = pick("hexq", "50% experts", tier), pick("ondemand", "-", tier)
         if half and resident:
             out[f"hexq@50% experts / resident decode tok/s ({tier})"] = \
@@ -432,7 +495,7 @@ def ratios(result: dict) -> dict:
 # ------------------------------------------------------------------------------------------ report
 
 COLUMNS = ("decode_tokens_per_s", "ttft_ms", "hit_rate", "bypass_loads", "artifact_read_mib", "disk_read_mib",
-           "prefetch_recall", "peak_rss_mib", "rss_limit_mib")
+           "prefetch_recall", "peak_rss_mib", "rss_limit_mib", "cgroup_peak_mib")
 
 
 def render(results: dict) -> str:
@@ -480,14 +543,21 @@ def main() -> None:
     parser.add_argument("--real-decode", type=int, default=32, help="tokens decoded on the real-shaped model")
     parser.add_argument("--windows", type=int, default=8)
     parser.add_argument("--reps", type=int, default=15, help="repetitions of the dequantization timing")
-    parser.add_argument("--expert-fractions", type=float, nargs="+", default=[0.25, 0.5])
+    parser.add_argument("--expert-fractions", type=float, nargs="*", default=[0.25, 0.5],
+                        help="expert-only budgets as shares of the bf16 experts (none: skip those rows)")
     parser.add_argument("--memory-fractions", type=float, nargs="+", default=[0.25, 0.5])
     parser.add_argument("--threads", type=int, default=1, help="torch threads for the forward pass (1 leaves the "
                         "second core of a 2-core machine to the prefetch worker)")
     parser.add_argument("--work", type=Path, default=ROOT / "benchmarks" / "work")
     parser.add_argument("-o", "--out", type=Path, default=ROOT / "benchmarks" / "results" / "runtime.json")
+    parser.add_argument("--cgroup", action="store_true", help="also run the --memory rows cold inside a memory "
+                        "cgroup of --memory + the fixed overhead (page cache counted)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.cgroup and not args.child:
+        args.cgroup = cgroup_root()
+        if args.cgroup is None:
+            parser.error("--cgroup needs a writable memory cgroup (v2 /sys/fs/cgroup or v1 /sys/fs/cgroup/memory)")
 
     import torch
 
