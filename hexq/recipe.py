@@ -277,6 +277,11 @@ class Experts:
     otherwise a complete WeightQuant / ActivationQuant (keys left out take the dataclass defaults, not the top-level
     values). In replicas mode weights.bits is unused (each replica has its own bits) and must stay at its default.
 
+    loss_tokens (replicas only): the loss table measures each replica on at most this many of the expert's routed
+    tokens (evenly strided): an MSE estimate needs a few thousand tokens, while its cost, one forward of the
+    full-precision expert and of every replica, grows with the calibration set (at Mixtral-8x7B shapes and 128
+    windows it would cost more than GPTQ itself).
+
     export_target "vllm" (replicas only): also one GPTQ replica per expert on vLLM's fused-MoE W4A16 grid (4-bit
     symmetric, groups of 128, or 64/32 when 128 does not divide the expert widths) from the same Hessian and Cholesky
     factor, which `hexq pack` keeps and `hexq export --experts vllm` writes for every expert whose own replica is on
@@ -295,6 +300,7 @@ class Experts:
     min_tokens: int = 16
     fallback_blend: float = 0.5
     export_target: str | None = None  # replicas only: "vllm"
+    loss_tokens: int = 2048  # replicas only
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -304,8 +310,9 @@ class Experts:
         self._check_replica_bits()
         _check_at_least("min_tokens", self.min_tokens, 1)
         _check_unit("fallback_blend", self.fallback_blend)
+        _check_at_least("loss_tokens", self.loss_tokens, 1)
         _check_unused_at_default(self, "mode", {"replica_bits": ("replicas",), "propagate_bits": ("replicas",),
-                                                "export_target": ("replicas",)})
+                                                "export_target": ("replicas",), "loss_tokens": ("replicas",)})
         if self.mode == "replicas" and self.weights is not None and self.weights.bits != WeightQuant.bits:
             raise RecipeError("weights.bits", f"is not used in mode 'replicas' (each replica takes one of "
                                               f"replica_bits {list(self.replica_bits)}); remove it")

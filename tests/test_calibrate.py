@@ -57,6 +57,28 @@ def test_output_folder_layout_and_loss_table(mixed_run):
         assert torch.equal(tensors["loss_table.tokens"].clamp(max=1), (tensors["experts.tokens"] > 0).long())
 
 
+def test_loss_sample_strides_over_every_window():
+    x = torch.arange(10).float()[:, None]
+    assert pipeline.loss_sample(x, 10) is x
+    assert pipeline.loss_sample(x, 4)[:, 0].tolist() == [0, 3, 6, 9]  # at most 4 rows, first to last
+    assert pipeline.loss_sample(x, 3)[:, 0].tolist() == [0, 4, 8]
+
+
+def test_loss_tokens_samples_the_loss_table_and_nothing_else(tiny_qwen3moe, mixed_run, tmp_path):
+    """A loss table measured on at most 4 tokens per expert: the same banks and next-layer inputs (every routed token
+    still goes through the propagated replica), a different but still ordered loss table."""
+    out, _ = mixed_run
+    capped = tmp_path / "capped"
+    calibrate(tiny_qwen3moe, small("experts-mixed", **MIXED, loss_tokens=4), "bundled", capped)
+    for index in range(2):
+        name = f"layer_{index:03d}.bank.safetensors"
+        assert (capped / name).read_bytes() == (out / name).read_bytes()
+        full = load_file(out / f"layer_{index:03d}.safetensors")["loss_table"]
+        sampled = load_file(capped / f"layer_{index:03d}.safetensors")["loss_table"]
+        assert not torch.equal(full, sampled)
+        assert (sampled[:, 0] > sampled[:, 3]).all() and (sampled[:, 3] > sampled[:, 4]).all()
+
+
 def test_same_inputs_give_the_same_bytes(tiny_qwen3moe, mixed_run, tmp_path):
     out, _ = mixed_run
     again = tmp_path / "again"

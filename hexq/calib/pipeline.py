@@ -424,16 +424,23 @@ def calibrated_experts(loaded: LoadedLayer, tensors: dict, recipe: Recipe, bits:
 
 
 @torch.no_grad()
+def loss_sample(x: torch.Tensor, limit: int) -> torch.Tensor:
+    """At most `limit` rows of x, evenly strided (calibration windows are in order, so a stride spans them all)."""
+    return x[::-(-x.shape[0] // limit)] if x.shape[0] > limit else x
+
+
 def loss_table(routed: RoutedTokens, weights_of, tensors: dict, bank, bits_list: tuple[int, ...],
                propagate_bits: int, quantizers: tuple, moe_sample: torch.Tensor, act_fn, chunk: int,
-               progress: Progress | None) -> torch.Tensor:
+               loss_tokens: int, progress: Progress | None) -> torch.Tensor:
     """Fill tensors["loss_table"] [E, len(bits_list)] with the output MSE of each replica against the
-    full-precision expert on the tokens routed to it (002 §4.2), tensors["loss_table.skip"] [E] with the MSE of
-    skipping the expert (output 0); return the experts' combined output [T, H] at the propagated width."""
+    full-precision expert on (at most loss_tokens of) the tokens routed to it (002 §4.2), tensors["loss_table.skip"]
+    [E] with the MSE of skipping the expert (output 0); return the experts' combined output [T, H] at the propagated
+    width, computed on every routed token."""
     num_experts = routed.num_experts
     sse = torch.zeros(num_experts, len(bits_list), dtype=torch.float64, device="cpu")
     skip_sse = torch.zeros(num_experts, dtype=torch.float64, device="cpu")
     tokens = torch.tensor([routed.count(e) for e in range(num_experts)], dtype=torch.long, device="cpu")
+    measured = torch.zeros(num_experts, dtype=torch.long, device="cpu")  # rows each MSE is averaged over
     out = torch.zeros_like(routed.x)
     for start in range(0, num_experts, chunk):
         experts = list(range(start, min(start + chunk, num_experts)))
@@ -444,11 +451,13 @@ def loss_table(routed: RoutedTokens, weights_of, tensors: dict, bank, bits_list:
         for j, expert in enumerate(experts):
             token, slot = routed.rows(expert)
             x = routed.x[token] if len(token) else moe_sample  # never routed: measure on the layer's sample
+            measure = loss_sample(x, loss_tokens)
+            measured[expert] = measure.shape[0]
             # the full-precision expert and every replica in one batched product, a bounded number of rows at a time
             gate_ups = torch.stack([fp_gate_up[j], *(replicas[bits][0][j] for bits in bits_list)])
             downs = torch.stack([fp_down[j], *(replicas[bits][1][j] for bits in bits_list)])
             rows = max(1, LOSS_TABLE_BYTES // (4 * gate_ups.shape[0] * max(gate_ups.shape[1], downs.shape[1])))
-            for part in x.split(rows):
+            for part in measure.split(rows):
                 versions = expert_outputs(part, gate_ups, downs, act_fn)
                 reference = versions[0]
                 sse[expert] += (versions[1:] - reference).pow(2).sum(dim=(1, 2), dtype=torch.float64).cpu()
@@ -459,8 +468,7 @@ def loss_table(routed: RoutedTokens, weights_of, tensors: dict, bank, bits_list:
         del fp_gate_up, fp_down, replicas, propagated
         if progress:
             progress("loss table", experts[-1] + 1, num_experts)
-    hidden = routed.x.shape[1]
-    elements = torch.where(tokens > 0, tokens, moe_sample.shape[0]).double() * hidden
+    elements = measured.double() * routed.x.shape[1]
     tensors["loss_table"] = sse / elements[:, None]
     tensors["loss_table.skip"] = skip_sse / elements  # 004's "0 bits": the MSE of dropping the expert
     tensors["loss_table.tokens"] = tokens
@@ -496,7 +504,7 @@ def calibrate_layer(loaded: LoadedLayer, adapter: MoEAdapter, hidden: HiddenStor
         with open_bank(folder, index) as bank:
             experts_out = loss_table(routed, weights_of, tensors, bank, widths, default_expert_bits(recipe),
                                      (propagate.input_quant, propagate.mid_quant), moe_sample, loaded.act_fn, chunk,
-                                     progress)
+                                     recipe.experts.loss_tokens, progress)
         add_expert_outputs(outputs, routed, experts_out)
     meta = {"layer": index, "smoothing": smoothing, "unsmoothed": unsmoothed_linears(loaded.module, adapter),
             **report}
