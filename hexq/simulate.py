@@ -28,13 +28,6 @@ def expert_output(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ac
     return torch.nn.functional.linear(expert_intermediate(x, gate_up, act_fn), down)
 
 
-def expert_outputs(x: torch.Tensor, gate_ups: torch.Tensor, downs: torch.Tensor, act_fn) -> torch.Tensor:
-    """Several versions of one expert (e.g. its full-precision weights and every replica) on the same x [n, H]:
-    gate_ups [R, 2I, H], downs [R, H, I] -> [R, n, H], as batched matrix products (one call for all versions)."""
-    gate, up = torch.matmul(x, gate_ups.transpose(1, 2)).chunk(2, dim=-1)
-    return torch.matmul(act_fn(gate) * up, downs.transpose(1, 2))
-
-
 def quantized_expert_output(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act_fn,
                             input_quant: ActQuantizer | None, mid_quant: ActQuantizer | None) -> torch.Tensor:
     """expert_output with the expert's input and the down projection's input fake-quantized when configured: the

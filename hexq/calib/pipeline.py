@@ -75,7 +75,7 @@ from hexq.simulate import (
     act_quantizer,
     attach_input_quant,
     expert_intermediate,
-    expert_outputs,
+    expert_output,
     quantized_expert_output,
 )
 from hexq.streaming import (
@@ -92,7 +92,7 @@ Progress = Callable[[str, int, int], None]  # (what, done, total)
 # Working memory for one chunk of experts' GPTQ (weights of every width stacked, Hessians and factors, float32).
 GPTQ_CHUNK_BYTES = 1 << 30
 MOE_SAMPLE_EVERY = 8  # every 8th MoE-input token: the layer-wide sample for cold experts' fallbacks
-# Activations of the full-precision expert and all its replicas computed at once for the loss table.
+# Intermediate activations of one expert computed at once for the loss table and the propagated output.
 LOSS_TABLE_BYTES = 256 << 20
 
 
@@ -435,7 +435,10 @@ def loss_table(routed: RoutedTokens, weights_of, tensors: dict, bank, bits_list:
     """Fill tensors["loss_table"] [E, len(bits_list)] with the output MSE of each replica against the
     full-precision expert on (at most loss_tokens of) the tokens routed to it (002 §4.2), tensors["loss_table.skip"]
     [E] with the MSE of skipping the expert (output 0); return the experts' combined output [T, H] at the propagated
-    width, computed on every routed token."""
+    width, computed on every routed token.
+
+    Working set: a chunk of full-precision experts, one expert's replica at one width (read from the bank when
+    needed, so a bank of five widths is never dequantized at once) and a bounded number of token rows."""
     num_experts = routed.num_experts
     sse = torch.zeros(num_experts, len(bits_list), dtype=torch.float64, device="cpu")
     skip_sse = torch.zeros(num_experts, dtype=torch.float64, device="cpu")
@@ -445,27 +448,25 @@ def loss_table(routed: RoutedTokens, weights_of, tensors: dict, bank, bits_list:
     for start in range(0, num_experts, chunk):
         experts = list(range(start, min(start + chunk, num_experts)))
         fp_gate_up, fp_down = weights_of(experts)
-        replicas = {bits: (propagate_bank(bank, "gate_up", bits, experts, fp_gate_up),
-                           propagate_bank(bank, "down", bits, experts, fp_down)) for bits in bits_list}
-        propagated = replicas[propagate_bits]
+        rows = max(1, LOSS_TABLE_BYTES // (4 * max(fp_gate_up.shape[1], fp_down.shape[1])))
         for j, expert in enumerate(experts):
             token, slot = routed.rows(expert)
             x = routed.x[token] if len(token) else moe_sample  # never routed: measure on the layer's sample
             measure = loss_sample(x, loss_tokens)
             measured[expert] = measure.shape[0]
-            # the full-precision expert and every replica in one batched product, a bounded number of rows at a time
-            gate_ups = torch.stack([fp_gate_up[j], *(replicas[bits][0][j] for bits in bits_list)])
-            downs = torch.stack([fp_down[j], *(replicas[bits][1][j] for bits in bits_list)])
-            rows = max(1, LOSS_TABLE_BYTES // (4 * gate_ups.shape[0] * max(gate_ups.shape[1], downs.shape[1])))
-            for part in measure.split(rows):
-                versions = expert_outputs(part, gate_ups, downs, act_fn)
-                reference = versions[0]
-                sse[expert] += (versions[1:] - reference).pow(2).sum(dim=(1, 2), dtype=torch.float64).cpu()
-                skip_sse[expert] += float(reference.pow(2).sum(dtype=torch.float64))
-            if len(token):
-                y = quantized_expert_output(x, propagated[0][j], propagated[1][j], act_fn, *quantizers)
-                out.index_add_(0, token, (y * routed.weights[token, slot, None]).to(out.dtype))
-        del fp_gate_up, fp_down, replicas, propagated
+            reference = torch.cat([expert_output(part, fp_gate_up[j], fp_down[j], act_fn)
+                                   for part in measure.split(rows)])
+            skip_sse[expert] = reference.pow(2).sum(dtype=torch.float64).cpu()
+            for b, bits in enumerate(bits_list):
+                gate_up = propagate_bank(bank, "gate_up", bits, [expert], fp_gate_up)[0]
+                down = propagate_bank(bank, "down", bits, [expert], fp_down)[0]
+                sse[expert, b] = sum((expert_output(part, gate_up, down, act_fn) - ref).pow(2).sum(dtype=torch.float64)
+                                     for part, ref in zip(measure.split(rows), reference.split(rows), strict=True))
+                if bits == propagate_bits and len(token):
+                    for rows_of, slots, part in zip(token.split(rows), slot.split(rows), x.split(rows), strict=True):
+                        y = quantized_expert_output(part, gate_up, down, act_fn, *quantizers)
+                        out.index_add_(0, rows_of, (y * routed.weights[rows_of, slots, None]).to(out.dtype))
+        del fp_gate_up, fp_down
         if progress:
             progress("loss table", experts[-1] + 1, num_experts)
     elements = measured.double() * routed.x.shape[1]
@@ -500,11 +501,10 @@ def calibrate_layer(loaded: LoadedLayer, adapter: MoEAdapter, hidden: HiddenStor
     if routed is not None:
         propagate = calibrated_experts(loaded, tensors, recipe, default_expert_bits(recipe), device, folder)
         widths = expert_bits_list(recipe)
-        chunk = max(1, propagate.chunk // (1 + len(widths)))  # the full-precision expert and every replica at once
         with open_bank(folder, index) as bank:
             experts_out = loss_table(routed, weights_of, tensors, bank, widths, default_expert_bits(recipe),
-                                     (propagate.input_quant, propagate.mid_quant), moe_sample, loaded.act_fn, chunk,
-                                     recipe.experts.loss_tokens, progress)
+                                     (propagate.input_quant, propagate.mid_quant), moe_sample, loaded.act_fn,
+                                     propagate.chunk, recipe.experts.loss_tokens, progress)
         add_expert_outputs(outputs, routed, experts_out)
     meta = {"layer": index, "smoothing": smoothing, "unsmoothed": unsmoothed_linears(loaded.module, adapter),
             **report}
