@@ -423,12 +423,12 @@ def calibrated_experts(loaded: LoadedLayer, tensors: dict, recipe: Recipe, bits:
 # ------------------------------------------------------------------------------------------ pass C: loss table
 
 
-@torch.no_grad()
 def loss_sample(x: torch.Tensor, limit: int) -> torch.Tensor:
     """At most `limit` rows of x, evenly strided (calibration windows are in order, so a stride spans them all)."""
     return x[::-(-x.shape[0] // limit)] if x.shape[0] > limit else x
 
 
+@torch.no_grad()
 def loss_table(routed: RoutedTokens, weights_of, tensors: dict, bank, bits_list: tuple[int, ...],
                propagate_bits: int, quantizers: tuple, moe_sample: torch.Tensor, act_fn, chunk: int,
                loss_tokens: int, progress: Progress | None) -> torch.Tensor:
