@@ -421,13 +421,13 @@ def run_model(name: str, artifact: Path, checkpoint: Path, args, log, decode: in
     rows = []
     for config, budget_label, extra in plan:
         tiers = ["page cache", "disk"] if config != "resident" else ["page cache"]  # resident reads nothing
-        if "memory" in extra and args.cgroup:
+        limit = int(extra["memory"] + overhead * 2**20) if "memory" in extra else None  # the RSS (and cgroup) limit
+        if limit and args.cgroup:
             tiers.append(CGROUP_TIER)
         for tier in tiers:
             spec = base | {"kind": "hexq", "config": config, "cold": tier != "page cache",
                            "checkpoint": str(checkpoint), "work": str(args.work)} | extra
             row = {"config": config, "budget": budget_label, "slow_tier": tier}
-            limit = int(extra["memory"] + overhead * 2**20) if "memory" in extra else None
             cgroup = MemoryCgroup(args.cgroup, limit) if tier == CGROUP_TIER else None
             try:
                 row |= run_child(spec, args.threads, cgroup)
