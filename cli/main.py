@@ -54,6 +54,16 @@ def handle_errors(command):
         except KeyboardInterrupt:
             err_console.print("[bold red]interrupted[/]")
             raise typer.Exit(130) from None
+        except RuntimeError as exc:
+            import torch
+
+            if not isinstance(exc, torch.OutOfMemoryError) or os.environ.get("HEXQ_DEBUG"):
+                raise
+            from hexq.devices import out_of_memory_message
+
+            message = out_of_memory_message(exc, command.__name__.removesuffix("_command"))
+            err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+            raise typer.Exit(1) from None
 
     return wrapper
 

@@ -45,3 +45,25 @@ def cuda_device(index: int | None, spec: str | None) -> torch.device:
         raise HexqError(f"--device {spec}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}; "
                         f"pick one of those, or --device auto")
     return torch.device("cuda", index)
+
+
+ALLOCATION = re.compile(r"Tried to allocate ([\d.]+ [KMGT]?i?B)")
+GPU_INDEX = re.compile(r"GPU (\d+)")
+
+
+def out_of_memory_message(error: BaseException, command: str) -> str:
+    """One line for a device out-of-memory error: the device, what the failing step asked for, what was free, and
+    what to change (torch's own message is a paragraph of allocator statistics)."""
+    text = str(error)
+    asked = ALLOCATION.search(text)
+    index = GPU_INDEX.search(text)
+    device = f"cuda:{index.group(1)}" if index else "the device"
+    free = ""
+    if index and torch.cuda.is_available():
+        available, total = torch.cuda.mem_get_info(int(index.group(1)))
+        free = f" ({available / 2**30:.2f} GiB free of {total / 2**30:.2f} GiB)"
+    need = f"a step needed {asked.group(1)} more" if asked else "a step needed more memory than was free"
+    advice = {"calibrate": "lower --activation-memory or use --device cpu; run the same command again and the "
+                           "calibration resumes after its last finished layer",
+              "run": "lower --memory or --budget, or use --device cpu"}.get(command, "use --device cpu")
+    return f"out of memory on {device}{free}: {need}; {advice}"

@@ -8,6 +8,10 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# Every device this machine has: tests that compare numbers across devices run on each (the GPU ones only where
+# CUDA is present; scripts/gpu_check.sh runs them there).
+DEVICES = ["cpu"] + [pytest.param("cuda", marks=pytest.mark.gpu)] * torch.cuda.is_available()
 TOKENIZER_DIR = ROOT / "models" / "tokenizer"
 REFERENCE_MODELS = {
     "mixtral": ROOT / "models" / "hexq-tiny-mixtral",

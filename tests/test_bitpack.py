@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from hexq.algos.quant import QuantMeta, QuantSpec, dequantize, quantize
+from hexq.artifact import bitpack
 from hexq.artifact.bitpack import DequantScratch, dequantize_into, pack_bits, packed_nbytes, unpack_bits
 from hexq.artifact.format import PackedWeight, dequantize_packed, dequantize_packed_into
+from tests.conftest import DEVICES
 
 
 def _codes(shape: tuple[int, ...], bits: int, seed: int = 0) -> torch.Tensor:
@@ -257,3 +259,28 @@ def test_dequantize_errors() -> None:
         dequantize_into(out, packed, 3, scale, zero, group_size, DequantScratch(256, "meta"))
     with pytest.raises(ValueError, match="scale is on meta"):
         dequantize_into(out, packed, 3, scale.to("meta"), zero, group_size)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_dequantize_into_on_every_device(device: str, bits: int) -> None:
+    """The same bits on every device this machine has (CUDA dequantized the bf16 fast tier wrongly once)."""
+    packed, scale, zero, group_size, reference = _packed_weight(48, 128, bits, 32, False, seed=bits)
+    for dtype in DTYPES:
+        out = torch.full((48, 128), float("nan"), dtype=dtype, device=device)
+        dequantize_into(out, packed.to(device), bits, scale.to(device), zero.to(device), group_size)
+        assert torch.equal(out.cpu(), reference.to(dtype)), dtype
+
+
+@pytest.mark.parametrize("block", [1, 5, 1 << 22])
+def test_half_affine_paths_agree(block: int, monkeypatch) -> None:
+    """Both half-precision affines - batch norm in one pass (CPU) and float32 row blocks (accelerators) - give the
+    reference converted, bit for bit; run here on the CPU so that the accelerator path is tested on every machine."""
+    monkeypatch.setattr(bitpack, "ROW_BLOCK_ELEMENTS", block * 128)
+    packed, scale, zero, group_size, reference = _packed_weight(48, 128, 3, 32, False)
+    codes = unpack_bits(packed, 3, 48 * 128).view(48, 128)
+    for dtype in (torch.bfloat16, torch.float16):
+        for path in (bitpack._half_affine_batch_norm, bitpack._half_affine_rows):
+            out = torch.full((48, 128), float("nan"), dtype=dtype)
+            path(out, codes, scale.float(), zero.float(), 128 // group_size)
+            assert torch.equal(out, reference.to(dtype)), (path.__name__, dtype)

@@ -241,3 +241,34 @@ def test_cli_calibrate_then_eval(tiny_qwen3moe, tmp_path):
 def test_experts_setting_is_typed():
     with pytest.raises(HexqError):
         Experts(mode="replicas", replica_bits=(4, 2))
+
+
+@pytest.mark.parametrize("recipe_name", ["experts-mixed", "experts-vllm", "experts-vllm-g32"])
+def test_every_expert_calibrated_whatever_its_token_count(tiny_qwen3moe, tmp_path, recipe_name):
+    """One window of 4 tokens (8 routed slots over 8 experts): experts with 0, 1 and a few tokens, all below
+    min_tokens, each gets a full bank from the layer-wide fallback Hessian and a finite loss-table row; the summary
+    counts them."""
+    from dataclasses import replace
+
+    recipe = small_recipe(recipe_name)
+    if recipe.expert_weights.group_size and recipe.expert_weights.group_size > 16:  # the tiny experts are 16 wide
+        recipe = replace(recipe, experts=replace(recipe.experts,
+                                                 weights=replace(recipe.expert_weights, group_size=16)))
+    recipe = replace(recipe, calibration=Calibration(num_samples=1, seqlen=4, seed=0))
+    out = tmp_path / "cal"
+    summary = calibrate(tiny_qwen3moe, recipe, "bundled", out)
+    counts = set()
+    fallback = 0
+    for index in range(summary.layers):
+        tensors = load_file(out / f"layer_{index:03d}.safetensors")
+        tokens = tensors["experts.tokens"]
+        counts |= set(tokens.tolist())
+        assert torch.isfinite(tensors["loss_table"]).all() and torch.isfinite(tensors["loss_table.skip"]).all()
+        meta = read_json(out / f"layer_{index:03d}.json")
+        assert sorted(meta["fallback_experts"]) == [e for e in range(8) if tokens[e] < recipe.experts.min_tokens]
+        fallback += len(meta["fallback_experts"])
+        bank = load_file(out / f"layer_{index:03d}.bank.safetensors")
+        for bits in recipe.experts.replica_bits:
+            assert torch.isfinite(bank[f"experts.down.b{bits}.scale"].float()).all()
+    assert {0, 1} <= counts and any(1 < c < recipe.experts.min_tokens for c in counts), counts
+    assert summary.fallback_experts == fallback == 2 * 8

@@ -1,5 +1,7 @@
 """hexq.devices.resolve_device: auto/cpu/cuda/cuda:N, with and without CUDA (torch.cuda monkeypatched)."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -46,3 +48,31 @@ def test_unknown_spellings(two_gpus, spec):
 def test_this_machine():
     expected = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     assert resolve_device(None) == expected
+
+
+def test_out_of_memory_is_one_line_naming_device_and_need():
+    from hexq.devices import out_of_memory_message
+
+    torch_text = ("CUDA out of memory. Tried to allocate 2.50 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
+                  "1.10 GiB is free. Including non-PyTorch memory, this process has 78.0 GiB memory in use. Of the "
+                  "allocated memory 76.9 GiB is allocated by PyTorch ...")
+    message = out_of_memory_message(torch.OutOfMemoryError(torch_text), "calibrate")
+    assert "\n" not in message and message.startswith("out of memory on cuda:0")
+    assert "2.50 GiB" in message and "resumes" in message
+    assert "--memory" in out_of_memory_message(torch.OutOfMemoryError("no details"), "run")
+
+
+def test_cli_turns_out_of_memory_into_one_line(monkeypatch, tmp_path):
+    from typer.testing import CliRunner
+
+    from hexq.calib import pipeline
+    from hexq_cli.main import app
+
+    def exhausted(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB. GPU 0 has a total capacity")
+
+    monkeypatch.setattr(pipeline, "calibrate", exhausted)
+    model = Path(__file__).resolve().parent.parent / "models" / "hexq-tiny-qwen3moe"
+    result = CliRunner().invoke(app, ["calibrate", str(model), "--out", str(tmp_path / "cal")])
+    assert result.exit_code == 1 and "out of memory on cuda:0" in result.output
+    assert "Traceback" not in result.output

@@ -106,25 +106,40 @@ def test_groups_inside_and_across_blocks(symmetric: bool, group_size: int) -> No
     check_against_reference(W, H, bank, factor, template, "none", None, tie=1e-9, loss_rtol=1e-9)
 
 
+def float32_loss_rtol(bits: int, columns: int) -> float:
+    """How far a float32 GPTQ loss may lie from the float64 reference's, from the arithmetic alone (no machine's
+    measurement): every updated weight is a float32 accumulation over at most `columns` terms, so it carries a
+    relative error of at most gamma_n = n*u / (1 - n*u) (u = 2^-24, the unit roundoff; Higham, Accuracy and Stability
+    of Numerical Algorithms, eq. 3.4) of the row's magnitude; a b-bit grid leaves residuals of about 2^-(b+1) of the
+    row's range, so relative to a residual that error is gamma_n * 2^(b+1); the loss squares the residual (x2) and
+    the float32 Hessian factor rounds once more on the way in (x2). Which SIMD kernels a CPU picks moves the result
+    inside this bound, not past it (the previous fixed 1e-4 passed on one CPU and failed on another)."""
+    u = torch.finfo(torch.float32).eps / 2
+    gamma = columns * u / (1 - columns * u)
+    return gamma * 2 ** (bits + 1) * 4
+
+
 @pytest.mark.parametrize("group_size", [None, 32])
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_bank_float32_matches_reference(symmetric: bool, group_size: int | None) -> None:
     """float32 Hessians factorized in float32: the reference factorizes in float64, so weights differ by float32
-    rounding; codes still agree up to near-ties and the loss to 1e-4."""
+    rounding; codes still agree up to near-ties and each row's loss within float32_loss_rtol."""
     W, H, _ = expert_batch(experts=2, rows=32, n=96, tokens=384, seed=2, dtype=torch.float32)
     template = QuantSpec(bits=4, group_size=group_size, symmetric=symmetric)
     factor = factorize_hessians(H)
     assert factor.hinv_chol.dtype == torch.float32 and not factor.float64_used.any()
     bank = gptq_bank(W, factor, [1, 2, 3, 4, 8], template)
-    references = check_against_reference(W, H, bank, factor, template, "none", None, tie=1e-3, loss_rtol=1e-4)
     for bits, result in bank.items():
+        rtol = float32_loss_rtol(bits, W.shape[-1])
+        references = check_against_reference(W, H, {bits: result}, factor, template, "none", None, tie=1e-3,
+                                             loss_rtol=rtol)
         want = references[bits]
         differ = torch.stack([r.codes for r in want]) != result.codes
         assert differ.float().mean() < 0.01
         # symmetric grids: a row that took the other side of a tie follows another, equally valid path whose loss
         # differs by a few percent (measured up to 7% on one row); asymmetric grids have no systematic ties.
         total = sum(float(r.loss.sum()) for r in want)
-        assert float(result.loss.sum()) == pytest.approx(total, rel=0.02 if symmetric else 1e-4)
+        assert float(result.loss.sum()) == pytest.approx(total, rel=0.02 if symmetric else rtol)
 
 
 def test_batch_equals_each_expert_alone() -> None:

@@ -393,21 +393,55 @@ def _affine_into(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, ze
     rows, cols = out.shape
     groups = cols // group_size
     scale32, zero32 = scale.to(torch.float32), zero.to(torch.float32)
-    out.copy_(codes)  # codes are integers below 256: exact in every float dtype
     if out.dtype == torch.float32:
+        out.copy_(codes)  # codes are integers below 256: exact in every float dtype
         grouped = out.view(rows, groups, group_size)
         grouped.sub_(zero32[..., None])
         grouped.mul_(scale32[..., None])
-        return
-    # bfloat16 / float16 out with float32 scale and zero: a mixed-dtype elementwise op on CPU would first copy the
-    # whole matrix to float32. Inference batch norm is the one kernel that applies a per-channel affine with float32
-    # parameters to a half-precision tensor in one pass, computing in float32 and rounding once: with every group
-    # a channel, running mean = zero, running var = 1, eps = 0, weight = scale, it computes q*scale - zero*scale.
-    # With half-precision scale and zero both products are exact in float32 (8 or 11 bits times 11 bits), so that
-    # is (q - zero) * scale rounded once to float32: the reference's value whenever its q - zero is exact, i.e.
-    # zero = 0 or |zero| >= 2^-6.
-    channels = out.view(1, rows * groups, group_size)
+    elif out.device.type == "cpu":
+        _half_affine_batch_norm(out, codes, scale32, zero32, groups)
+    else:
+        _half_affine_rows(out, codes, scale32, zero32, groups)
+
+
+def _half_affine_batch_norm(out: torch.Tensor, codes: torch.Tensor, scale32: torch.Tensor, zero32: torch.Tensor,
+                            groups: int) -> None:
+    """The bfloat16 / float16 affine on CPU, in one pass.
+
+    A mixed-dtype elementwise op on CPU would first copy the whole matrix to float32. Inference batch norm is the one
+    kernel that applies a per-channel affine with float32 parameters to a half-precision tensor in one pass, computing
+    in float32 and rounding once: with every group a channel, running mean = zero, running var = 1, eps = 0, weight =
+    scale, it computes q*scale - zero*scale. With half-precision scale and zero both products are exact in float32 (8
+    or 11 bits times 11 bits), so that is (q - zero) * scale rounded once to float32: the reference's value whenever
+    its q - zero is exact, i.e. zero = 0 or |zero| >= 2^-6.
+
+    CPU only: torch's CUDA batch norm writes the running mean into `save_mean` and then 1/sqrt(var + eps) into
+    `save_invstd` before it computes, so the two must be distinct tensors (one shared buffer turned every mean
+    into 1.0 on CUDA: (q - 1) * scale, the wrong weights behind `hexq run --device cuda`'s perplexity of ~10^4), and
+    its behaviour there is not this module's to rely on."""
+    rows, cols = out.shape
+    out.copy_(codes)
+    channels = out.view(1, rows * groups, cols // groups)
     ones = torch.ones(rows * groups, dtype=torch.float32, device=out.device)
-    unused = torch.empty(0, dtype=torch.float32, device=out.device)
+    save_mean = torch.empty(0, dtype=torch.float32, device=out.device)
+    save_invstd = torch.empty(0, dtype=torch.float32, device=out.device)
     torch.ops.aten.native_batch_norm.out(channels, scale32.reshape(-1), None, zero32.reshape(-1), ones, False, 0.0,
-                                         0.0, out=channels, save_mean=unused, save_invstd=unused)
+                                         0.0, out=channels, save_mean=save_mean, save_invstd=save_invstd)
+
+
+# Rows of a half-precision matrix computed through one float32 block on accelerators: bounds the transient block to
+# ROW_BLOCK_ELEMENTS * 4 bytes whatever the matrix.
+ROW_BLOCK_ELEMENTS = 1 << 22
+
+
+def _half_affine_rows(out: torch.Tensor, codes: torch.Tensor, scale32: torch.Tensor, zero32: torch.Tensor,
+                      groups: int) -> None:
+    """The bfloat16 / float16 affine with plain elementwise ops, a block of rows at a time: (q - zero) * scale in
+    float32, rounded once into out (the same value as the reference converted, as on CPU)."""
+    rows, cols = out.shape
+    step = max(1, ROW_BLOCK_ELEMENTS // cols)
+    for start in range(0, rows, step):
+        end = min(rows, start + step)
+        block = codes[start:end].view(end - start, groups, cols // groups).to(torch.float32)
+        block.sub_(zero32[start:end, :, None]).mul_(scale32[start:end, :, None])
+        out[start:end].copy_(block.view(end - start, cols))

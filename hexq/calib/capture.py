@@ -137,6 +137,8 @@ def expert_statistics(routed: RoutedTokens, experts: list[int], gate_up: torch.T
         torch.zeros(n, inner, dtype=torch.float32, device=device))
     for j, expert in enumerate(experts):
         token, _slot = routed.rows(expert)
+        if not len(token):  # never routed: zero statistics (split would still yield one empty chunk)
+            continue
         for rows in token.split(TOKEN_CHUNK):
             x = routed.x[rows].float()
             stats.gate_up[j].addmm_(x.T, x, alpha=2.0)
