@@ -1,0 +1,222 @@
+"""CPU kernels that compute from packed weights (kernels.c beside this file): a grouped GEMV and a dequantization.
+
+Why. A 3-bit expert is 0.19x the bytes of its bf16 copy (0.25x with its float16 scale and zero per 32), and decode
+is bound by the bytes it reads: computing straight from the packed codes reads those bytes and nothing else, where
+expanding to bf16 first reads the codes, writes bf16, and reads the bf16 again.
+
+The GEMV. y[t, r] = sum_c W[r, c] x[t, c] with W = (q - zero) * scale per group (hexq.packed: q are the `bits`-bit
+codes of one little-endian bit stream). x is quantized per block of 32 values to int16 (dx = max|x| / 32767), so
+that (q - z) s . x = s dx (q . xq - z sum(xq)) per block: the codes go through integer multiply-adds (AVX-512 VNNI
+`vpdpwssd`, or AVX2 `vpmaddwd`) and one float multiply-add per block. int16 keeps 15 bits of every value relative
+to its block's largest, so the relative error of an output is ~3e-5 (measured; tests/test_packed_cpu.py bounds it),
+far below what the weights' own float16 scales and the bf16 activations of a served model carry; int8 activation
+blocks (what llama.cpp does) would be ~10x cheaper in multiplies but measured ~5e-3 here, and decode is bound by
+the bytes, not the multiplies. A task is one matrix with its own tokens; one call runs many tasks (all experts of a
+layer, mixed widths) on a pool of threads that work on rows.
+
+The dequantization. The packed codes to float32 / bfloat16 / float16 in one pass, bit for bit the torch path
+(hexq.packed.bitpack.dequantize_into): what a prefill expert expanded for a matrix product, or a whole dense
+matrix, goes through.
+
+Paths. One build serves every x86-64 CPU: each instruction set is a function of its own (target attributes), and
+the path is chosen at run time from what the CPU has - `avx512` (F, BW, DQ, VL, VBMI, VNNI: Ice Lake and later Intel,
+AMD Zen 4), `avx2` (AVX2, FMA, F16C, BMI2), `scalar` (portable C) - or forced with HEXQ_CPU_PATH for tests and
+comparisons. Without a C compiler or with a failed build there is no library: callers use the torch path (a one-line
+notice, never a different number). `--stats` names the path taken.
+
+Build. Plain C with no torch or Python headers, compiled on first use with the system C compiler (`$CC`, else cc, gcc
+or clang) into hexq's cache folder (hexq.io.cache_dir()/kernels), keyed by a hash of the source, the compiler's
+version and the flags, and loaded with ctypes, which releases the GIL during a call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hexq.io import cache_dir
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("kernels.c")
+FLAGS = ("-O3", "-ffp-contract=off", "-fPIC", "-shared", "-pthread")
+PATHS = ("scalar", "avx2", "avx512")  # the C enum's order
+OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+BLOCK = 32  # activation block of the GEMV (kernels.c BLOCK)
+MAX_BLOCKS = 1024  # blocks per row the GEMV takes (kernels.c MAX_BLOCKS)
+
+
+class GemvTask(ctypes.Structure):
+    """kernels.c's hexq_gemv_task: y[t, :rows] = W x[t, :cols] for t < ntok."""
+
+    _fields_ = [("codes", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("zero", ctypes.c_void_p),
+                ("x", ctypes.c_void_p), ("y", ctypes.c_void_p), ("rows", ctypes.c_int64), ("cols", ctypes.c_int64),
+                ("group", ctypes.c_int64), ("x_stride", ctypes.c_int64), ("y_stride", ctypes.c_int64),
+                ("bits", ctypes.c_int32), ("ntok", ctypes.c_int32)]
+
+
+@dataclass(frozen=True)
+class GemvJob:
+    """One matrix and its tokens: y [n, rows] = x [n, cols] W^T, W a packed weight (codes, scale, zero, bits,
+    shape). x and y are float32 CPU tensors whose rows are contiguous (any row stride)."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    bits: int
+    shape: tuple[int, int]
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+def gemv_takes(shape: tuple[int, int], bits: int, groups: int, path: str) -> bool:
+    """Whether the GEMV takes a [rows, cols] matrix of `bits`-bit codes with `groups` groups per row on `path`."""
+    rows, cols = shape
+    if groups <= 0 or cols % groups:
+        return False
+    group = cols // groups
+    return (1 <= bits <= 8 and group % BLOCK == 0 and cols // BLOCK <= MAX_BLOCKS and cols * bits % 8 == 0
+            and (path != "avx512" or cols % 64 == 0))
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def library_path(compiler: str) -> Path:
+    """Where the library built from this source with this compiler lives in hexq's cache folder."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, " ".join(FLAGS), platform.machine()]).encode())
+    return cache_dir() / "kernels" / f"hexq-cpu-{key.hexdigest()[:16]}.so"
+
+
+def _build(compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as folder:
+        built = Path(folder) / target.name
+        subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE), "-lm"], check=True, capture_output=True,
+                       timeout=300)
+        os.replace(built, target)  # atomic: a concurrent process sees the old file or the complete new one
+
+
+class CpuKernels:
+    """The loaded library with one chosen path and thread count (see the module docstring)."""
+
+    def __init__(self, library: ctypes.CDLL, path: str, threads: int) -> None:
+        self.library, self.path, self.threads = library, path, threads
+        self._path_index = PATHS.index(path)
+        library.hexq_gemv.restype = ctypes.c_int
+        library.hexq_gemv.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+        library.hexq_gemv_scratch.restype = ctypes.c_int64
+        library.hexq_gemv_scratch.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        library.hexq_dequant.restype = ctypes.c_int
+        library.hexq_dequant.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                         ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+        self._local = threading.local()
+
+    def with_path(self, path: str) -> CpuKernels:
+        """The same library on another path (one this CPU runs)."""
+        if path not in available_paths(self.library):
+            raise ValueError(f"CPU path {path} is not available here; this CPU runs {available_paths(self.library)}")
+        return CpuKernels(self.library, path, self.threads)
+
+    def _scratch(self, nbytes: int) -> torch.Tensor:
+        """The calling thread's scratch for the GEMV's quantized activations (grown on demand, 64-byte aligned)."""
+        buffer = getattr(self._local, "scratch", None)
+        if buffer is None or buffer.numel() < nbytes + 64:
+            buffer = self._local.scratch = torch.empty(max(nbytes + 64, 1 << 16), dtype=torch.uint8, device="cpu")
+        return buffer[(-buffer.data_ptr()) % 64:]
+
+    def gemv(self, jobs: list[GemvJob]) -> None:
+        """Every job's y, in one call on the pool (jobs sharing one x tensor share its quantization)."""
+        if not jobs:
+            return
+        tasks = (GemvTask * len(jobs))()
+        for task, job in zip(tasks, jobs, strict=True):
+            rows, cols = job.shape
+            task.codes, task.scale, task.zero = job.codes.data_ptr(), job.scale.data_ptr(), job.zero.data_ptr()
+            task.x, task.y = job.x.data_ptr(), job.y.data_ptr()
+            task.rows, task.cols, task.group = rows, cols, cols // job.scale.shape[-1]
+            task.x_stride, task.y_stride = job.x.stride(0), job.y.stride(0)
+            task.bits, task.ntok = job.bits, job.x.shape[0]
+        scratch = self._scratch(self.library.hexq_gemv_scratch(tasks, len(jobs)))
+        if self.library.hexq_gemv(tasks, len(jobs), self._path_index, self.threads, scratch.data_ptr()) != 0:
+            raise ValueError(f"the {self.path} GEMV refused one of {len(jobs)} matrices (check gemv_takes first)")
+
+    def dequantize(self, out: torch.Tensor, codes: torch.Tensor, bits: int, scale: torch.Tensor,
+                   zero: torch.Tensor) -> bool:
+        """Write (q - zero) * scale into `out` (contiguous [rows, cols] float32/bfloat16/float16, float16 scale and
+        zero); False if this path does not take the inputs (the caller uses the torch path)."""
+        if out.dtype not in OUT_KIND or scale.dtype != torch.float16 or zero.dtype != torch.float16:
+            return False
+        groups = scale.numel()
+        if not groups or out.numel() % groups:
+            return False
+        return self.library.hexq_dequant(codes.data_ptr(), bits, scale.data_ptr(), zero.data_ptr(), out.numel(),
+                                         out.numel() // groups, out.data_ptr(), OUT_KIND[out.dtype],
+                                         self._path_index) == 0
+
+
+def available_paths(library: ctypes.CDLL) -> list[str]:
+    """The paths this CPU runs, slowest first."""
+    library.hexq_paths.restype = ctypes.c_int
+    mask = library.hexq_paths()
+    return [name for index, name in enumerate(PATHS) if mask >> index & 1]
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    compiler = _compiler()
+    if compiler is None:
+        logger.warning("no C compiler (cc, gcc, clang or $CC): packed weights are computed with torch ops")
+        return None
+    try:
+        target = library_path(compiler)
+        if not target.is_file():
+            _build(compiler, target)
+        return ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as error:
+        detail = getattr(error, "stderr", b"") or b""
+        detail = detail.decode(errors="replace") if isinstance(detail, bytes) else str(detail)
+        logger.warning("the CPU kernels did not build (%s %s): packed weights are computed with torch ops", error,
+                       detail[:300])
+        return None
+
+
+def default_threads() -> int:
+    """The cores this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def load_cpu_kernels(path: str | None = None, threads: int | None = None) -> CpuKernels | None:
+    """The kernels on `path` (default: $HEXQ_CPU_PATH, else the fastest this CPU runs) with `threads` threads
+    (default: every core this process may use); None when the library cannot be had (see the module docstring).
+    A path this CPU does not run is a ValueError naming the ones it does."""
+    library = _library()
+    if library is None:
+        return None
+    paths = available_paths(library)
+    path = path or os.environ.get("HEXQ_CPU_PATH") or paths[-1]
+    if path not in PATHS:
+        raise ValueError(f"CPU path {path!r}: choose one of {', '.join(PATHS)}")
+    if path not in paths:
+        raise ValueError(f"CPU path {path} is not available on this CPU; it runs {', '.join(paths)}")
+    return CpuKernels(library, path, threads or default_threads())

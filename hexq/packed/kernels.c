@@ -1,0 +1,751 @@
+/* hexq's CPU kernels on packed weights: see hexq/packed/cpu.py for what each computes and why.
+
+   One source, compiled once per machine with the system C compiler; every instruction-set path is a function of its
+   own with a target attribute, and the caller picks the path at run time (hexq_paths() says which this CPU runs),
+   so one build serves every x86-64 CPU and a test can force each path the CPU has. */
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <unistd.h>
+#include <sys/syscall.h>
+#include <linux/futex.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define HEXQ_X86 1
+#endif
+
+enum { PATH_SCALAR = 0, PATH_AVX2 = 1, PATH_AVX512 = 2 };
+
+int hexq_paths(void) {
+    int paths = 1 << PATH_SCALAR;
+#ifdef HEXQ_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("bmi2"))
+        paths |= 1 << PATH_AVX2;  /* F16C comes with every AVX2 CPU; the build flags name it */
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")
+        && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vbmi")
+        && __builtin_cpu_supports("avx512vnni"))
+        paths |= 1 << PATH_AVX512;
+#endif
+    return paths;
+}
+
+/* ------------------------------------------------------------------------------------------ half precision */
+
+static inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (mant == 0) {
+            bits = sign;
+        } else { /* subnormal: normalise */
+            exp = 127 - 15 + 1;
+            while (!(mant & 0x400)) { mant <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000 | (mant << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* ------------------------------------------------------------------------------------------ the task */
+
+/* y[t, r] = sum_c W[r, c] x[t, c] for r in [0, rows), t in [0, ntok), W = (q - zero) * scale per group of `group`
+   codes of a row; q: `bits`-bit codes, one little-endian bit stream, row-major (hexq.packed.bitpack); scale and
+   zero float16 [rows, cols / group]; x float32 [ntok, cols] (row stride x_stride), y float32 (row stride y_stride). */
+typedef struct {
+    const uint8_t* codes;
+    const uint16_t* scale;
+    const uint16_t* zero;
+    const float* x;
+    float* y;
+    int64_t rows, cols, group, x_stride, y_stride;
+    int32_t bits, ntok;
+} hexq_gemv_task;
+
+#define MAX_TOK 4
+#define BLOCK 32            /* activation block: one int16 scale per 32 values of x */
+#define MAX_BLOCKS 1024     /* blocks per row the kernels take (cols / 32) */
+
+/* x of one task, quantized: xq = round(x / dx) in int16 per block of 32 values with dx = max|x| / 32767 (so every
+   value keeps 15 bits relative to its block's largest: relative error <= 2^-16 of that, far under float16 weights'
+   own), and each block's sum of xq for the zero term. */
+typedef struct {
+    int16_t* q;   /* [ntok, cols] */
+    float* dx;    /* [ntok, blocks] */
+    int32_t* sum; /* [ntok, blocks] */
+} quantized_x;
+
+static void quantize_x(const hexq_gemv_task* t, quantized_x* out) {
+    const int64_t blocks = t->cols / BLOCK;
+    for (int k = 0; k < t->ntok; k++) {
+        const float* x = t->x + k * t->x_stride;
+        for (int64_t b = 0; b < blocks; b++) {
+            float amax = 0.0f;
+            for (int i = 0; i < BLOCK; i++) amax = fmaxf(amax, fabsf(x[b * BLOCK + i]));
+            const float dx = amax / 32767.0f, inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+            int32_t sum = 0;
+            for (int i = 0; i < BLOCK; i++) {
+                const int32_t v = (int32_t)nearbyintf(x[b * BLOCK + i] * inv);
+                const int16_t q = (int16_t)(v > 32767 ? 32767 : v < -32767 ? -32767 : v);
+                out->q[k * t->cols + b * BLOCK + i] = q;
+                sum += q;
+            }
+            out->dx[k * blocks + b] = dx;
+            out->sum[k * blocks + b] = sum;
+        }
+    }
+}
+
+/* Per row: w_b = scale * dx of every block (block b in group b*32/group) and the zero term sum_b w_b * zero * sum_b,
+   so that y = sum_b w_b * dot_b(q, xq) - zero term: (q - z) s . x = s dx (q . xq - z sum(xq)). */
+static inline void row_terms(const hexq_gemv_task* t, const quantized_x* xq, const float* s, const float* z, int64_t r,
+                             int ntok, float w[][MAX_BLOCKS], float* zterm) {
+    const int64_t blocks = t->cols / BLOCK, per_group = t->group / BLOCK, groups = t->cols / t->group;
+    (void)r;
+    (void)groups;
+    for (int k = 0; k < ntok; k++) {
+        const float* dx = xq->dx + k * blocks;
+        const int32_t* sum = xq->sum + k * blocks;
+        float acc = 0.0f;
+        for (int64_t b = 0; b < blocks; b++) {
+            const float wb = s[b / per_group] * dx[b];
+            w[k][b] = wb;
+            acc += wb * z[b / per_group] * (float)sum[b];
+        }
+        zterm[k] = acc;
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ portable path */
+
+static inline uint32_t code_at(const uint8_t* stream, int64_t i, int bits) {
+    int64_t bit = i * bits;
+    uint32_t word = stream[bit >> 3];
+    if ((bit & 7) + bits > 8) word |= (uint32_t)stream[(bit >> 3) + 1] << 8;
+    return (word >> (bit & 7)) & ((1u << bits) - 1);
+}
+
+static void rows_scalar(const hexq_gemv_task* t, const quantized_x* xq, int64_t r0, int64_t r1) {
+    const int64_t groups = t->cols / t->group, blocks = t->cols / BLOCK;
+    static _Thread_local float w[MAX_TOK][MAX_BLOCKS];
+    float s[MAX_BLOCKS], z[MAX_BLOCKS], zterm[MAX_TOK];
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t* row = t->codes + r * t->cols * t->bits / 8;
+        for (int64_t g = 0; g < groups; g++) {
+            s[g] = half_to_float(t->scale[r * groups + g]);
+            z[g] = half_to_float(t->zero[r * groups + g]);
+        }
+        row_terms(t, xq, s, z, r, t->ntok, w, zterm);
+        for (int k = 0; k < t->ntok; k++) {
+            const int16_t* x = xq->q + k * t->cols;
+            float total = 0.0f;
+            for (int64_t b = 0; b < blocks; b++) {
+                int32_t dot = 0;
+                for (int i = 0; i < BLOCK; i++) dot += (int32_t)code_at(row, b * BLOCK + i, t->bits) * x[b * BLOCK + i];
+                total += w[k][b] * (float)dot;
+            }
+            t->y[k * t->y_stride + r] = total - zterm[k];
+        }
+    }
+}
+
+#ifdef HEXQ_X86
+/* ------------------------------------------------------------------------------------------ AVX2 path */
+
+#define AVX2 __attribute__((target("avx2,fma,f16c,bmi2")))
+#define INLINE __attribute__((always_inline)) inline
+
+/* n float16 values as float32 (F16C), 8 at a time. */
+static AVX2 INLINE void halves_avx2(const uint16_t* h, float* out, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(h + i))));
+    for (; i < n; i++) out[i] = _cvtsh_ss(h[i]);
+}
+
+/* 8 codes of `bits` bits (bits bytes of the stream at p) -> 8 bytes, one code each: one pdep. One 8-byte load
+   where the stream has 8 bytes left (a load of `bits` bytes through memory stalls store forwarding), else a copy. */
+static AVX2 INLINE uint64_t eight_codes(const uint8_t* p, const uint8_t* end, const int bits) {
+    uint64_t word = 0;
+    if (p + 8 <= end) {
+        memcpy(&word, p, 8);
+        if (bits < 8) word &= (1ULL << (8 * bits)) - 1;
+    } else {
+        memcpy(&word, p, bits);
+    }
+    return bits == 8 ? word : _pdep_u64(word, 0x0101010101010101ULL * ((1u << bits) - 1));
+}
+
+static AVX2 INLINE float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* row_terms 8 blocks at a time (see row_terms_avx512). */
+static AVX2 INLINE void row_terms_avx2(const hexq_gemv_task* t, const quantized_x* xq, int64_t r, int ntok,
+                                       float* sb, float* zb, float w[][MAX_BLOCKS], float* zterm) {
+    const int64_t cols = t->cols, groups = cols / t->group, blocks = cols / BLOCK, per_group = t->group / BLOCK;
+    if (per_group == 1) {
+        halves_avx2(t->scale + r * groups, sb, groups);
+        halves_avx2(t->zero + r * groups, zb, groups);
+    } else {
+        float sg[MAX_BLOCKS], zg[MAX_BLOCKS];
+        halves_avx2(t->scale + r * groups, sg, groups);
+        halves_avx2(t->zero + r * groups, zg, groups);
+        for (int64_t g = 0; g < groups; g++)
+            for (int64_t j = 0; j < per_group; j++) {
+                sb[g * per_group + j] = sg[g];
+                zb[g * per_group + j] = zg[g];
+            }
+    }
+    for (int k = 0; k < ntok; k++) {
+        const float* dx = xq->dx + k * blocks;
+        const int32_t* sum = xq->sum + k * blocks;
+        __m256 acc = _mm256_setzero_ps();
+        int64_t b = 0;
+        for (; b + 8 <= blocks; b += 8) {
+            const __m256 wb = _mm256_mul_ps(_mm256_loadu_ps(sb + b), _mm256_loadu_ps(dx + b));
+            _mm256_storeu_ps(w[k] + b, wb);
+            const __m256 zs = _mm256_mul_ps(_mm256_loadu_ps(zb + b),
+                                            _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i*)(sum + b))));
+            acc = _mm256_fmadd_ps(wb, zs, acc);
+        }
+        float tail = 0.0f;
+        for (; b < blocks; b++) {
+            w[k][b] = sb[b] * dx[b];
+            tail += w[k][b] * zb[b] * (float)sum[b];
+        }
+        zterm[k] = hsum256(acc) + tail;
+    }
+}
+
+static AVX2 INLINE void rows_avx2_bits(const hexq_gemv_task* t, const quantized_x* xq, int64_t r0, int64_t r1,
+                                       const int bits, const int ntok) {
+    const int64_t cols = t->cols, groups = cols / t->group, blocks = cols / BLOCK, row_bytes = cols * bits / 8;
+    const uint8_t* end = t->codes + t->rows * row_bytes;
+    static _Thread_local float w[MAX_TOK][MAX_BLOCKS];
+    float s[MAX_BLOCKS], z[MAX_BLOCKS], zterm[MAX_TOK];
+    (void)groups;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t* row = t->codes + r * row_bytes;
+        row_terms_avx2(t, xq, r, ntok, s, z, w, zterm);
+        __m256 total[MAX_TOK];
+        for (int k = 0; k < ntok; k++) total[k] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < blocks; b++) {
+            __m256i dot[MAX_TOK];
+            for (int k = 0; k < ntok; k++) dot[k] = _mm256_setzero_si256();
+            for (int h = 0; h < 2; h++) { /* 16 codes: two pdeps, widened to int16, one madd per token */
+                const int64_t c = b * BLOCK + 16 * h;
+                const __m128i bytes = _mm_set_epi64x((long long)eight_codes(row + (c + 8) / 8 * bits, end, bits),
+                                                     (long long)eight_codes(row + c / 8 * bits, end, bits));
+                const __m256i q = _mm256_cvtepu8_epi16(bytes);
+                for (int k = 0; k < ntok; k++)
+                    dot[k] = _mm256_add_epi32(dot[k], _mm256_madd_epi16(
+                        q, _mm256_loadu_si256((const __m256i*)(xq->q + k * cols + c))));
+            }
+            for (int k = 0; k < ntok; k++)
+                total[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[k]), _mm256_set1_ps(w[k][b]), total[k]);
+        }
+        for (int k = 0; k < ntok; k++) t->y[k * t->y_stride + r] = hsum256(total[k]) - zterm[k];
+    }
+}
+
+static AVX2 void rows_avx2(const hexq_gemv_task* t, const quantized_x* xq, int64_t r0, int64_t r1) {
+#define CASE(B)                                                                              \
+    case B:                                                                                  \
+        switch (t->ntok) {                                                                   \
+            case 1: rows_avx2_bits(t, xq, r0, r1, B, 1); return;                             \
+            case 2: rows_avx2_bits(t, xq, r0, r1, B, 2); return;                             \
+            case 3: rows_avx2_bits(t, xq, r0, r1, B, 3); return;                             \
+            default: rows_avx2_bits(t, xq, r0, r1, B, 4); return;                            \
+        }
+    switch (t->bits) { CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) }
+#undef CASE
+}
+
+/* ------------------------------------------------------------------------------------------ AVX-512 path */
+
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx512vnni,fma,f16c")))
+
+/* n float16 values as float32, 16 at a time. */
+static AVX512 INLINE void halves_avx512(const uint16_t* h, float* out, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(h + i))));
+    if (i < n) {
+        const __mmask16 m = (__mmask16)((1u << (n - i)) - 1);
+        _mm512_mask_storeu_ps(out + i, m, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, h + i)));
+    }
+}
+
+typedef struct {
+    __m512i index, shift, mask;
+    __mmask64 load;
+} unpack64;
+
+/* 64 codes per step: one masked load of 8*bits bytes, vpermb moves the bytes of codes 8k..8k+7 into 64-bit lane k,
+   vpmultishiftqb cuts one code into each byte, a mask clears the bits above the code. */
+static AVX512 INLINE unpack64 unpack64_for(int bits) {
+    uint8_t index[64], shift[64];
+    for (int k = 0; k < 8; k++)
+        for (int j = 0; j < 8; j++) {
+            index[8 * k + j] = (uint8_t)(k * bits + (j < bits ? j : 0));
+            shift[8 * k + j] = (uint8_t)(j * bits);
+        }
+    unpack64 u;
+    u.index = _mm512_loadu_si512(index);
+    u.shift = _mm512_loadu_si512(shift);
+    u.mask = _mm512_set1_epi8((char)((1 << bits) - 1));
+    u.load = bits == 8 ? ~0ULL : ((1ULL << (8 * bits)) - 1);
+    return u;
+}
+
+static AVX512 INLINE __m512i codes64(const unpack64* u, const uint8_t* p, const int bits) {
+    if (bits == 8) return _mm512_loadu_si512(p);
+    const __m512i raw = _mm512_maskz_loadu_epi8(u->load, p);
+    return _mm512_and_si512(_mm512_multishift_epi64_epi8(u->shift, _mm512_permutexvar_epi8(u->index, raw)), u->mask);
+}
+
+/* row_terms on 16 blocks at a time: float16 scale/zero of the row expanded to one value per block, w_b = scale *
+   dx_b, zero term = sum_b w_b * zero_b * sum_b. */
+static AVX512 INLINE void row_terms_avx512(const hexq_gemv_task* t, const quantized_x* xq, int64_t r, int ntok,
+                                           float* sb, float* zb, float w[][MAX_BLOCKS], float* zterm) {
+    const int64_t cols = t->cols, groups = cols / t->group, blocks = cols / BLOCK, per_group = t->group / BLOCK;
+    if (per_group == 1) {
+        halves_avx512(t->scale + r * groups, sb, groups);
+        halves_avx512(t->zero + r * groups, zb, groups);
+    } else {
+        float sg[MAX_BLOCKS], zg[MAX_BLOCKS];
+        halves_avx512(t->scale + r * groups, sg, groups);
+        halves_avx512(t->zero + r * groups, zg, groups);
+        for (int64_t g = 0; g < groups; g++)
+            for (int64_t j = 0; j < per_group; j++) {
+                sb[g * per_group + j] = sg[g];
+                zb[g * per_group + j] = zg[g];
+            }
+    }
+    for (int k = 0; k < ntok; k++) {
+        const float* dx = xq->dx + k * blocks;
+        const int32_t* sum = xq->sum + k * blocks;
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t b = 0; b < blocks; b += 16) {
+            const __mmask16 m = blocks - b >= 16 ? 0xffff : (__mmask16)((1u << (blocks - b)) - 1);
+            const __m512 wb = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, sb + b), _mm512_maskz_loadu_ps(m, dx + b));
+            _mm512_mask_storeu_ps(w[k] + b, m, wb);
+            const __m512 zs = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, zb + b),
+                                            _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(m, sum + b)));
+            acc = _mm512_fmadd_ps(wb, zs, acc);
+        }
+        zterm[k] = _mm512_reduce_add_ps(acc);
+    }
+}
+
+/* 64 codes at a time: two blocks of 32, each widened to int16 and multiplied into int32 pairs with one vpdpwssd per
+   token (AVX-512 VNNI), then scaled by that block's w_b into a float32 accumulator. */
+static AVX512 INLINE void rows_avx512_bits(const hexq_gemv_task* t, const quantized_x* xq, int64_t r0, int64_t r1,
+                                           const int bits, const int ntok) {
+    const int64_t cols = t->cols, groups = cols / t->group, row_bytes = cols * bits / 8;
+    const unpack64 u = unpack64_for(bits);
+    static _Thread_local float w[MAX_TOK][MAX_BLOCKS];
+    float s[MAX_BLOCKS], z[MAX_BLOCKS], zterm[MAX_TOK];
+    (void)groups;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t* row = t->codes + r * row_bytes;
+        row_terms_avx512(t, xq, r, ntok, s, z, w, zterm);
+        __m512 total[MAX_TOK];
+        for (int k = 0; k < ntok; k++) total[k] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < cols; c += 64) {
+            const __m512i q = codes64(&u, row + c / 8 * bits, bits);
+            const __m512i lo = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(q));
+            const __m512i hi = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(q, 1));
+            for (int k = 0; k < ntok; k++) {
+                const int16_t* x = xq->q + k * cols + c;
+                const __m512i d0 = _mm512_dpwssd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(x));
+                const __m512i d1 = _mm512_dpwssd_epi32(_mm512_setzero_si512(), hi, _mm512_loadu_si512(x + 32));
+                total[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), _mm512_set1_ps(w[k][c / 32]), total[k]);
+                total[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), _mm512_set1_ps(w[k][c / 32 + 1]), total[k]);
+            }
+        }
+        for (int k = 0; k < ntok; k++) t->y[k * t->y_stride + r] = _mm512_reduce_add_ps(total[k]) - zterm[k];
+    }
+}
+
+static AVX512 void rows_avx512(const hexq_gemv_task* t, const quantized_x* xq, int64_t r0, int64_t r1) {
+#define CASE(B)                                                                              \
+    case B:                                                                                  \
+        switch (t->ntok) {                                                                   \
+            case 1: rows_avx512_bits(t, xq, r0, r1, B, 1); return;                           \
+            case 2: rows_avx512_bits(t, xq, r0, r1, B, 2); return;                           \
+            case 3: rows_avx512_bits(t, xq, r0, r1, B, 3); return;                           \
+            default: rows_avx512_bits(t, xq, r0, r1, B, 4); return;                          \
+        }
+    switch (t->bits) { CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) }
+#undef CASE
+}
+#endif
+
+typedef void (*rows_fn)(const hexq_gemv_task*, const quantized_x*, int64_t, int64_t);
+
+static rows_fn rows_for(int path) {
+#ifdef HEXQ_X86
+    if (path == PATH_AVX512) return rows_avx512;
+    if (path == PATH_AVX2) return rows_avx2;
+#endif
+    return rows_scalar;
+}
+
+/* ------------------------------------------------------------------------------------------ dequantization */
+
+/* out[i] for i < numel from the packed stream: out_kind 0 float32 (q - z) * s; 1 bfloat16 and 2 float16 of
+   q*s + (-z*s), computed in float32 and rounded once (with float16 scale and zero both products are exact, so this
+   is (q - z) * s rounded: the torch path's value, hexq.packed.bitpack.dequantize_into). scale/zero: float16, one per
+   `group` consecutive codes. Bit for bit equal across paths. */
+
+static inline uint16_t float_to_bf16(float v) { /* round to nearest even, as torch does */
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
+    return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+}
+
+static inline uint16_t float_to_half(float f) { /* round to nearest even, IEEE binary16 */
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000;
+    x &= 0x7fffffff;
+    if (x >= 0x7f800000) return (uint16_t)(sign | 0x7c00 | (x > 0x7f800000 ? 0x200 : 0));
+    if (x >= 0x477ff000) return (uint16_t)(sign | 0x7c00); /* overflows to infinity */
+    if (x < 0x38800000) { /* subnormal or zero in half precision */
+        if (x < 0x33000000) return (uint16_t)sign;
+        const uint32_t mant = (x & 0x7fffff) | 0x800000, shift = 126 - (x >> 23);
+        uint32_t half = mant >> shift;
+        const uint32_t rest = mant & ((1u << shift) - 1), mid = 1u << (shift - 1);
+        if (rest > mid || (rest == mid && (half & 1))) half++;
+        return (uint16_t)(sign | half);
+    }
+    uint32_t half = ((x >> 13) - (112 << 10));
+    const uint32_t rest = x & 0x1fff;
+    if (rest > 0x1000 || (rest == 0x1000 && (half & 1))) half++;
+    return (uint16_t)(sign | half);
+}
+
+static void dequant_scalar(const uint8_t* packed, int bits, const uint16_t* scale, const uint16_t* zero,
+                           int64_t numel, int64_t group, void* out, int out_kind) {
+    for (int64_t g = 0; g < numel / group; g++) {
+        const float s = half_to_float(scale[g]), z = half_to_float(zero[g]), b = -(z * s);
+        for (int64_t i = g * group; i < (g + 1) * group; i++) {
+            const float q = (float)code_at(packed, i, bits);
+            if (out_kind == 0) ((float*)out)[i] = (q - z) * s;
+            else if (out_kind == 1) ((uint16_t*)out)[i] = float_to_bf16(q * s + b);
+            else ((uint16_t*)out)[i] = float_to_half(q * s + b);
+        }
+    }
+}
+
+#ifdef HEXQ_X86
+/* AVX2: 8 codes per pdep, 8 outputs per step. */
+static AVX2 INLINE __m128i bf16_avx2(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i bias = _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(_mm256_srli_epi32(u, 16),
+                                                                                     _mm256_set1_epi32(1)));
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+static AVX2 INLINE void dequant_avx2_bits(const uint8_t* packed, const int bits, const uint16_t* scale,
+                                          const uint16_t* zero, int64_t numel, int64_t group, void* out,
+                                          int out_kind) {
+    const uint8_t* end = packed + numel * bits / 8;
+    for (int64_t g = 0; g < numel / group; g++) {
+        const float sf = _cvtsh_ss(scale[g]), zf = _cvtsh_ss(zero[g]);
+        const __m256 s = _mm256_set1_ps(sf), z = _mm256_set1_ps(zf), b = _mm256_set1_ps(-(zf * sf));
+        for (int64_t i = g * group; i < (g + 1) * group; i += 8) {
+            const uint64_t codes = eight_codes(packed + i / 8 * bits, end, bits);
+            const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)codes)));
+            if (out_kind == 0) {
+                _mm256_storeu_ps((float*)out + i, _mm256_mul_ps(_mm256_sub_ps(q, z), s));
+            } else {
+                const __m256 v = _mm256_fmadd_ps(q, s, b);
+                const __m128i h = out_kind == 1 ? bf16_avx2(v) : _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT);
+                _mm_storeu_si128((__m128i*)((uint16_t*)out + i), h);
+            }
+        }
+    }
+}
+
+static AVX2 void dequant_avx2(const uint8_t* packed, int bits, const uint16_t* scale, const uint16_t* zero,
+                              int64_t numel, int64_t group, void* out, int out_kind) {
+#define CASE(B) case B: dequant_avx2_bits(packed, B, scale, zero, numel, group, out, out_kind); return;
+    switch (bits) { CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) }
+#undef CASE
+}
+
+/* AVX-512: 64 codes per step (unpack64); bfloat16 with bits <= 4 through a 16-entry table per group,
+   T[q] = q*s + (-z*s) rounded to bfloat16 and looked up with vpermw, 32 codes per lookup. */
+static AVX512 INLINE __m256i bf16_avx512(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(u, 16),
+                                                                                     _mm512_set1_epi32(1)));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(u, bias), 16));
+}
+
+static AVX512 void dequant_avx512(const uint8_t* packed, int bits, const uint16_t* scale, const uint16_t* zero,
+                                    int64_t numel, int64_t group, void* out, int out_kind) {
+    const unpack64 u = unpack64_for(bits);
+    const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i second = _mm512_set_epi16(16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16,
+                                            0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    const int table = bits <= 4 && out_kind == 1;
+    const int64_t groups = numel / group;
+    float s_of[256], b_of[256]; /* per group of the block: scale, and -z*s (float32 out: z) */
+    for (int64_t g0 = 0; g0 < groups; g0 += 256) {
+        const int64_t ng = groups - g0 < 256 ? groups - g0 : 256;
+        for (int64_t j = 0; j < ng; j += 16) {
+            const __mmask16 m = ng - j >= 16 ? 0xffff : (__mmask16)((1u << (ng - j)) - 1);
+            const __m512 s = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, scale + g0 + j));
+            const __m512 z = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, zero + g0 + j));
+            _mm512_storeu_ps(s_of + j, s);
+            _mm512_storeu_ps(b_of + j, out_kind == 0 ? z : _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(z, s)));
+        }
+        const int64_t end = (g0 + ng) * group;
+        for (int64_t i = g0 * group; i < end; i += 64) {
+            const __m512i codes = codes64(&u, packed + (i >> 3) * bits, bits);
+            if (table) {
+                for (int h = 0; h < 2; h++) {
+                    const int64_t o = i + 32 * h, ga = o / group - g0, gb = (o + 16) / group - g0;
+                    const __m256i ta = bf16_avx512(_mm512_fmadd_ps(iota, _mm512_set1_ps(s_of[ga]),
+                                                                   _mm512_set1_ps(b_of[ga])));
+                    const __m256i tb = bf16_avx512(_mm512_fmadd_ps(iota, _mm512_set1_ps(s_of[gb]),
+                                                                   _mm512_set1_ps(b_of[gb])));
+                    const __m512i t = _mm512_inserti64x4(_mm512_castsi256_si512(ta), tb, 1);
+                    const __m512i q = _mm512_add_epi16(
+                        _mm512_cvtepu8_epi16(h ? _mm512_extracti64x4_epi64(codes, 1) : _mm512_castsi512_si256(codes)),
+                        second);
+                    _mm512_storeu_si512((uint16_t*)out + o, _mm512_permutexvar_epi16(q, t));
+                }
+                continue;
+            }
+            for (int k = 0; k < 4; k++) {
+                const int64_t o = i + 16 * k, g = o / group - g0;
+                const __m128i bytes = k == 0 ? _mm512_extracti32x4_epi32(codes, 0)
+                                    : k == 1 ? _mm512_extracti32x4_epi32(codes, 1)
+                                    : k == 2 ? _mm512_extracti32x4_epi32(codes, 2)
+                                             : _mm512_extracti32x4_epi32(codes, 3);
+                const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
+                const __m512 s = _mm512_set1_ps(s_of[g]);
+                if (out_kind == 0) {
+                    _mm512_storeu_ps((float*)out + o, _mm512_mul_ps(_mm512_sub_ps(q, _mm512_set1_ps(b_of[g])), s));
+                } else {
+                    const __m512 v = _mm512_fmadd_ps(q, s, _mm512_set1_ps(b_of[g]));
+                    const __m256i r = out_kind == 1 ? bf16_avx512(v)
+                                                    : _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                    _mm256_storeu_si256((__m256i*)((uint16_t*)out + o), r);
+                }
+            }
+        }
+    }
+}
+#endif
+
+/* Returns 0, or -1 if the path does not take these inputs (the caller then uses another path). */
+int hexq_dequant(const uint8_t* packed, int bits, const uint16_t* scale, const uint16_t* zero, int64_t numel,
+                 int64_t group, void* out, int out_kind, int path) {
+    if (bits < 1 || bits > 8 || group <= 0 || numel % group || out_kind < 0 || out_kind > 2
+        || !(hexq_paths() >> path & 1))
+        return -1;
+#ifdef HEXQ_X86
+    if (path == PATH_AVX512) {
+        if (group % 16 || numel % 64) return -1;
+        dequant_avx512(packed, bits, scale, zero, numel, group, out, out_kind);
+        return 0;
+    }
+    if (path == PATH_AVX2) {
+        if (group % 8) return -1;
+        dequant_avx2(packed, bits, scale, zero, numel, group, out, out_kind);
+        return 0;
+    }
+#endif
+    dequant_scalar(packed, bits, scale, zero, numel, group, out, out_kind);
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------------ the thread pool */
+
+/* A persistent pool: workers wait on a generation counter (a short spin, then a futex), take work items from one
+   atomic counter, and the calling thread works too. No allocation per call. */
+
+#define MAX_THREADS 64
+#define SPIN 4000 /* pauses before a worker sleeps: ~0.1-0.5 ms, long enough to catch the next call of a decode step */
+
+typedef struct {
+    void (*run)(void* ctx, int64_t item);
+    void* ctx;
+    int64_t items;
+} job;
+
+static struct {
+    pthread_mutex_t lock;
+    int started;
+    _Atomic int generation;
+    _Atomic int64_t next;
+    _Atomic int busy;
+    job current;
+    int workers;
+} pool = {PTHREAD_MUTEX_INITIALIZER, 0, 0, 0, 0, {0, 0, 0}, 0};
+
+static void futex_wait(_Atomic int* addr, int value) {
+    syscall(SYS_futex, (int*)addr, FUTEX_WAIT_PRIVATE, value, NULL, NULL, 0);
+}
+
+static void futex_wake_all(_Atomic int* addr) { syscall(SYS_futex, (int*)addr, FUTEX_WAKE_PRIVATE, MAX_THREADS, NULL, NULL, 0); }
+
+static void drain(void) {
+    const job j = pool.current;
+    for (int64_t item; (item = atomic_fetch_add(&pool.next, 1)) < j.items;) j.run(j.ctx, item);
+}
+
+static void* worker(void* arg) {
+    int seen = (int)(intptr_t)arg; /* the generation when it was made: every later job is one to join */
+    for (;;) {
+        int spins = 0, now;
+        while ((now = atomic_load(&pool.generation)) == seen) {
+            if (++spins < SPIN) {
+#ifdef HEXQ_X86
+                _mm_pause();
+#endif
+            } else {
+                futex_wait(&pool.generation, seen);
+            }
+        }
+        seen = now;
+        drain();
+        atomic_fetch_sub(&pool.busy, 1);
+    }
+    return NULL;
+}
+
+static void ensure_workers(int wanted) {
+    if (wanted > MAX_THREADS - 1) wanted = MAX_THREADS - 1;
+    if (pool.workers >= wanted) return;
+    pthread_mutex_lock(&pool.lock);
+    while (pool.workers < wanted) {
+        pthread_t thread;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        if (pthread_create(&thread, &attr, worker, (void*)(intptr_t)atomic_load(&pool.generation)) != 0) break;
+        pool.workers++;
+    }
+    pthread_mutex_unlock(&pool.lock);
+}
+
+/* Run run(ctx, item) for every item in [0, items) on `threads` threads (the caller included). Calls from several
+   threads are serialised. */
+static void parallel(void (*run)(void*, int64_t), void* ctx, int64_t items, int threads) {
+    if (threads <= 1 || items <= 1) {
+        for (int64_t i = 0; i < items; i++) run(ctx, i);
+        return;
+    }
+    ensure_workers(threads - 1);
+    pthread_mutex_lock(&pool.lock);
+    pool.current = (job){run, ctx, items};
+    atomic_store(&pool.next, 0);
+    atomic_store(&pool.busy, pool.workers);
+    atomic_fetch_add(&pool.generation, 1);
+    futex_wake_all(&pool.generation);
+    drain();
+    while (atomic_load(&pool.busy) > 0) {
+#ifdef HEXQ_X86
+        _mm_pause();
+#endif
+    }
+    pthread_mutex_unlock(&pool.lock);
+}
+
+/* ------------------------------------------------------------------------------------------ grouped GEMV */
+
+#define ROWS_PER_ITEM 16
+
+typedef struct {
+    const hexq_gemv_task* tasks;
+    quantized_x* xq;           /* per task; tasks sharing an x share its quantization */
+    const int64_t* first_item; /* item index where each task starts, ntasks + 1 entries */
+    int ntasks;
+    rows_fn rows;
+} gemv_ctx;
+
+static void quantize_item(void* arg, int64_t task) {
+    const gemv_ctx* c = (const gemv_ctx*)arg;
+    if (task == 0 || c->xq[task].q != c->xq[task - 1].q) quantize_x(&c->tasks[task], &c->xq[task]);
+}
+
+static void gemv_item(void* arg, int64_t item) {
+    const gemv_ctx* c = (const gemv_ctx*)arg;
+    int lo = 0, hi = c->ntasks - 1;
+    while (lo < hi) { /* the task holding this item */
+        int mid = (lo + hi + 1) / 2;
+        if (c->first_item[mid] <= item) lo = mid; else hi = mid - 1;
+    }
+    const hexq_gemv_task* t = &c->tasks[lo];
+    const int64_t r0 = (item - c->first_item[lo]) * ROWS_PER_ITEM;
+    const int64_t r1 = r0 + ROWS_PER_ITEM < t->rows ? r0 + ROWS_PER_ITEM : t->rows;
+    const int64_t blocks = t->cols / BLOCK;
+    hexq_gemv_task part = *t;
+    for (int k = 0; k < t->ntok; k += MAX_TOK) { /* more than MAX_TOK tokens: in slices of MAX_TOK */
+        part.ntok = t->ntok - k < MAX_TOK ? t->ntok - k : MAX_TOK;
+        part.y = t->y + k * t->y_stride;
+        const quantized_x slice = {c->xq[lo].q + k * t->cols, c->xq[lo].dx + k * blocks, c->xq[lo].sum + k * blocks};
+        c->rows(&part, &slice, r0, r1);
+    }
+}
+
+/* Every task's y on `threads` threads with instruction-set path `path`; scratch: int16 x and block terms, at least
+   hexq_gemv_scratch(tasks, ntasks) bytes, 64-byte aligned. Returns 0, or -1 for a task the kernels do not take (a
+   group that is not a multiple of 32 codes, more than MAX_BLOCKS blocks, a row not a whole number of bytes, an
+   unavailable path). */
+int64_t hexq_gemv_scratch(const hexq_gemv_task* tasks, int ntasks) {
+    int64_t bytes = 0;
+    for (int i = 0; i < ntasks; i++) {
+        const int64_t values = (int64_t)tasks[i].ntok * tasks[i].cols;
+        bytes += (values * 2 + 63) / 64 * 64 + 2 * ((values / BLOCK * 4 + 63) / 64 * 64);
+    }
+    return bytes;
+}
+
+int hexq_gemv(const hexq_gemv_task* tasks, int ntasks, int path, int threads, uint8_t* scratch) {
+    if (!(hexq_paths() >> path & 1) || ntasks <= 0) return -1;
+    int64_t first[ntasks + 1];
+    quantized_x xq[ntasks];
+    first[0] = 0;
+    for (int i = 0; i < ntasks; i++) {
+        const hexq_gemv_task* t = &tasks[i];
+        if (t->bits < 1 || t->bits > 8 || t->group <= 0 || t->group % BLOCK || t->cols % t->group
+            || (t->cols * t->bits) % 8 || t->cols / BLOCK > MAX_BLOCKS || t->ntok < 1 || (t->cols % 64 && path == PATH_AVX512))
+            return -1;
+        first[i + 1] = first[i] + (t->rows + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM;
+        const int64_t values = (int64_t)t->ntok * t->cols;
+        if (i > 0 && t->x == tasks[i - 1].x && t->ntok == tasks[i - 1].ntok && t->cols == tasks[i - 1].cols) {
+            xq[i] = xq[i - 1];
+            continue;
+        }
+        xq[i].q = (int16_t*)scratch;
+        scratch += (values * 2 + 63) / 64 * 64;
+        xq[i].dx = (float*)scratch;
+        scratch += (values / BLOCK * 4 + 63) / 64 * 64;
+        xq[i].sum = (int32_t*)scratch;
+        scratch += (values / BLOCK * 4 + 63) / 64 * 64;
+    }
+    gemv_ctx ctx = {tasks, xq, first, ntasks, rows_for(path)};
+    parallel(quantize_item, &ctx, ntasks, threads);
+    parallel(gemv_item, &ctx, first[ntasks], threads);
+    return 0;
+}
