@@ -39,7 +39,7 @@ and tokenizer).
 Also measured: perplexity of each reference model with the dense part and the fast tier in fp32 or bf16 (the four
 combinations, all experts resident, --windows windows of 256 tokens of held-out austen); and the dequantization rate
 of a miss on a Qwen3-30B-A3B expert (gate_up [1536, 2048], down [2048, 768], groups of 32) into bf16 and fp32 with
-the kernel (hexq.runtime.kernel) and with torch ops, against a copy of the same output bytes.
+the CPU kernels (hexq.packed.cpu) and with torch ops, against a copy of the same output bytes.
 """
 
 from __future__ import annotations
@@ -204,7 +204,7 @@ def child_hexq(spec: dict) -> dict:
     if spec["cold"]:
         drop_page_cache(files)
     started = time.perf_counter()
-    runtime = Runtime(artifact, spec.get("budget"), prefetch=prefetch and mode == "cache", mode=mode,
+    runtime = Runtime(artifact, budget_bytes=spec.get("budget"), prefetch=prefetch and mode == "cache", mode=mode,
                       memory_bytes=spec.get("memory"), **options)
     if spec["config"] == "resident":
         runtime.fill_all()
@@ -226,7 +226,8 @@ def child_hexq(spec: dict) -> dict:
             "prefetch_recall": result["prefetch"]["recall"], "prefetch_precision": result["prefetch"]["precision"],
             "wait_s": cache["wait_seconds"], "peak_rss_mib": vm_hwm() / 2**20, "startup_s": startup,
             "dense_mib": stats.dense_bytes / 2**20, "scratch_mib": stats.scratch_bytes / 2**20,
-            "budget_mib": stats.budget_bytes / 2**20, "warm_experts": stats.warm_experts, "kernel": stats.kernel}
+            "budget_mib": stats.budget_bytes / 2**20, "warm_experts": stats.warm_experts, "kernel": stats.kernel_path,
+            "cache_format": stats.cache_format}
 
 
 def child_accelerate(spec: dict) -> dict:
@@ -283,7 +284,7 @@ def child_ppl(spec: dict) -> dict:
     from hexq.eval.run import runtime_perplexity
     from hexq.runtime.engine import Runtime
 
-    with Runtime(spec["artifact"], dtype=spec["dtype"], cache_dtype=spec["cache_dtype"]) as runtime:
+    with Runtime(spec["artifact"], dtype=spec["dtype"], cache=spec["cache"]) as runtime:
         runtime.fill_all()
         ids = tokenize(runtime.tokenizer, eval_text("austen"))
         value, scored, _ = runtime_perplexity(runtime, ids, SEQLEN, spec["windows"])
@@ -320,9 +321,9 @@ def dequant_rate(reps: int) -> list[dict]:
     from hexq.algos.quant import QuantSpec, quantize
     from hexq.artifact.bitpack import DequantScratch, pack_bits
     from hexq.artifact.format import PackedWeight, dequantize_packed_into
-    from hexq.runtime.kernel import load_kernel
+    from hexq.packed.cpu import load_cpu_kernels
 
-    kernel = load_kernel()
+    kernels = load_cpu_kernels()
     generator = torch.Generator(device="cpu").manual_seed(0)
     rows = []
     for bits in (2, 3, 4):
@@ -343,9 +344,9 @@ def dequant_rate(reps: int) -> list[dict]:
                 dequantize_packed_into(a, b, c) for a, b in zip(o, w, strict=True)], reps)
             row = {"bits": bits, "dtype": str(dtype).removeprefix("torch."), "out_mib": nbytes / 2**20,
                    "copy_ms": copy * 1000, "torch_ms": torch_path * 1000, "torch_over_copy": copy / torch_path}
-            if kernel is not None:
-                fast, _ = median_seconds(lambda o=outs, w=packed: [kernel(a, b) for a, b in zip(o, w, strict=True)],
-                                       reps)
+            if kernels is not None:
+                fast, _ = median_seconds(lambda o=outs, w=packed: [
+                    kernels.dequantize(a, b.codes, b.bits, b.scale, b.zero) for a, b in zip(o, w, strict=True)], reps)
                 row |= {"kernel_ms": fast * 1000, "kernel_over_copy": copy / fast,
                         "kernel_gbps": nbytes / fast / 1e9}
             rows.append(row)
@@ -376,12 +377,15 @@ def sizes(artifact: Path) -> dict:
 
     from hexq.artifact.format import Artifact
     from hexq.data import eval_text, tokenize
-    from hexq.runtime.engine import ArtifactSource
-    from hexq.runtime.model import artifact_tokenizer, dense_plan_bytes, skeleton
+    from hexq.runtime.model import artifact_tokenizer, skeleton
+    from hexq.runtime.source import ArtifactSource
 
     opened = Artifact(artifact)
-    dense = dense_plan_bytes(skeleton(opened, torch.device("cpu"), torch.bfloat16))
-    experts = ArtifactSource(opened).expert_nbytes * len(opened.moe_layers) * opened.num_experts
+    streamed = skeleton(opened, torch.device("cpu"), torch.bfloat16)
+    experts_path = streamed.experts_path
+    dense = sum(t.numel() * 2 for name, t in streamed.model.named_parameters()  # in bf16, as the checkpoint holds it
+                if not (".layers." in name and f".{experts_path}." in name))
+    experts = ArtifactSource(opened, "bf16").largest_slot * len(opened.moe_layers) * opened.num_experts
     tokenizer = artifact_tokenizer(opened)
     austen = tokenize(tokenizer, eval_text("austen"))
     prompt = tokenizer.decode(austen[-PROMPT_TOKENS:])  # held-out text the perplexity windows do not use
@@ -450,11 +454,11 @@ def run_model(name: str, artifact: Path, checkpoint: Path, args, log, decode: in
     if name in MODELS:
         ppl = []
         for dtype in ("fp32", "bf16"):
-            for cache_dtype in ("fp32", "bf16"):
-                got = run_child({"kind": "ppl", "artifact": str(artifact), "dtype": dtype, "cache_dtype": cache_dtype,
+            for cache in ("fp32", "bf16", "packed"):
+                got = run_child({"kind": "ppl", "artifact": str(artifact), "dtype": dtype, "cache": cache,
                                  "windows": args.windows}, args.threads)
-                ppl.append({"dtype": dtype, "cache_dtype": cache_dtype, **got})
-                log(f"{name} ppl dense {dtype} cache {cache_dtype}: {got}")
+                ppl.append({"dtype": dtype, "cache": cache, **got})
+                log(f"{name} ppl dense {dtype} cache {cache}: {got}")
         result["ppl"] = ppl
     return result
 
@@ -527,7 +531,7 @@ def render(results: dict) -> str:
                                       for c in COLUMNS) + " |")
         if result.get("ppl"):
             lines.append("\n| dense | fast tier | ppl austen |\n|---|---|---|")
-            lines += [f"| {p['dtype']} | {p['cache_dtype']} | {p.get('ppl_austen', float('nan')):.3f} |"
+            lines += [f"| {p['dtype']} | {p['cache']} | {p.get('ppl_austen', float('nan')):.3f} |"
                       for p in result["ppl"]]
         for key, value in result["ratios"].items():
             lines.append(f"- {key}: {value:.3f}" if isinstance(value, float) else f"- {key}: {value}")

@@ -403,8 +403,11 @@ def print_run_stats(stats: dict) -> None:
     memory = "" if stats["memory_bytes"] is None else f" of --memory {mb(stats['memory_bytes'])}"
     rows = [("memory plan", f"dense {mb(stats['dense_bytes'])} ({stats['dtype']}) + scratch "
                             f"{mb(stats['scratch_bytes'])} + experts {mb(stats['budget_bytes'])}{memory}"),
-            ("expert budget", f"{mb(stats['budget_bytes'])} of {mb(stats['expert_bytes'])} ({stats['cache_dtype']}, "
+            ("expert budget", f"{mb(stats['budget_bytes'])} of {mb(stats['expert_bytes'])} ({stats['cache_format']}, "
                               f"{stats['warm_experts']} warm)"),
+            ("compute", f"{stats['kernel_path']}, {stats['threads']} thread(s): {stats['gemv_rows']} rows from the "
+                        f"codes, {stats['expanded_experts']} experts and {stats['expanded_dense']} dense products "
+                        "expanded"),
             ("peak cached", mb(stats["peak_bytes"])),
             ("hits / misses", f"{cache['hits']} / {cache['misses']} ({cache['hit_rate']:.1%})"),
             ("per-layer hit rate", " ".join(f"{v:.0%}" for v in cache["layer_hit_rate"].values())),
@@ -435,8 +438,15 @@ def run(
                                                "load scratch + expert cache, e.g. 6GB.")] = None,
     budget: Annotated[str | None, typer.Option("--budget", help="Memory for the expert cache alone, e.g. 200MB "
                                                "or 1.5GiB (default: all experts).")] = None,
-    dtype: Annotated[str, typer.Option("--dtype", help="Dense part: bf16 or fp32.")] = "bf16",
-    cache_dtype: Annotated[str, typer.Option("--cache-dtype", help="Expert cache: bf16 or fp32.")] = "bf16",
+    dtype: Annotated[str, typer.Option("--dtype", help="Dense part and expanded matrices: bf16 or fp32.")] = "bf16",
+    cache: Annotated[str, typer.Option("--cache", help="What the expert cache holds: packed (the stored codes, "
+                                       "computed from directly), or bf16 / fp32 matrices.")] = "packed",
+    cache_dtype: Annotated[str | None, typer.Option("--cache-dtype", hidden=True)] = None,
+    threads: Annotated[int | None, typer.Option("--threads", help="Threads of the CPU kernels (default: every "
+                                                "core).", min=1)] = None,
+    kernels: Annotated[str, typer.Option("--kernels", help="How packed weights are computed: auto (the CPU kernels "
+                                         "on the CPU, Triton on CUDA), cpu, triton, or torch (expand every matrix "
+                                         "with torch ops).")] = "auto",
     warm: Annotated[str, typer.Option("--warm", help="Warm start: none, or placement scheme 1 (paths), 2 "
                                       "(frequency), 3 (two-stage, pack's).")] = "3",
     cost_model: Annotated[bool, typer.Option("--cost-model/--no-cost-model", help="Per-miss fill or transient "
@@ -464,20 +474,23 @@ def run(
     from hexq.data import eval_text, tokenize
     from hexq.eval.run import runtime_perplexity
     from hexq.io import write_json_atomic
-    from hexq.runtime.engine import Runtime
+    from hexq.runtime.engine import Runtime, RuntimeConfig
     from hexq.units import parse_bytes
 
     if (prompt is None) == (ppl is None):
         raise HexqError("give exactly one of --prompt TEXT or --ppl DATA")
     from hexq.devices import resolve_device
 
+    if cache_dtype is not None:
+        raise HexqError(f"--cache-dtype is now --cache (packed, bf16 or fp32): use --cache {cache_dtype}")
     resolve_device(device)
-    budget_bytes = parse_bytes(budget) if budget is not None else None
-    memory_bytes = parse_bytes(memory) if memory is not None else None
-    with Runtime(artifact, budget_bytes, policy, prefetch, mode, prefetch_top, device, memory_bytes=memory_bytes,
-                 dtype=dtype, cache_dtype=cache_dtype, warm=warm, admission=cost_model) as runtime:
+    config = RuntimeConfig(memory_bytes=parse_bytes(memory) if memory is not None else None,
+                           budget_bytes=parse_bytes(budget) if budget is not None else None, policy=policy,
+                           prefetch=prefetch, prefetch_top_t=prefetch_top, mode=mode, device=device, dtype=dtype,
+                           cache=cache, warm=warm, admission=cost_model, kernels=kernels, threads=threads)
+    with Runtime(artifact, config) as runtime:
         result: dict = {"artifact": str(artifact), "policy": policy, "mode": mode, "prefetch": prefetch,
-                        "warm": warm, "cost_model": cost_model}
+                        "warm": warm, "cost_model": cost_model, "cache": cache}
         if prompt is not None:
             console.print(prompt, end="", style="dim", highlight=False)
 

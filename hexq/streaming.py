@@ -249,9 +249,10 @@ class StreamedModel:
 
     # ------------------------------------------------------------------------------------------ materializing
 
-    def _materialize(self, module: torch.nn.Module, prefix: str, skip: str | None = None, copy: bool = False) -> None:
+    def _materialize(self, module: torch.nn.Module, prefix: str, skip: str | None = None, copy: bool = False,
+                     leave: frozenset[str] = frozenset()) -> None:
         for name, owner, attr, is_parameter in _tensor_slots(module):
-            if skip is not None and (name == skip or name.startswith(skip + ".")):
+            if skip is not None and (name == skip or name.startswith(skip + ".")) or prefix + name in leave:
                 continue
             current = owner._parameters[attr] if is_parameter else owner._buffers[attr]
             stored, owned = self._read(prefix + name, tuple(current.shape), copy)
@@ -295,14 +296,14 @@ class StreamedModel:
         """The routed experts' module path relative to a decoder layer (e.g. mlp.experts)."""
         return f"{self.adapter.moe}.{self.adapter.experts}"
 
-    def materialize_dense(self) -> None:
-        """Materialize, for good, every parameter except the routed experts (which stay on meta): the dense part a
-        server keeps resident (`hexq run`)."""
+    def materialize_dense(self, leave: frozenset[str] = frozenset()) -> None:
+        """Materialize, for good, every parameter except the routed experts and the names in `leave` (which stay on
+        meta: the caller replaces their modules): the dense part a server keeps resident (`hexq run`)."""
         # Copies, never views of the source's file mapping: a mapped tensor would be read from disk at its first use
         # (the first request pays for it) and whenever the page cache drops it; the maps are released per layer.
         for index, layer in enumerate(self.layers):
             self._materialize(layer, f"model.layers.{index}.", skip=self.experts_path if self.is_moe(index) else None,
-                              copy=True)
+                              copy=True, leave=leave)
             self.source.release()
         tied = getattr(self.config, "tie_word_embeddings", False)
         for name in ("model.embed_tokens", "model.norm", "lm_head"):

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # Triton's kernels run in its CPU interpreter (set before triton is imported)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -51,10 +55,10 @@ def build_tiny_model(model_type: str, seed: int = 0, **overrides):
     return AutoModelForCausalLM.from_config(config).eval()
 
 
-def save_tiny_model(folder: Path, model_type: str, seed: int = 0) -> Path:
+def save_tiny_model(folder: Path, model_type: str, seed: int = 0, **overrides) -> Path:
     from transformers import AutoTokenizer
 
-    build_tiny_model(model_type, seed).save_pretrained(folder)
+    build_tiny_model(model_type, seed, **overrides).save_pretrained(folder)
     AutoTokenizer.from_pretrained(TOKENIZER_DIR).save_pretrained(folder)
     return folder
 
@@ -104,6 +108,22 @@ def mixed_artifact(mixed_calibration, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("pack") / "mixed-2.5.hexq"
     pack(mixed_calibration[0], out, budget=Budget(avg_bits=2.5))
+    return out
+
+
+@pytest.fixture(scope="session")
+def packed_artifact(tmp_path_factory):
+    """A tiny Qwen3-MoE wide enough for the packed kernels (hidden and expert width 64: groups of 32, whole 64-code
+    steps), calibrated with experts-mixed as bundled (groups of 32) and packed at 2.5 bits (widths mixed)."""
+    from hexq.artifact.pack import Budget, pack
+    from hexq.calib.pipeline import calibrate
+
+    model = save_tiny_model(tmp_path_factory.mktemp("wide-qwen3moe"), "qwen3_moe", hidden_size=64,
+                            moe_intermediate_size=64, intermediate_size=128, head_dim=16)
+    calibration = tmp_path_factory.mktemp("cal") / "wide"
+    calibrate(model, small_recipe("experts-mixed"), "bundled", calibration)
+    out = tmp_path_factory.mktemp("pack") / "wide-2.5.hexq"
+    pack(calibration, out, budget=Budget(avg_bits=2.5))
     return out
 
 

@@ -44,15 +44,17 @@ def gemv_bound(weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_gemv_within_its_bound(path: str, bits: int, group: int) -> None:
     kernels = KERNELS.with_path(path)
+    cols = 96 if group == 32 else 256  # 96: a last block of 32 codes after whole 64-code steps
     for symmetric, ntok in ((False, 1), (True, 3), (False, 6)):  # 6 tokens: slices of 4 and 2
-        codes, scale, zero, weights = packed_matrix(40, 256, bits, group, symmetric, seed=bits * 10 + group)
-        x = torch.randn(ntok, 256, generator=torch.Generator().manual_seed(bits))
+        codes, scale, zero, weights = packed_matrix(40, cols, bits, group, symmetric, seed=bits * 10 + group)
+        x = torch.randn(ntok, cols, generator=torch.Generator().manual_seed(bits))
         x[:, 7] *= 30.0  # an outlier channel: its block's step grows, the bound with it
         y = torch.full((ntok, 40), float("nan"))
-        kernels.gemv([GemvJob(codes, scale, zero, bits, (40, 256), x, y)])
+        kernels.gemv([GemvJob(codes, scale, zero, bits, (40, cols), x, y)])
         want = x.double() @ weights.T
         assert torch.isfinite(y).all()
         assert ((y.double() - want).abs() <= gemv_bound(weights, x)).all(), (symmetric, ntok)
+        assert float((y.double() - want).norm() / want.norm()) <= 1e-3  # the runtime's accuracy goal per output
 
 
 def test_gemv_many_tasks_mixed_widths_strides_and_threads() -> None:
@@ -80,8 +82,7 @@ def test_gemv_many_tasks_mixed_widths_strides_and_threads() -> None:
 
 
 def test_gemv_takes_and_refuses() -> None:
-    assert gemv_takes((8, 256), 3, 8, "avx512") and gemv_takes((8, 96), 3, 3, "avx2")
-    assert not gemv_takes((8, 96), 3, 3, "avx512")  # 96 columns: not whole 64-code steps
+    assert gemv_takes((8, 256), 3, 8, "avx512") and gemv_takes((8, 96), 3, 3, "avx512")
     assert not gemv_takes((8, 64), 3, 4, "scalar")  # groups of 16
     codes, scale, zero, _ = packed_matrix(8, 64, 3, 16, False, seed=0)
     with pytest.raises(ValueError, match="refused"):

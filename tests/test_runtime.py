@@ -30,7 +30,9 @@ def reference_logits(mixed_artifact):
     return stream_logits(streamed, IDS[None], prepare)
 
 
-FP32 = {"dtype": "fp32", "cache_dtype": "fp32"}
+# The exact mode: every matrix expanded in float32 by the torch path, as `hexq eval` computes it.
+FP32 = {"dtype": "fp32", "cache": "fp32", "kernels": "torch"}
+BF16 = {"cache": "bf16"}  # fixed-size slots: one expert's bytes do not depend on its width
 
 
 @pytest.mark.parametrize("fraction", [0.1, 0.5, 1.0])
@@ -40,7 +42,7 @@ def test_static_policy_logits_do_not_depend_on_the_budget(mixed_artifact, refere
     probe = Runtime(mixed_artifact, **FP32)
     budget = max(int(fraction * probe.expert_bytes), probe.cache.capacity_bytes // 16)
     probe.close()
-    with Runtime(mixed_artifact, budget, prefetch=prefetch, **FP32) as runtime:
+    with Runtime(mixed_artifact, budget_bytes=budget, prefetch=prefetch, **FP32) as runtime:
         logits = runtime.forward(IDS[None]).logits
         stats = runtime.stats()
     assert (logits - reference_logits).abs().max() <= 1e-5
@@ -50,19 +52,21 @@ def test_static_policy_logits_do_not_depend_on_the_budget(mixed_artifact, refere
 
 
 @pytest.fixture(scope="module")
-def bf16_logits(mixed_artifact):
-    """(all-resident bf16 logits, bytes of every expert, bytes of one expert)."""
+def default_logits(mixed_artifact):
+    """(all-resident logits of the default runtime: packed cache, kernels, bf16; bytes of every expert; of the
+    largest slot)."""
     with Runtime(mixed_artifact, warm="none") as runtime:
-        return runtime.forward(IDS[None]).logits, runtime.expert_bytes, runtime.source.expert_nbytes
+        return runtime.forward(IDS[None]).logits, runtime.expert_bytes, runtime.source.largest_slot
 
 
 @pytest.mark.parametrize("options", [{"warm": "3"}, {"warm": "1", "prefetch": False}, {"warm": "2", "admission": False},
-                                     {"kernel": False}, {"mode": "ondemand"}])
+                                     {"mode": "ondemand"}])
 @pytest.mark.parametrize("fraction", [0.1, 0.5])
-def test_bf16_logits_are_bit_identical_across_budgets(mixed_artifact, bf16_logits, options, fraction):
-    """The default bf16 runtime: the same bits under every budget, warm start, cost model and dequantization path."""
-    logits, total, one = bf16_logits
-    with Runtime(mixed_artifact, max(int(fraction * total), one), **options) as runtime:
+def test_default_logits_are_bit_identical_across_budgets(mixed_artifact, default_logits, options, fraction):
+    """The default runtime: the same bits under every budget, warm start, cost model and mode (hits, fills and
+    transient loads all compute the same way)."""
+    logits, total, one = default_logits
+    with Runtime(mixed_artifact, budget_bytes=max(int(fraction * total), one), **options) as runtime:
         assert torch.equal(runtime.forward(IDS[None]).logits, logits)
 
 
@@ -134,10 +138,10 @@ def test_cli_run_bad_inputs_and_interrupt(mixed_artifact, tmp_path, monkeypatch)
 
 def test_prefill_admits_only_the_layer_share(mixed_artifact):
     """A prompt that touches every expert fills at most the cache's share per layer; the rest bypass the cache."""
-    probe = Runtime(mixed_artifact)
-    one_expert = probe.expert_bytes // (len(probe.artifact.moe_layers) * probe.artifact.num_experts)
+    probe = Runtime(mixed_artifact, **BF16)
+    one_expert = probe.source.largest_slot
     probe.close()
-    with Runtime(mixed_artifact, budget_bytes=4 * one_expert, prefetch=False, warm="none") as runtime:  # 2 a layer
+    with Runtime(mixed_artifact, budget_bytes=4 * one_expert, prefetch=False, warm="none", **BF16) as runtime:
         runtime.forward(IDS[None])
         resident = runtime.cache.resident()
         stats = runtime.stats()
@@ -149,21 +153,21 @@ def test_prefill_admits_only_the_layer_share(mixed_artifact):
 def test_memory_is_one_budget_for_dense_scratch_and_experts(mixed_artifact):
     from hexq.runtime.model import dense_bytes
 
-    with Runtime(mixed_artifact, warm="none") as probe:
-        dense, scratch, one = probe.dense_bytes, probe.scratch_bytes, probe.source.expert_nbytes
+    with Runtime(mixed_artifact, warm="none", **BF16) as probe:
+        dense, scratch, one = probe.dense_bytes, probe.scratch_bytes, probe.source.largest_slot
         assert dense == dense_bytes(probe.model)  # planned before materializing, exactly what was materialized
     minimum = dense + scratch + one
     with pytest.raises(HexqError, match=f"below the minimum of .* \\({minimum} bytes\\)"):
-        Runtime(mixed_artifact, memory_bytes=minimum - 1)
+        Runtime(mixed_artifact, memory_bytes=minimum - 1, **BF16)
     memory = minimum + 3 * one + one // 2
-    with Runtime(mixed_artifact, memory_bytes=memory) as runtime:
-        assert runtime.budget_bytes == memory - dense - scratch and runtime.source.slots == 4
+    with Runtime(mixed_artifact, memory_bytes=memory, **BF16) as runtime:
+        assert runtime.budget_bytes == memory - dense - scratch and runtime.slots == 4
         runtime.generate("It is a truth universally", 4)
         stats = runtime.stats().as_dict()
     assert stats["dense_bytes"] + stats["scratch_bytes"] + stats["budget_bytes"] == memory
     assert stats["peak_bytes"] <= stats["budget_bytes"] and stats["memory_bytes"] == memory
     with pytest.raises(HexqError, match="not both"):
-        Runtime(mixed_artifact, 10**6, memory_bytes=10**7)
+        Runtime(mixed_artifact, budget_bytes=10**6, memory_bytes=10**7)
 
 
 @pytest.mark.parametrize("scheme", ["1", "2", "3"])
@@ -177,9 +181,9 @@ def test_warm_start_loads_the_placement(mixed_artifact, scheme):
     E = artifact.num_experts
     mask = {"1": path_placement(topk, E, 3), "2": frequency_placement(counts, 3),
             "3": two_stage_placement(topk, E, 3)}[scheme]
-    with Runtime(mixed_artifact, warm="none") as probe:
-        one = probe.source.expert_nbytes
-    with Runtime(mixed_artifact, 6 * one, warm=scheme) as runtime:  # 3 per layer
+    with Runtime(mixed_artifact, warm="none", **BF16) as probe:
+        one = probe.source.largest_slot
+    with Runtime(mixed_artifact, budget_bytes=6 * one, warm=scheme, **BF16) as runtime:  # 3 per layer
         resident = runtime.cache.resident()
         stats = runtime.stats()
     want = {(row, e) for row in range(mask.shape[0]) for e in range(E)
@@ -196,9 +200,9 @@ def test_warm_start_3_uses_the_placement_pack_stored(mixed_artifact):
     artifact = Artifact(mixed_artifact)
     placement = artifact.manifest["placement"]
     K, L = placement["hot_per_layer"], len(placement["hot"])
-    with Runtime(mixed_artifact, warm="none") as probe:
-        one = probe.source.expert_nbytes
-    with Runtime(mixed_artifact, K * L * one, warm="3") as runtime:
+    with Runtime(mixed_artifact, warm="none", **BF16) as probe:
+        one = probe.source.largest_slot
+    with Runtime(mixed_artifact, budget_bytes=K * L * one, warm="3", **BF16) as runtime:
         resident = set(runtime.cache.resident())
     want = {(row, e) for row, hot in enumerate(placement["hot"]) for e in hot if artifact.allocation[row][e]}
     assert placement["scheme"] == "two_stage" and want and resident == want
@@ -227,13 +231,16 @@ def test_a_corrupt_shard_found_by_the_prefetch_worker_is_one_line(mixed_artifact
 def test_cli_memory_option_and_stats(mixed_artifact, tmp_path):
     out = tmp_path / "run.json"
     result = runner.invoke(app, ["run", str(mixed_artifact), "--prompt", "The cat", "-m", "4", "--memory", "1GB",
-                                 "--cache-dtype", "fp32", "--warm", "2", "--no-cost-model", "--stats", "--json",
+                                 "--cache", "fp32", "--warm", "2", "--no-cost-model", "--stats", "--json",
                                  str(out)])
     assert result.exit_code == 0, result.output
     stats = json.loads(out.read_text())["stats"]
-    assert stats["memory_bytes"] == 10**9 and stats["dense_bytes"] > 0 and stats["cache_dtype"] == "fp32"
+    assert stats["memory_bytes"] == 10**9 and stats["dense_bytes"] > 0 and stats["cache_format"] == "fp32"
+    assert "compute" in result.output and stats["kernel_path"] in ("avx512", "avx2", "scalar", "torch")
     assert "memory plan" in result.output and "dense" in result.output
     small = runner.invoke(app, ["run", str(mixed_artifact), "--prompt", "x", "--memory", "100KB"])
     assert small.exit_code == 1 and "below the minimum" in small.output and len(small.output.splitlines()) == 1
-    bad = runner.invoke(app, ["run", str(mixed_artifact), "--prompt", "x", "--cache-dtype", "fp8"])
-    assert bad.exit_code == 1 and "--cache-dtype fp8" in bad.output
+    bad = runner.invoke(app, ["run", str(mixed_artifact), "--prompt", "x", "--cache", "fp8"])
+    assert bad.exit_code == 1 and "--cache fp8" in bad.output and len(bad.output.splitlines()) == 1
+    renamed = runner.invoke(app, ["run", str(mixed_artifact), "--prompt", "x", "--cache-dtype", "fp32"])
+    assert renamed.exit_code == 1 and "use --cache fp32" in renamed.output

@@ -546,17 +546,40 @@ class Artifact:
         alias = self.manifest["dense"]["aliases"].get(name, name)
         if alias in self.manifest["dense"]["quantized_linears"]:
             return self.read_param(name, shape)  # dequantized into a new tensor already
+        return self._read_copy(self._dense_file(alias), alias, tuple(shape))
+
+    def read_packed_copy(self, name: str, shape: tuple[int, int]) -> PackedWeight:
+        """A quantized dense linear's weight as stored (codes, scale, zero), each read with pread into memory of its
+        own (see read_param_copy): what a server computes from."""
+        alias = self.manifest["dense"]["aliases"].get(name, name)
+        bits = self.manifest["dense"]["quantized_linears"].get(alias)
+        if bits is None:
+            raise HexqError(f"{self.path}: {alias} is not a quantized linear")
         shard = self._dense_file(alias)
+        return PackedWeight(*(self._read_copy(shard, f"{alias}.{part}") for part in ("codes", "scale", "zero")), bits,
+                            tuple(shape))
+
+    def packed_param_nbytes(self, name: str) -> int:
+        """Bytes of a quantized dense linear's stored codes, scale and zero (from its shard's header)."""
+        alias = self.manifest["dense"]["aliases"].get(name, name)
+        spans = self._shard_spans(self._dense_file(alias))
+        return sum(spans[f"{alias}.{part}"].end - spans[f"{alias}.{part}"].start for part in ("codes", "scale", "zero"))
+
+    def _shard_spans(self, shard: str) -> dict[str, TensorSpan]:
         if shard not in self.files:
-            raise HexqError(f"{self.path}: tensor {alias} is not in {shard}")
+            raise HexqError(f"{self.path} has no file {shard} in its manifest")
         spans = self._spans.get(shard)
         if spans is None:
             spans = self._spans.setdefault(shard, safetensors_spans(self.verify(shard)))
-        span = spans.get(alias)
+        return spans
+
+    def _read_copy(self, shard: str, key: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """One tensor of a shard read with pread into a new CPU tensor (its shape checked against `shape`)."""
+        span = self._shard_spans(shard).get(key)
         if span is None:
-            raise HexqError(f"{self.path}: tensor {alias} is not in {shard}")
-        if tuple(span.shape) != tuple(shape):
-            raise HexqError(f"{self.path / shard}: tensor {alias} has shape {list(span.shape)}, the model's config "
+            raise HexqError(f"{self.path}: tensor {key} is not in {shard}")
+        if shape is not None and tuple(span.shape) != tuple(shape):
+            raise HexqError(f"{self.path / shard}: tensor {key} has shape {list(span.shape)}, the model's config "
                             f"needs {list(shape)}")
         out = torch.empty(span.shape, dtype=span.dtype, device="cpu")
         target = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
@@ -566,7 +589,7 @@ class Artifact:
             while done < span.end - span.start:
                 got = os.preadv(fd, [target[done:]], span.start + done)
                 if got <= 0:
-                    raise HexqError(f"short read of {alias} in {self.path / shard}")
+                    raise HexqError(f"short read of {key} in {self.path / shard}")
                 done += got
         finally:
             os.close(fd)

@@ -87,8 +87,7 @@ def gemv_takes(shape: tuple[int, int], bits: int, groups: int, path: str) -> boo
     if groups <= 0 or cols % groups:
         return False
     group = cols // groups
-    return (1 <= bits <= 8 and group % BLOCK == 0 and cols // BLOCK <= MAX_BLOCKS and cols * bits % 8 == 0
-            and (path != "avx512" or cols % 64 == 0))
+    return 1 <= bits <= 8 and group % BLOCK == 0 and cols // BLOCK <= MAX_BLOCKS and cols * bits % 8 == 0
 
 
 def _compiler() -> str | None:

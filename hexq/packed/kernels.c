@@ -8,6 +8,7 @@
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <sched.h>
 #include <unistd.h>
 #include <sys/syscall.h>
 #include <linux/futex.h>
@@ -363,7 +364,8 @@ static AVX512 INLINE void rows_avx512_bits(const hexq_gemv_task* t, const quanti
         row_terms_avx512(t, xq, r, ntok, s, z, w, zterm);
         __m512 total[MAX_TOK];
         for (int k = 0; k < ntok; k++) total[k] = _mm512_setzero_ps();
-        for (int64_t c = 0; c < cols; c += 64) {
+        int64_t c = 0;
+        for (; c + 64 <= cols; c += 64) {
             const __m512i q = codes64(&u, row + c / 8 * bits, bits);
             const __m512i lo = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(q));
             const __m512i hi = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(q, 1));
@@ -373,6 +375,18 @@ static AVX512 INLINE void rows_avx512_bits(const hexq_gemv_task* t, const quanti
                 const __m512i d1 = _mm512_dpwssd_epi32(_mm512_setzero_si512(), hi, _mm512_loadu_si512(x + 32));
                 total[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), _mm512_set1_ps(w[k][c / 32]), total[k]);
                 total[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), _mm512_set1_ps(w[k][c / 32 + 1]), total[k]);
+            }
+        }
+        if (c < cols) { /* a last block of 32 codes: a load of its 4*bits bytes only (never past the stream) */
+            const unpack64 half = {u.index, u.shift, u.mask, bits == 8 ? 0xffffffffULL : (1ULL << (4 * bits)) - 1};
+            const __m512i raw = _mm512_maskz_loadu_epi8(half.load, row + c / 8 * bits);
+            const __m512i q = bits == 8 ? raw : _mm512_and_si512(
+                _mm512_multishift_epi64_epi8(half.shift, _mm512_permutexvar_epi8(half.index, raw)), half.mask);
+            const __m512i lo = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(q));
+            for (int k = 0; k < ntok; k++) {
+                const __m512i d0 = _mm512_dpwssd_epi32(_mm512_setzero_si512(), lo,
+                                                       _mm512_loadu_si512(xq->q + k * cols + c));
+                total[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), _mm512_set1_ps(w[k][c / 32]), total[k]);
             }
         }
         for (int k = 0; k < ntok; k++) t->y[k * t->y_stride + r] = _mm512_reduce_add_ps(total[k]) - zterm[k];
@@ -580,8 +594,12 @@ int hexq_dequant(const uint8_t* packed, int bits, const uint16_t* scale, const u
 
 /* ------------------------------------------------------------------------------------------ the thread pool */
 
-/* A persistent pool: workers wait on a generation counter (a short spin, then a futex), take work items from one
-   atomic counter, and the calling thread works too. No allocation per call. */
+/* A persistent pool. A job is posted by bumping a generation counter; workers wait for it (a short spin, then a
+   futex), and everyone - the calling thread too - claims items with a compare-and-swap on one ticket that holds
+   (generation, next item), so a worker that wakes late for a job that is over claims nothing, and the caller never
+   waits for a worker that has not started: it only waits for items that were claimed and not yet finished. Jobs
+   alternate between two slots, so a late worker reading the previous job's slot is never handed a half-written job
+   (its claim fails on the ticket's generation first). Calls from several threads are serialised. */
 
 #define MAX_THREADS 64
 #define SPIN 4000 /* pauses before a worker sleeps: ~0.1-0.5 ms, long enough to catch the next call of a decode step */
@@ -594,23 +612,38 @@ typedef struct {
 
 static struct {
     pthread_mutex_t lock;
-    int started;
     _Atomic int generation;
-    _Atomic int64_t next;
-    _Atomic int busy;
-    job current;
+    _Atomic uint64_t ticket; /* generation << 32 | next item */
+    _Atomic int64_t done[2]; /* items finished, per job slot */
+    job jobs[2];
     int workers;
-} pool = {PTHREAD_MUTEX_INITIALIZER, 0, 0, 0, 0, {0, 0, 0}, 0};
+} pool = {PTHREAD_MUTEX_INITIALIZER, 0, 0, {0, 0}, {{0, 0, 0}, {0, 0, 0}}, 0};
 
 static void futex_wait(_Atomic int* addr, int value) {
     syscall(SYS_futex, (int*)addr, FUTEX_WAIT_PRIVATE, value, NULL, NULL, 0);
 }
 
-static void futex_wake_all(_Atomic int* addr) { syscall(SYS_futex, (int*)addr, FUTEX_WAKE_PRIVATE, MAX_THREADS, NULL, NULL, 0); }
+static void futex_wake_all(_Atomic int* addr) {
+    syscall(SYS_futex, (int*)addr, FUTEX_WAKE_PRIVATE, MAX_THREADS, NULL, NULL, 0);
+}
 
-static void drain(void) {
-    const job j = pool.current;
-    for (int64_t item; (item = atomic_fetch_add(&pool.next, 1)) < j.items;) j.run(j.ctx, item);
+static inline void relax(void) {
+#ifdef HEXQ_X86
+    _mm_pause();
+#endif
+}
+
+/* Claim and run items of job `generation` until none is left (or the job is over). */
+static void drain(int generation) {
+    const job j = pool.jobs[generation & 1];
+    const uint64_t tag = (uint64_t)(uint32_t)generation << 32;
+    for (;;) {
+        uint64_t ticket = atomic_load(&pool.ticket);
+        if ((ticket & ~0xffffffffULL) != tag || (int64_t)(ticket & 0xffffffffULL) >= j.items) return;
+        if (!atomic_compare_exchange_weak(&pool.ticket, &ticket, ticket + 1)) continue;
+        j.run(j.ctx, (int64_t)(ticket & 0xffffffffULL));
+        atomic_fetch_add(&pool.done[generation & 1], 1);
+    }
 }
 
 static void* worker(void* arg) {
@@ -618,26 +651,18 @@ static void* worker(void* arg) {
     for (;;) {
         int spins = 0, now;
         while ((now = atomic_load(&pool.generation)) == seen) {
-            if (++spins < SPIN) {
-#ifdef HEXQ_X86
-                _mm_pause();
-#endif
-            } else {
-                futex_wait(&pool.generation, seen);
-            }
+            if (++spins < SPIN) relax();
+            else futex_wait(&pool.generation, seen);
         }
         seen = now;
-        drain();
-        atomic_fetch_sub(&pool.busy, 1);
+        drain(now);
     }
     return NULL;
 }
 
 static void ensure_workers(int wanted) {
     if (wanted > MAX_THREADS - 1) wanted = MAX_THREADS - 1;
-    if (pool.workers >= wanted) return;
-    pthread_mutex_lock(&pool.lock);
-    while (pool.workers < wanted) {
+    while (pool.workers < wanted) { /* under pool.lock */
         pthread_t thread;
         pthread_attr_t attr;
         pthread_attr_init(&attr);
@@ -645,28 +670,26 @@ static void ensure_workers(int wanted) {
         if (pthread_create(&thread, &attr, worker, (void*)(intptr_t)atomic_load(&pool.generation)) != 0) break;
         pool.workers++;
     }
-    pthread_mutex_unlock(&pool.lock);
 }
 
-/* Run run(ctx, item) for every item in [0, items) on `threads` threads (the caller included). Calls from several
-   threads are serialised. */
+/* Run run(ctx, item) for every item in [0, items) on `threads` threads (the caller included). */
 static void parallel(void (*run)(void*, int64_t), void* ctx, int64_t items, int threads) {
     if (threads <= 1 || items <= 1) {
         for (int64_t i = 0; i < items; i++) run(ctx, i);
         return;
     }
-    ensure_workers(threads - 1);
     pthread_mutex_lock(&pool.lock);
-    pool.current = (job){run, ctx, items};
-    atomic_store(&pool.next, 0);
-    atomic_store(&pool.busy, pool.workers);
-    atomic_fetch_add(&pool.generation, 1);
+    ensure_workers(threads - 1);
+    const int generation = atomic_load(&pool.generation) + 1;
+    pool.jobs[generation & 1] = (job){run, ctx, items};
+    atomic_store(&pool.done[generation & 1], 0);
+    atomic_store(&pool.ticket, (uint64_t)(uint32_t)generation << 32);
+    atomic_store(&pool.generation, generation);
     futex_wake_all(&pool.generation);
-    drain();
-    while (atomic_load(&pool.busy) > 0) {
-#ifdef HEXQ_X86
-        _mm_pause();
-#endif
+    drain(generation);
+    for (int spins = 0; atomic_load(&pool.done[generation & 1]) < items; spins++) {
+        if (spins < SPIN) relax();
+        else sched_yield(); /* a claimed item's worker was descheduled: give it the core */
     }
     pthread_mutex_unlock(&pool.lock);
 }
@@ -729,7 +752,7 @@ int hexq_gemv(const hexq_gemv_task* tasks, int ntasks, int path, int threads, ui
     for (int i = 0; i < ntasks; i++) {
         const hexq_gemv_task* t = &tasks[i];
         if (t->bits < 1 || t->bits > 8 || t->group <= 0 || t->group % BLOCK || t->cols % t->group
-            || (t->cols * t->bits) % 8 || t->cols / BLOCK > MAX_BLOCKS || t->ntok < 1 || (t->cols % 64 && path == PATH_AVX512))
+            || (t->cols * t->bits) % 8 || t->cols / BLOCK > MAX_BLOCKS || t->ntok < 1)
             return -1;
         first[i + 1] = first[i] + (t->rows + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM;
         const int64_t values = (int64_t)t->ntok * t->cols;

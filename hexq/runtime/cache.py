@@ -76,15 +76,27 @@ Key = tuple[int, int]  # (layer, expert)
 
 @dataclass(frozen=True)
 class ExpertWeights:
-    """Compute-ready tensors of one expert at one precision: gate_up [2I, H] and down [H, I]."""
+    """One expert at one precision as the fast tier holds it: gate_up [2I, H] and down [H, I], either packed
+    (hexq.artifact.format.PackedWeight: codes, scale, zero) or expanded into float tensors. `slot` is the memory
+    they live in (the source's, given back through recycle); `transient` marks a bypass load in the loading
+    thread's reusable buffer, valid until that thread's next bypass load."""
 
     bits: int
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: object
+    down: object
+    slot: torch.Tensor | None = None
+    transient: bool = False
+
+    @property
+    def packed(self) -> bool:
+        return not isinstance(self.gate_up, torch.Tensor)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.gate_up, self.down))
+        """The memory they take: their slot's bytes, or the bytes of their tensors without one."""
+        if self.slot is not None:
+            return self.slot.numel() * self.slot.element_size()
+        return sum(p.nbytes if self.packed else p.numel() * p.element_size() for p in (self.gate_up, self.down))
 
 
 class ExpertSource(Protocol):
@@ -571,7 +583,7 @@ class ExpertCache:
         t0 = time.perf_counter()
         weights = (self._load_transient if transient else self._source.load)(key[0], key[1], bits)
         elapsed = time.perf_counter() - t0
-        if weights.bits != bits or weights.nbytes != need:
+        if weights.bits != bits or not transient and weights.nbytes != need:
             if not transient and self._recycle is not None:
                 self._recycle(weights)
             raise ValueError(f"source returned {weights.bits} bits / {weights.nbytes} bytes for expert {key} at "

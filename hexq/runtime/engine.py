@@ -1,437 +1,117 @@
-"""`hexq run`: an artifact served under one memory budget for the whole process.
+"""`hexq run`: an artifact served under one memory budget for the whole process, computed from its packed codes.
 
 Memory. `--memory` is one budget for everything hexq allocates: the dense part (attention, norms, routers, shared
-experts, embeddings, head) materialized in `--dtype`, the load scratch (per loading thread a pread buffer for one
-packed expert, plus one transient expert for bypass loads, plus the torch path's code buffer when the dequantization
-kernel is not available), and the fast tier, which gets the rest. `--budget` is the fast tier alone. Nothing of the
-artifact is memory-mapped while serving: experts are read with pread into the scratch (Artifact.read_expert), so the
-page cache holds the artifact, not the process. The fast tier is a pool of fixed slots, one expert each, allocated
-once and reused (no allocator churn, no page faults on a refill), and experts are stored in `--cache-dtype` (bf16 by
-default: half of fp32, and faster to compute with on CPUs with bf16 dot products).
+experts, embeddings, head; quantized linears kept as their packed codes, the rest in `--dtype`), the scratch (the
+load buffers of hexq.runtime.source and the compute's expansion matrices of hexq.runtime.compute), and the fast tier,
+which gets the rest. `--budget` is the fast tier alone. Nothing of the artifact is memory-mapped while serving:
+experts are read with pread, so the page cache holds the artifact, not the process. The fast tier holds experts as
+their stored packed bytes by default (`--cache packed`: a 3-bit expert takes ~0.25x its bf16 bytes), or expanded
+into bf16 / fp32 matrices (`--cache bf16|fp32`).
+
+Compute. Experts and quantized dense linears are computed from their codes by the CPU kernels (hexq.packed.cpu:
+AVX-512 VNNI, AVX2 or portable C, picked for this CPU; `--stats` names the path) or expanded into a scratch matrix
+for a BLAS product where the measured cost model says that pays (a prefill expert with many tokens);
+hexq.runtime.compute has the rule. Without the kernels, or with `--kernels torch`, every matrix is expanded by the
+torch path: the same numbers as `hexq eval` in the fp32 mode, far slower.
 
 The model is built from the artifact (hexq.runtime.model) with one replacement for every layer's routed-experts
-module, `CachedExperts`. The family's own MoE block still runs its router and shared expert, so routing is exactly
-the model's; CachedExperts receives (hidden_states, top_k_index, top_k_weights) and, per forward pass:
+module, `CachedExperts` (hexq.runtime.experts: routing by width, look-ahead prefetch, the cache, the compute), and
+one for every quantized dense linear, `PackedLinear` (hexq.runtime.compute). The family's own code runs everything
+else, so routing is exactly the model's.
 
-  1. asks the precision policy for the width of every (token, slot) (hexq.runtime.policy);
-  2. look-ahead prefetch (004 §4.4.1): applies layer l+1's router to layer l's MoE input and queues the predicted
-     experts of l+1 to the cache's background worker - in prefill the top-t experts by predicted token frequency,
-     in decode the predicted top-k of the current token - so loading overlaps this layer's compute. The input is
-     first re-weighted by w_{l+1} / w_l, the ratio of the two layers' post-attention norm weights: RMS
-     normalisation is scale-free, so this is exactly what layer l+1's norm makes of the same residual stream
-     (it misses only what layer l's experts and layer l+1's attention add);
-  3. computes each expert from the cache (ExpertCache: budgeted mixed-precision LRU, versioned handles), pinning
-     it while it computes, highest requested width first so lower-width requests reuse it (004 §4.4.2). A miss
-     that would evict is decided by the cost model (hexq.runtime.cost.admit_fill): fill, or compute from a
-     transient load, by the expected load time each choice costs over the next tokens, from per-expert usage
-     estimates (calibration router counts as the prior, then a moving average of the served traffic).
+The cache (hexq.runtime.cache: budgeted mixed-precision LRU, versioned handles, a prefetch worker) starts warm
+(`warm`): the placement `hexq pack` computed (003 Algorithm 2, scheme 3) or scheme 1 / 2 from the artifact's router
+traces, with as many experts per layer as the fast tier holds. A miss that would evict is decided by the per-miss
+cost model (hexq.runtime.cost.admit_fill).
 
-The cache starts warm (`warm`): the placement `hexq pack` computed (003 Algorithm 2, scheme 3: the manifest's
-two-stage placement) or scheme 1 / 2 from the artifact's router traces, with as many experts per layer as the fast
-tier holds. A miss reads the packed replica (pread), then unpacks and dequantizes it in one pass straight into its
-slot (hexq.runtime.kernel; the torch path when the kernel is unavailable). On CUDA the fast tier lives in device
-memory: the packed bytes are copied to the device and dequantized there.
-
-Correctness: with the `static` policy the result of every forward pass is bit-identical for every budget (the
-experts are visited in the same ascending order, computed by the same function from the same dequantized weights),
-and in the fp32 mode (--dtype fp32 --cache-dtype fp32) it equals the streamed `hexq eval` of the artifact
-(hexq.runtime.model.artifact_model).
+Correctness. Start-up checks the compute against a float64 reference on a few tokens for one expert at every stored
+width and one dense linear (`self_check`): a device or kernel that computes wrong numbers stops `hexq run` with a
+one-line error instead of serving them. With the `static` policy the result of every forward pass is the same for
+every budget (experts are grouped in the same order and computed by the same function whatever is resident, and the
+cost model's choices come from latencies measured once per machine and kept: hexq.runtime.compute.cached_profile).
 """
 
 from __future__ import annotations
 
-import re
 import statistics
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from hexq.adapters import adapter_for
-from hexq.artifact.bitpack import DequantScratch
-from hexq.artifact.format import STATS_SHARD, Artifact, PackedWeight, packed_weight_nbytes
+from hexq.artifact.format import STATS_SHARD, Artifact, dequantize_packed
 from hexq.devices import resolve_device
 from hexq.errors import HexqError
-from hexq.runtime.cache import CacheStats, ExpertCache, ExpertWeights
+from hexq.runtime.cache import ExpertCache
+from hexq.runtime.compute import Compute, PackedLinear
 from hexq.runtime.cost import admit_fill, calibration_usage, usage_update
-from hexq.runtime.kernel import DequantKernel, dequantize_packed_fast, load_kernel
+from hexq.runtime.experts import USAGE_HORIZON, CachedExperts, RunState
 from hexq.runtime.model import build_model, dense_plan_bytes, expert_quantizers, skeleton
 from hexq.runtime.policy import PolicyContext, make_policy
+from hexq.runtime.source import CACHE_FORMATS, ArtifactSource
+from hexq.runtime.stats import RunStats, peak_rss_bytes
 from hexq.simulate import quantized_expert_output
 
 MODES = ("cache", "ondemand")  # ondemand: no fast tier, every expert loaded from the slow tier at each use
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 WARM = ("none", "1", "2", "3")  # placement schemes of 003 Algorithm 2 (hexq.algos.placement)
-LOADERS = 2  # threads that load experts: the forward pass and the prefetch worker
-# Tokens over which the per-expert usage estimates average (hexq.runtime.cost.usage_update). Short, so that the
-# estimate follows the traffic's locality: decoding 3 x 64 tokens after 128-token prompts on the reference models at
-# 25% and 50% of the experts' bytes, 16 gave the highest hit rates of 4, 16, 64 and 256 in 9 of 12 sequences, and
-# beat plain LRU in 11 of 12 (mixtral 50%: 0.79 / 0.86 / 0.87 against LRU's 0.79 / 0.77 / 0.72).
-USAGE_HORIZON = 16.0
+KERNELS = ("auto", "cpu", "triton", "torch")
+# A served computation may differ from the float64 reference by what bf16 activations and weights round away (a
+# few 1e-3 relative); a wrong dequantization or kernel is off by O(1). Between the two: refuse to serve.
+SELF_CHECK_TOLERANCE = 0.05
 
 
-def parse_dtype(value: str | torch.dtype, option: str) -> torch.dtype:
-    """bf16 / fp32 (or the torch dtype) for --dtype and --cache-dtype."""
-    if isinstance(value, torch.dtype) and value in DTYPES.values():
-        return value
-    if value not in DTYPES:
-        raise HexqError(f"{option} {value}: choose one of {', '.join(DTYPES)}")
-    return DTYPES[value]
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """How an artifact is served (every `hexq run` option that shapes the runtime).
+
+    memory_bytes: the whole budget (dense part + scratch + fast tier); budget_bytes: the fast tier alone (give at
+    most one; neither: room for every expert). dtype: "bf16" or "fp32" for the dense part and expanded matrices.
+    cache: what the fast tier holds, "packed", "bf16" or "fp32". warm: "none" or a placement scheme "1", "2", "3".
+    admission: the per-miss cost model (False: every miss fills, plain LRU). kernels: how packed matrices are
+    computed - "auto" (the CPU kernels on the CPU, Triton on CUDA, where they can be had), "cpu", "triton" (on the CPU
+    only under TRITON_INTERPRET=1: tests), or "torch" (expand every matrix with torch ops); threads: the CPU kernels'
+    threads (None: every core).
+    """
+
+    memory_bytes: int | None = None
+    budget_bytes: int | None = None
+    policy: str = "static"
+    policy_options: dict = field(default_factory=dict)
+    hot_fraction: float | None = None
+    prefetch: bool = True
+    prefetch_top_t: int = 0
+    mode: str = "cache"
+    device: str | None = None
+    dtype: str = "bf16"
+    cache: str = "packed"
+    warm: str = "3"
+    admission: bool = True
+    kernels: str = "auto"
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise HexqError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
+        if self.warm not in WARM:
+            raise HexqError(f"--warm {self.warm}: choose one of {', '.join(WARM)}")
+        if self.dtype not in DTYPES:
+            raise HexqError(f"--dtype {self.dtype}: choose one of {', '.join(DTYPES)}")
+        if self.cache not in CACHE_FORMATS:
+            raise HexqError(f"--cache {self.cache}: choose one of {', '.join(CACHE_FORMATS)}")
+        if self.memory_bytes is not None and self.budget_bytes is not None:
+            raise HexqError("give --memory (the whole process) or --budget (the experts alone), not both")
+        if self.kernels not in KERNELS:
+            raise HexqError(f"--kernels {self.kernels}: choose one of {', '.join(KERNELS)}")
+        if self.threads is not None and self.threads < 1:
+            raise HexqError(f"--threads {self.threads}: give at least 1")
 
 
 def mib(nbytes: int) -> str:
     return f"{nbytes / 2**20:.1f} MiB"
-
-
-# ------------------------------------------------------------------------------------------ the slow tier
-
-
-class _LoaderScratch:
-    """One loading thread's buffers: the pread buffer for one packed expert (pinned host memory on CUDA), its copy
-    on the device (CUDA), the torch path's code buffer (without the kernel) and the transient expert of bypass
-    loads (allocated on the thread's first bypass)."""
-
-    def __init__(self, source: ArtifactSource) -> None:
-        cuda = source.device.type == "cuda"
-        self.read = torch.empty(source.read_nbytes, dtype=torch.uint8, device="cpu", pin_memory=cuda)
-        self.staging = torch.empty(source.read_nbytes, dtype=torch.uint8, device=source.device) if cuda else None
-        self.codes = None if source.kernel is not None else DequantScratch(source.max_numel, source.device)
-        self.transient: torch.Tensor | None = None
-
-
-class ArtifactSource:
-    """The slow tier (the artifact) and the memory of the fast tier (a pool of `slots` expert slots in `dtype` on
-    `device`, each allocated on first use and reused). `load` fills a slot, `recycle` gives it back (the cache calls it
-    for every version it stops counting), `load_transient` writes the calling thread's bypass buffer. Layers are MoE
-    rows (the artifact's allocation rows), as everywhere in the runtime."""
-
-    def __init__(self, artifact: Artifact, dtype: torch.dtype = torch.bfloat16, device: torch.device | None = None,
-                 slots: int = 0, kernel: DequantKernel | None = None) -> None:
-        self.artifact, self.dtype, self.device = artifact, dtype, device or torch.device("cpu")
-        self.kernel = kernel if self.device.type == "cpu" else None
-        self.shapes = [artifact.expert_shape(p) for p in ("gate_up", "down")]
-        self.numels = [rows * cols for rows, cols in self.shapes]
-        self.max_numel = max(self.numels)
-        self.expert_nbytes = sum(self.numels) * dtype.itemsize
-        self.read_nbytes = self.packed_nbytes_max(artifact)
-        self.slots = slots
-        self._pool: list[torch.Tensor] = []  # slot memory, created on first use, never freed while serving
-        self._free: list[int] = []
-        self._slot_of: dict[int, int] = {}  # data_ptr of a slot's gate_up -> slot
-        self._lock = threading.Lock()
-        self._local = threading.local()
-        self.load_seconds: dict[int, list[float]] = {}  # width -> [total seconds, loads]
-
-    @staticmethod
-    def packed_nbytes_max(artifact: Artifact) -> int:
-        """Bytes of the pread buffer: the largest stored replica (both matrices, codes + scale + zero) plus the
-        alignment read_spans_into may add (8 bytes per tensor)."""
-        group = artifact.manifest["experts"].get("group_size")
-        widths = {b for row in artifact.allocation for b in row if b} | set(artifact.bank_bits)
-        shapes = [artifact.expert_shape(p) for p in ("gate_up", "down")]
-        return max((sum(packed_weight_nbytes(s, b, group or s[1]) for s in shapes) for b in widths), default=0) + 48
-
-    def scratch_nbytes(self) -> int:
-        """Bytes of load scratch the runtime reserves: per loading thread a pread buffer (and its device copy, and
-        the torch path's code buffer without the kernel), plus the forward pass's transient expert."""
-        per_thread = self.read_nbytes * (2 if self.device.type == "cuda" else 1)
-        if self.kernel is None:
-            per_thread += DequantScratch.nbytes_for(self.max_numel)
-        return LOADERS * per_thread + self.expert_nbytes
-
-    def nbytes(self, layer: int, expert: int, bits: int) -> int:
-        return self.expert_nbytes
-
-    # --- memory
-
-    def _views(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        gate_up, down = flat.split(self.numels)
-        return gate_up.view(self.shapes[0]), down.view(self.shapes[1])
-
-    def _take(self) -> torch.Tensor:
-        with self._lock:
-            if self._free:
-                return self._pool[self._free.pop()]
-            if len(self._pool) >= self.slots:
-                raise RuntimeError(f"all {self.slots} expert slots are in use: the cache's byte accounting and the "
-                                   "slot pool disagree")
-            flat = torch.empty(sum(self.numels), dtype=self.dtype, device=self.device)
-            self._slot_of[flat.data_ptr()] = len(self._pool)
-            self._pool.append(flat)
-            return flat
-
-    def recycle(self, weights: ExpertWeights) -> None:
-        """Give a slot back (the cache calls this once the version in it is unpublished and unpinned)."""
-        slot = self._slot_of.get(weights.gate_up.data_ptr())
-        if slot is not None:
-            with self._lock:
-                self._free.append(slot)
-
-    def _scratch(self) -> _LoaderScratch:
-        scratch = getattr(self._local, "scratch", None)
-        if scratch is None:
-            scratch = self._local.scratch = _LoaderScratch(self)
-        return scratch
-
-    # --- loads
-
-    def load(self, layer: int, expert: int, bits: int) -> ExpertWeights:
-        flat = self._take()
-        try:
-            return self._load_into(flat, layer, expert, bits)
-        except BaseException:
-            with self._lock:
-                self._free.append(self._slot_of[flat.data_ptr()])
-            raise
-
-    def load_transient(self, layer: int, expert: int, bits: int) -> ExpertWeights:
-        """Load into the calling thread's bypass buffer (valid until this thread's next transient load)."""
-        scratch = self._scratch()
-        if scratch.transient is None:
-            scratch.transient = torch.empty(sum(self.numels), dtype=self.dtype, device=self.device)
-        return self._load_into(scratch.transient, layer, expert, bits)
-
-    def _load_into(self, flat: torch.Tensor, layer: int, expert: int, bits: int) -> ExpertWeights:
-        started = time.perf_counter()
-        scratch = self._scratch()
-        packed = self.artifact.read_expert(layer, expert, bits, scratch.read)
-        if scratch.staging is not None:
-            packed = tuple(_to_device(weight, scratch.staging) for weight in packed)
-        gate_up, down = self._views(flat)
-        for out, weight in zip((gate_up, down), packed, strict=True):
-            dequantize_packed_fast(out, weight, self.kernel, scratch.codes)
-        if scratch.staging is not None:  # the staging buffer is reused by this thread's next load
-            torch.cuda.current_stream(self.device).synchronize()
-        elapsed = time.perf_counter() - started
-        with self._lock:
-            total = self.load_seconds.setdefault(bits, [0.0, 0])
-            total[0] += elapsed
-            total[1] += 1
-        return ExpertWeights(bits, gate_up, down)
-
-    def mean_load_seconds(self, bits: int) -> float:
-        """Measured mean seconds of one load at `bits` (the mean over all widths before the first at `bits`; 1.0
-        before any load): T_e of the cost model."""
-        total = self.load_seconds.get(bits)
-        if total and total[1]:
-            return total[0] / total[1]
-        done = [t for t in self.load_seconds.values() if t[1]]
-        return sum(t[0] for t in done) / sum(t[1] for t in done) if done else 1.0
-
-
-def _to_device(weight: PackedWeight, staging: torch.Tensor) -> PackedWeight:
-    """The packed weight's tensors copied (as packed bytes) into the device staging buffer, at the byte offsets they
-    have in the host read buffer."""
-    moved = []
-    for tensor in (weight.codes, weight.scale, weight.zero):
-        start = tensor.storage_offset() * tensor.element_size()
-        target = staging[start:start + tensor.numel() * tensor.element_size()].view(tensor.dtype).view(tensor.shape)
-        target.copy_(tensor, non_blocking=True)
-        moved.append(target)
-    return PackedWeight(*moved, weight.bits, weight.shape)
-
-
-# ------------------------------------------------------------------------------------------ one layer's experts
-
-
-@dataclass
-class PrefetchStats:
-    """Look-ahead quality: predicted experts of layer l+1 against the experts layer l+1 then used."""
-
-    predicted: int = 0
-    used: int = 0
-    correct: int = 0
-
-    @property
-    def precision(self) -> float:
-        return self.correct / self.predicted if self.predicted else 0.0
-
-    @property
-    def recall(self) -> float:
-        return self.correct / self.used if self.used else 0.0
-
-
-@dataclass
-class RunState:
-    """Shared by every layer's CachedExperts: the phase, predictions in flight, usage estimates and counters."""
-
-    prefill: bool = True
-    prefetch: bool = True
-    prefetch_top_t: int = 0  # experts predicted per layer ahead; 0: 2k capped at layer_share (see look_ahead)
-    layer_share: int = 1  # experts the cache holds per layer: capacity // expert bytes // layers
-    mode: str = "cache"
-    predicted: dict[int, set[int]] = field(default_factory=dict)  # layer -> experts predicted by the layer below
-    prefetch_stats: PrefetchStats = field(default_factory=PrefetchStats)
-    last_bits: dict[tuple[int, int], int] = field(default_factory=dict)  # width each expert was last asked at
-    skipped_slots: int = 0
-    usage: torch.Tensor | None = None  # [L, E] float64 expected uses per token (hexq.runtime.cost), on the CPU
-
-
-def most_routed(indices: torch.Tensor, num_experts: int, n: int) -> list[int]:
-    """The (at most) n experts chosen most often in `indices` (any shape of expert ids), ties by expert id;
-    ids outside [0, num_experts) (dropped slots) and experts never chosen are left out."""
-    flat = indices.reshape(-1)
-    counts = torch.bincount(flat[(flat >= 0) & (flat < num_experts)], minlength=num_experts)
-    return [e for e in torch.argsort(counts, descending=True, stable=True)[:n].tolist() if counts[e]]
-
-
-class CachedExperts(torch.nn.Module):
-    """One layer's routed experts served from the ExpertCache (see the module docstring)."""
-
-    def __init__(self, layer: int, num_experts: int, cache: ExpertCache, policy, state: RunState, act_fn,
-                 quantizers, compute_dtype: torch.dtype = torch.bfloat16) -> None:
-        super().__init__()
-        self.layer, self.num_experts = layer, num_experts
-        self.cache, self.policy, self.state = cache, policy, state
-        self.act_fn = act_fn
-        self.input_quant, self.mid_quant = quantizers
-        self.compute_dtype = compute_dtype  # the fast tier's dtype: inputs are cast to it, never the weights
-        # look-ahead, set by Runtime once every layer exists (None in the last layer)
-        self.next_router: torch.nn.Module | None = None  # layer l+1's router
-        self.norm_ratio: torch.Tensor | None = None  # w_{l+1} / w_l of the post-attention norms
-        self.default_bits_next: list[int] = []  # layer l+1's allocation
-
-    def expert_forward(self, weights: ExpertWeights, x: torch.Tensor) -> torch.Tensor:
-        return quantized_expert_output(x.to(self.compute_dtype), weights.gate_up, weights.down, self.act_fn,
-                                       self.input_quant, self.mid_quant)
-
-    def look_ahead(self, hidden_states: torch.Tensor) -> None:
-        """Predict layer l+1's experts from layer l's MoE input and queue them (004 §4.4.1)."""
-        state = self.state
-        ahead = hidden_states if self.norm_ratio is None else hidden_states * self.norm_ratio
-        logits, _scores, predicted = self.next_router(ahead)
-        # One layer ahead, the router's own top-k finds ~57% of the experts the next layer uses on the reference
-        # models and its top-2k ~80% (benchmarks/runtime.py reports precision and recall); but prefetching more
-        # experts than a layer's share of the cache evicts what the next tokens will ask for, so the default is
-        # 2k capped at that share.
-        top_t = min(state.prefetch_top_t or min(2 * predicted.shape[-1], state.layer_share), self.num_experts)
-        if state.prefill:  # top-t experts by predicted token frequency
-            experts = most_routed(predicted, self.num_experts, top_t)
-        else:  # decode: the current token's t most likely experts (t may exceed the router's k)
-            experts = logits.reshape(-1, logits.shape[-1])[-1, : self.num_experts].topk(top_t).indices.tolist()
-        layer = self.layer + 1
-        state.predicted[layer] = set(experts)
-        if state.mode == "cache":
-            for expert in experts:
-                bits = state.last_bits.get((layer, expert), 0) or self.default_bits_next[expert]
-                if bits:
-                    self.cache.prefetch(layer, expert, bits)
-
-    def admitted(self, top_k_index: torch.Tensor) -> set[int]:
-        """The experts whose misses may fill the cache in this forward pass; the others are computed from a
-        transient load (the bypass) and evict nothing.
-
-        A prompt touches most experts of every layer, so filling all of them would push the whole cache out once
-        per layer - the cyclic scan that defeats LRU. In prefill only the layer's `layer_share` most-used experts
-        are admitted (the cost-model idea of 003 §III.C.1: experts with few tokens are not worth a fill); in decode
-        every expert is (and the per-miss cost model still decides).
-        """
-        if self.state.mode != "cache":
-            return set()
-        if not self.state.prefill:
-            return set(range(self.num_experts))
-        return set(most_routed(top_k_index, self.num_experts, self.state.layer_share))
-
-    def observe(self, top_k_index: torch.Tensor) -> None:
-        """Move this layer's usage estimates by the tokens just routed (the cost model's u)."""
-        usage = self.state.usage
-        if usage is None:
-            return
-        flat = top_k_index.reshape(-1).cpu()
-        counts = torch.bincount(flat[(flat >= 0) & (flat < self.num_experts)], minlength=self.num_experts)
-        usage[self.layer] = usage_update(usage[self.layer], counts, top_k_index.shape[0], USAGE_HORIZON)
-
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor) -> torch.Tensor:
-        state = self.state
-        if self.layer in state.predicted:  # score the prediction the layer below made for this layer
-            used = {e for e in top_k_index.unique().tolist() if 0 <= e < self.num_experts}
-            predicted = state.predicted.pop(self.layer)
-            state.prefetch_stats.predicted += len(predicted)
-            state.prefetch_stats.used += len(used)
-            state.prefetch_stats.correct += len(predicted & used)
-        self.observe(top_k_index)
-        bits = self.policy.choose(self.layer, top_k_index, top_k_weights, state.prefill)
-        for layer, expert, b in self.policy.transitions():
-            state.last_bits[(layer, expert)] = b
-            if state.mode == "cache" and b:
-                self.cache.prefetch(layer, expert, b)
-        if state.prefetch and self.next_router is not None:
-            self.look_ahead(hidden_states)
-        out = torch.zeros_like(hidden_states)
-        admitted = self.admitted(top_k_index)
-        for expert in top_k_index.unique().tolist():
-            if not 0 <= expert < self.num_experts:
-                continue  # some families mark dropped slots with an out-of-range id
-            token, slot = torch.where(top_k_index == expert)
-            widths = bits[token, slot]
-            state.skipped_slots += int((widths == 0).sum())
-            for width in sorted(set(widths.tolist()), reverse=True):
-                if width == 0:
-                    continue
-                state.last_bits[(self.layer, expert)] = width
-                pick = widths == width
-                rows, cols = token[pick], slot[pick]
-                with self.cache.pinned(self.layer, [expert]):
-                    weights = self.cache.get(self.layer, expert, width, fill=expert in admitted)
-                    y = self.expert_forward(weights, hidden_states[rows]) * top_k_weights[rows, cols, None]
-                out.index_add_(0, rows, y.to(out.dtype))
-        return out
-
-
-# ------------------------------------------------------------------------------------------ the runtime
-
-
-@dataclass
-class RunStats:
-    """What `hexq run --stats` reports (tpot_seconds: the median decode step). Bytes: memory_bytes the whole budget
-    (None without --memory), dense_bytes the materialized dense part, scratch_bytes the load scratch, budget_bytes
-    the fast tier, peak_bytes its high-water mark; bytes_read what was read from the artifact's expert shards;
-    peak_rss_bytes the process's VmHWM (None where /proc is missing)."""
-
-    budget_bytes: int
-    expert_bytes: int
-    peak_bytes: int
-    cache: CacheStats
-    prefetch: PrefetchStats
-    skipped_slots: int
-    dense_bytes: int = 0
-    scratch_bytes: int = 0
-    memory_bytes: int | None = None
-    bytes_read: int = 0
-    warm_experts: int = 0
-    dtype: str = "bf16"
-    cache_dtype: str = "bf16"
-    kernel: bool = False
-    peak_rss_bytes: int | None = None
-    ttft_seconds: float | None = None
-    tpot_seconds: float | None = None
-    tokens_per_second: float | None = None
-    generated_tokens: int = 0
-
-    def as_dict(self) -> dict:
-        cache = asdict(self.cache)
-        cache["hit_rate"] = self.cache.hit_rate
-        layers = sorted(set(self.cache.layer_hits) | set(self.cache.layer_misses))
-        cache["layer_hit_rate"] = {str(layer): self.cache.layer_hits.get(layer, 0)
-                                   / max(1, self.cache.layer_hits.get(layer, 0) + self.cache.layer_misses.get(layer, 0))
-                                   for layer in layers}
-        out = {key: value for key, value in asdict(self).items() if key not in ("cache", "prefetch")}
-        return out | {"cache": cache, "prefetch": {**asdict(self.prefetch), "precision": self.prefetch.precision,
-                                                   "recall": self.prefetch.recall}}
-
-
-def peak_rss_bytes() -> int | None:
-    """The process's peak resident set (VmHWM of /proc/self/status), or None where there is no /proc."""
-    try:
-        with open("/proc/self/status") as handle:
-            match = re.search(r"VmHWM:\s+(\d+) kB", handle.read())
-    except OSError:
-        return None
-    return int(match.group(1)) * 1024 if match else None
 
 
 def policy_context(artifact: Artifact, hot_fraction: float | None = None) -> PolicyContext:
@@ -490,31 +170,17 @@ def warm_order(artifact: Artifact, scheme: str, slots: int) -> list[tuple[int, i
 
 
 class Runtime:
-    """An artifact loaded for serving: the model with CachedExperts, its cache, policy and counters.
+    """An artifact loaded for serving: the model with CachedExperts and PackedLinears, its cache, policy, compute
+    and counters. `Runtime(path, config)` or `Runtime(path, **fields of RuntimeConfig)`."""
 
-    memory_bytes: the whole budget (dense part + load scratch + fast tier); budget_bytes: the fast tier alone (give
-    at most one; neither: room for every expert). dtype / cache_dtype: "bf16" or "fp32" for the dense part and the
-    fast tier. warm: "none" or a placement scheme "1", "2", "3" for the warm start. admission: the per-miss cost
-    model (False: every miss fills, plain LRU). kernel: use the compiled dequantization kernel when available.
-    """
-
-    def __init__(self, path: str | Path, budget_bytes: int | None = None, policy: str = "static",
-                 prefetch: bool = True, mode: str = "cache", prefetch_top_t: int = 0, device: str | None = None,
-                 policy_options: dict | None = None, hot_fraction: float | None = None, *,
-                 memory_bytes: int | None = None, dtype: str | torch.dtype = "bf16",
-                 cache_dtype: str | torch.dtype = "bf16", warm: str = "3", admission: bool = True,
-                 kernel: bool = True) -> None:
-        if mode not in MODES:
-            raise HexqError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
-        if warm not in WARM:
-            raise HexqError(f"--warm {warm}: choose one of {', '.join(WARM)}")
-        if memory_bytes is not None and budget_bytes is not None:
-            raise HexqError("give --memory (the whole process) or --budget (the experts alone), not both")
-        self.dtype, self.cache_dtype = parse_dtype(dtype, "--dtype"), parse_dtype(cache_dtype, "--cache-dtype")
+    def __init__(self, path: str | Path, config: RuntimeConfig | None = None, **options) -> None:
+        self.config = config if config is not None else RuntimeConfig(**options)
+        if config is not None and options:
+            raise TypeError("give a RuntimeConfig or its fields, not both")
+        self.dtype = DTYPES[self.config.dtype]
         self.artifact = Artifact(path)
         try:
-            self._build(budget_bytes, memory_bytes, policy, prefetch, mode, prefetch_top_t, resolve_device(device),
-                        policy_options, hot_fraction, warm, admission, kernel)
+            self._build(self.config, resolve_device(self.config.device))
         except BaseException:
             cache = getattr(self, "cache", None)
             if cache is not None:
@@ -522,62 +188,123 @@ class Runtime:
             self.artifact.close()
             raise
 
-    def _build(self, budget_bytes, memory_bytes, policy, prefetch, mode, prefetch_top_t, device, policy_options,
-               hot_fraction, warm, admission, kernel) -> None:
+    def _build(self, config: RuntimeConfig, device: torch.device) -> None:
         artifact = self.artifact
         num_layers, num_experts = len(artifact.moe_layers), artifact.num_experts
-        self.state = RunState(prefetch=prefetch and mode == "cache", prefetch_top_t=prefetch_top_t, mode=mode)
-        self.policy = make_policy(policy, policy_context(artifact, hot_fraction), **(policy_options or {}))
+        self.state = RunState(prefetch=config.prefetch and config.mode == "cache",
+                              prefetch_top_t=config.prefetch_top_t, mode=config.mode)
+        self.policy = make_policy(config.policy, policy_context(artifact, config.hot_fraction),
+                                  **config.policy_options)
         check_policy_widths(artifact, self.policy)
+        kernels, triton = compute_backend(config.kernels, device, config.threads)
+        self.compute = Compute(device, self.dtype, kernels, triton)
         streamed = skeleton(artifact, device, self.dtype)
-        self.dense_bytes = dense_plan_bytes(streamed)
-        source = ArtifactSource(artifact, self.cache_dtype, device, kernel=load_kernel() if kernel else None)
-        self.scratch_bytes = source.scratch_nbytes()
-        self.expert_bytes = source.expert_nbytes * num_layers * num_experts
-        self.memory_bytes = memory_bytes
-        one = source.expert_nbytes
-        if memory_bytes is not None:
-            budget = memory_bytes - self.dense_bytes - self.scratch_bytes
+        source = ArtifactSource(artifact, config.cache, device, kernels)
+        self.dense_bytes = dense_plan_bytes(streamed, artifact)
+        self.scratch_bytes = source.scratch_nbytes() + compute_scratch_nbytes(artifact, streamed, self.dtype,
+                                                                                 kernels is None)
+        allocated = [source.slot_bytes[b] for row in artifact.allocation for b in row if b]
+        self.expert_bytes = sum(allocated)  # every expert at its allocated width, as the fast tier holds it
+        one = source.largest_slot
+        if config.memory_bytes is not None:
+            budget = config.memory_bytes - self.dense_bytes - self.scratch_bytes
             minimum = self.dense_bytes + self.scratch_bytes + one
             if budget < one:
-                raise HexqError(f"--memory {mib(memory_bytes)} is below the minimum of {mib(minimum)} ({minimum} "
-                                f"bytes): the dense part takes {mib(self.dense_bytes)} in {streamed.dtype}, one "
-                                f"expert {mib(one)} and the load scratch {mib(self.scratch_bytes)}")
+                raise HexqError(f"--memory {mib(config.memory_bytes)} is below the minimum of {mib(minimum)} "
+                                f"({minimum} bytes): the dense part takes {mib(self.dense_bytes)}, one expert "
+                                f"{mib(one)} ({config.cache}) and the scratch {mib(self.scratch_bytes)}")
         else:
-            budget = self.expert_bytes if budget_bytes is None else budget_bytes
+            budget = self.expert_bytes if config.budget_bytes is None else config.budget_bytes
             if budget < one:
                 raise HexqError(f"budget {budget} bytes cannot hold one expert; the minimum is {one} bytes "
-                                f"({one / 2**20:.2f} MiB); all experts take {self.expert_bytes}")
-        budget = min(budget, self.expert_bytes)  # room beyond every expert would stay unused
-        source.slots = budget // one if mode == "cache" else 0
+                                f"({one / 2**20:.2f} MiB, {config.cache}); all experts take {self.expert_bytes}")
+        budget = min(budget, self.expert_bytes) if config.mode == "cache" else 0
+        # every expert on the device in one arena per layer, computed without the cache (hexq.runtime.resident)
+        resident = triton and config.policy == "static" and config.mode == "cache" and budget >= self.expert_bytes
+        if resident:
+            budget = 0
+        source.capacity = budget
         self.source = source
         counts = artifact.tensor(STATS_SHARD, "router.counts")
         self.state.usage = calibration_usage(counts.to("cpu"), artifact.manifest["model"]["top_k"])
         artifact.release()
-        self.cache = ExpertCache(source, budget, self._admit if admission else None)
+        self.cache = ExpertCache(source, max(budget, 1), self._admit if config.admission else None)
         self.budget_bytes = budget
-        self.state.layer_share = max(1, budget // one // num_layers)
+        mean_slot = sum(allocated) / max(1, len(allocated))
+        self.slots = int(budget // mean_slot) if mean_slot else 0  # experts the fast tier holds at the allocation
+        self.state.layer_share = max(1, self.slots // num_layers)
         adapter = adapter_for(artifact.manifest["model"]["model_type"])
         modules: dict[int, CachedExperts] = {}
 
         def factory(layer: int, old: torch.nn.Module) -> CachedExperts:
             modules[layer] = CachedExperts(layer, num_experts, self.cache, self.policy, self.state, old.act_fn,
-                                           expert_quantizers(artifact, layer), self.cache_dtype)
+                                           expert_quantizers(artifact, layer), self.compute)
             return modules[layer]
 
-        self.model, self.tokenizer = build_model(artifact, factory, device, self.dtype, streamed)
+        self.model, self.tokenizer = build_model(artifact, factory, device, self.dtype, streamed, self.compute)
         artifact.release()  # the dense shards' maps: only tensors the model holds stay
         layers = [self.model.model.layers[index] for index in artifact.moe_layers]
         routers = [getattr(getattr(layer, adapter.moe), adapter.router) for layer in layers]
         norms = [getattr(layer, adapter.post_attention_norm).weight.detach() for layer in layers]
+        if resident:
+            from hexq.runtime.resident import ResidentExperts
+
+            buffer = torch.empty(source.read_nbytes, dtype=torch.uint8, device="cpu")
+            for layer, module in modules.items():
+                module.resident = ResidentExperts(artifact, layer, device, buffer)
+            self.budget_bytes = sum(module.resident.nbytes for module in modules.values())
+            self.state.prefetch = False
         for layer, module in modules.items():  # look-ahead: layer l holds layer l+1's router
             if layer + 1 < num_layers:
                 module.next_router = routers[layer + 1]
                 module.norm_ratio = torch.where(norms[layer] != 0, norms[layer + 1] / norms[layer], 0.0)
                 module.default_bits_next = artifact.allocation[layer + 1]
-        self.device = next(self.model.parameters()).device
+        self.device = device
         self.context = int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
-        self.warm_experts = self.warm(warm) if mode == "cache" else 0
+        self.self_check(modules[0])
+        self.warm_experts = self.warm(config.warm) if config.mode == "cache" and not resident else 0
+
+    def self_check(self, experts: CachedExperts) -> None:
+        """Compute one expert of the first MoE layer at every width it stores (on the served path: the resident
+        arena, or the cache's compute), and one quantized dense linear, on a few tokens, against float64 products of
+        the same packed weights; a relative error past SELF_CHECK_TOLERANCE is a HexqError (never serve wrong
+        numbers). Then measure the cost model's latencies."""
+        act_fn, quantizers = experts.act_fn, experts.quantizers
+        generator = torch.Generator(device="cpu").manual_seed(0)
+        expert = next((e for e, b in enumerate(self.artifact.allocation[0]) if b), None)
+        buffer = torch.empty(self.source.read_nbytes, dtype=torch.uint8, device="cpu")
+        probe = None
+        if expert is not None:
+            widths = [self.artifact.allocation[0][expert]] if experts.resident else self.artifact.stored_bits(0, expert)
+            for bits in widths:
+                x = torch.randn(3, self.source.shapes[0][1], generator=generator, device="cpu")
+                if experts.resident is not None:
+                    index = torch.full((3, 1), expert, dtype=torch.long, device=self.device)
+                    got = experts.resident(x.to(self.device, self.dtype), index, torch.ones(3, 1, device=self.device),
+                                           act_fn, quantizers)
+                else:
+                    probe = self.source.load_transient(0, expert, bits)
+                    got = self.compute.expert(x.to(self.device, self.dtype), probe, act_fn, quantizers)
+                gate_up, down = (dequantize_packed(p).double() for p in self.artifact.read_expert(0, expert, bits,
+                                                                                                  buffer))
+                want = quantized_expert_output(x.double(), gate_up, down, act_fn, *quantizers)
+                self._check("expert", bits, got, want)
+        dense = largest_packed_linear(self.model)
+        if dense is not None:
+            x = torch.randn(2, dense.in_features, generator=generator, device="cpu").to(self.device, self.dtype)
+            want = torch.nn.functional.linear(
+                (x if dense.quantizer is None else dense.quantizer(x)).double().cpu(),
+                dequantize_packed(_unpadded(dense.weight_packed)).double().cpu())
+            self._check("dense linear", dense.bits, dense(x) - _bias(dense), want)
+        self.compute.measure(None if probe is None else self.source.load_transient(0, expert, probe.bits),
+                             None if dense is None else dense.weight_packed, act_fn)
+
+    def _check(self, what: str, bits: int, got: torch.Tensor, want: torch.Tensor) -> None:
+        error = float((got.double().cpu() - want).norm() / want.norm().clamp(min=1e-30))
+        if not error <= SELF_CHECK_TOLERANCE:
+            raise HexqError(f"the {self.device} computation of a {bits}-bit {what} ({self.compute.path}) is off by "
+                            f"{error:.2g} relative to the float64 reference (allowed {SELF_CHECK_TOLERANCE}): "
+                            "refusing to serve wrong numbers; try --device cpu or HEXQ_CPU_PATH=scalar")
 
     def _admit(self, key: tuple[int, int], bits: int, victims: list[tuple[tuple[int, int], int]],
                prefetch: bool) -> bool:
@@ -602,12 +329,13 @@ class Runtime:
     def warm(self, scheme: str = "3") -> int:
         """Load the warm start's experts (warm_order) at the artifact's allocation before serving; the cache's
         counters start after it. Returns how many experts were loaded."""
-        order = warm_order(self.artifact, scheme, self.source.slots)
+        order = warm_order(self.artifact, scheme, self.slots)
         for layer, expert in order:
             self.cache.prefetch(layer, expert, self.artifact.allocation[layer][expert])
         self.cache.wait_idle()
         self.cache.reset_stats()
         self.source.load_seconds.clear()  # the first loads of a shard include its one-time hash check
+        self.compute.counters = type(self.compute.counters)()
         return len(self.cache.resident())
 
     def fill_all(self) -> None:
@@ -620,13 +348,16 @@ class Runtime:
         self.cache.reset_stats()
 
     def stats(self, **timing) -> RunStats:
-        names = {v: k for k, v in DTYPES.items()}
+        counters = self.compute.counters
+        kernels = self.compute.kernels
         return RunStats(self.budget_bytes, self.expert_bytes, self.cache.budget.peak, self.cache.stats,
                         self.state.prefetch_stats, self.state.skipped_slots, dense_bytes=self.dense_bytes,
-                        scratch_bytes=self.scratch_bytes, memory_bytes=self.memory_bytes,
+                        scratch_bytes=self.scratch_bytes, memory_bytes=self.config.memory_bytes,
                         bytes_read=self.artifact.bytes_read, warm_experts=self.warm_experts,
-                        dtype=names[self.dtype], cache_dtype=names[self.cache_dtype],
-                        kernel=self.source.kernel is not None, peak_rss_bytes=peak_rss_bytes(), **timing)
+                        dtype=self.config.dtype, cache_format=self.config.cache, kernel_path=self.compute.path,
+                        threads=kernels.threads if kernels is not None else torch.get_num_threads(),
+                        gemv_rows=counters.gemv_rows, expanded_experts=counters.expanded_experts,
+                        expanded_dense=counters.expanded_dense, peak_rss_bytes=peak_rss_bytes(), **timing)
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, past=None, prefill: bool = True):
@@ -701,3 +432,56 @@ class Runtime:
         return text, self.stats(ttft_seconds=ttft, tpot_seconds=tpot,
                                 tokens_per_second=len(tokens) / total if total > 0 else None,
                                 generated_tokens=len(tokens))
+
+
+def compute_scratch_nbytes(artifact: Artifact, streamed, dtype: torch.dtype, torch_path: bool) -> int:
+    """Scratch of hexq.runtime.compute: one expert expanded in the compute dtype and the largest quantized dense
+    linear expanded (the paths taken where the cost model says so), and without the kernels the torch path's code
+    buffer for the larger of the two."""
+    expert = [r * c for r, c in (artifact.expert_shape(p) for p in ("gate_up", "down"))]
+    quantized = artifact.manifest["dense"]["quantized_linears"]
+    dense = max((streamed.model.get_parameter(name).numel() for name in quantized), default=0)
+    codes = max(*expert, dense) if torch_path else 0
+    return (sum(expert) + dense) * dtype.itemsize + codes
+
+
+def compute_backend(kernels: str, device: torch.device, threads: int | None):
+    """(CPU kernels or None, whether Triton computes) for --kernels on `device` (see RuntimeConfig)."""
+    import os
+
+    from hexq.packed import triton as gpu
+    from hexq.packed.cpu import load_cpu_kernels
+
+    if kernels == "torch":
+        return None, False
+    if kernels == "triton" or kernels == "auto" and device.type == "cuda":
+        interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+        if gpu.available() and (device.type == "cuda" or interpreted):
+            return None, True
+        if kernels == "triton":
+            raise HexqError("--kernels triton needs the triton package and a CUDA device (or TRITON_INTERPRET=1)")
+        return None, False
+    if device.type != "cpu":
+        raise HexqError(f"--kernels cpu computes on the CPU; with --device {device} use --kernels auto")
+    cpu = load_cpu_kernels(threads=threads)
+    if cpu is None and kernels == "cpu":
+        raise HexqError("--kernels cpu: the CPU kernels could not be built (no C compiler?); use --kernels torch")
+    return cpu, False
+
+
+def _unpadded(weight):
+    """A packed weight whose codes may sit in a padded buffer (Triton's second byte load), cut to its own bytes."""
+    from hexq.artifact.bitpack import packed_nbytes
+
+    rows, cols = weight.shape
+    return type(weight)(weight.codes[:packed_nbytes(rows * cols, weight.bits)], weight.scale, weight.zero,
+                        weight.bits, weight.shape)
+
+
+def largest_packed_linear(model: torch.nn.Module) -> PackedLinear | None:
+    linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    return max(linears, key=lambda m: m.in_features * m.out_features, default=None)
+
+
+def _bias(linear: PackedLinear) -> torch.Tensor | float:
+    return 0.0 if linear.bias is None else linear.bias.to(linear.compute.dtype)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from hexq.artifact.format import Artifact, expert_shard
+from hexq.artifact.format import Artifact, PackedWeight, expert_shard
 from hexq.recipe import recipe_from_dict
 from hexq.simulate import ActQuantizer, act_quantizer, attach_input_quant
 from hexq.streaming import ExpertCompute, LoadedLayer, StreamedModel, expert_chunk
@@ -98,14 +98,15 @@ def skeleton(artifact: Artifact, device: torch.device, dtype: torch.dtype) -> St
     return StreamedModel(artifact_config(artifact), artifact, device, dtype)
 
 
-def dense_plan_bytes(streamed: StreamedModel) -> int:
-    """Bytes of the dense part once `materialize_dense` has run: every parameter and persistent buffer outside the
-    routed experts, in the compute dtype (integer tensors in their own), tied embeddings once, plus the buffers the
-    skeleton holds already (rotary frequencies). Read from the meta skeleton, so a memory budget can be checked
-    before anything is allocated."""
+def dense_plan_bytes(streamed: StreamedModel, artifact: Artifact) -> int:
+    """Bytes of the dense part once `build_model` has run: every parameter and persistent buffer outside the routed
+    experts in the compute dtype (integer tensors in their own), quantized linears as their stored packed bytes,
+    tied embeddings once, plus the buffers the skeleton holds already (rotary frequencies). Read from the meta
+    skeleton and the shards' headers, so a memory budget can be checked before anything is allocated."""
     from hexq.streaming import _tensor_slots
 
     skip = streamed.experts_path
+    quantized = artifact.manifest["dense"]["quantized_linears"]
     tied = bool(getattr(streamed.config, "tie_word_embeddings", False))
     total = sum(buffer.numel() * buffer.element_size() for module in streamed.model.modules()
                 for name, buffer in module._buffers.items()
@@ -117,20 +118,42 @@ def dense_plan_bytes(streamed: StreamedModel) -> int:
         if parts[:2] == ["model", "layers"] and streamed.is_moe(int(parts[2])) \
                 and ".".join(parts[3:]).startswith(skip + "."):
             continue
+        if name in quantized:
+            total += artifact.packed_param_nbytes(name)
+            continue
         tensor = streamed.model.get_parameter(name) if _is_parameter else streamed.model.get_buffer(name)
         size = streamed.dtype.itemsize if tensor.is_floating_point() else tensor.element_size()
         total += tensor.numel() * size
     return total
 
 
-def build_model(artifact: Artifact, experts: ExpertsFactory, device: torch.device,
-                dtype: torch.dtype = torch.bfloat16, streamed: StreamedModel | None = None):
-    """(model, tokenizer) in eval mode: the dense part materialized in `dtype` on `device`, each MoE layer's routed
-    experts replaced by experts(row, family_module) (see the module docstring). `streamed`: the skeleton, if the
-    caller made it already (to size a memory budget with dense_plan_bytes first)."""
-    streamed = streamed or skeleton(artifact, device, dtype)
-    streamed.materialize_dense()
-    attach_dense_quantizers(streamed.model, artifact, list(artifact.manifest["dense"]["quantized_linears"]))
+def build_model(artifact: Artifact, experts: ExpertsFactory, device: torch.device, dtype: torch.dtype,
+                streamed: StreamedModel, compute):
+    """(model, tokenizer) in eval mode: the dense part materialized in `dtype` on `device` except the quantized
+    linears, which become PackedLinears on their stored codes (hexq.runtime.compute, with the recipe's activation
+    quantization); each MoE layer's routed experts replaced by experts(row, family_module) (see the module
+    docstring). `streamed` is the skeleton (made first, to size a memory budget with dense_plan_bytes)."""
+    from hexq.runtime.compute import PackedLinear
+
+    quantized = artifact.manifest["dense"]["quantized_linears"]
+    streamed.materialize_dense(leave=frozenset(quantized))
+    setting = recipe_from_dict(artifact.manifest["recipe"]).activations
+    for weight_name in quantized:
+        path = weight_name.removesuffix(".weight")
+        parent, _, child = path.rpartition(".")
+        linear = streamed.model.get_submodule(path)
+        packed = artifact.read_packed_copy(weight_name, tuple(linear.weight.shape))
+        codes = packed.codes
+        if compute.triton:  # the pair GEMV's second byte load reads one byte past a code: pad the buffer
+            from hexq.packed.triton import PAD
+
+            codes = torch.cat([codes, torch.zeros(PAD, dtype=codes.dtype, device=codes.device)])
+        packed = PackedWeight(codes.to(device), packed.scale.to(device), packed.zero.to(device), packed.bits,
+                              packed.shape)
+        bias = linear.bias.detach() if getattr(linear, "bias", None) is not None else None
+        quantizer = act_quantizer(setting, artifact.act_range(path))
+        setattr(streamed.model.get_submodule(parent), child, PackedLinear(packed, bias, quantizer, compute))
+        artifact.release()
     adapter = streamed.adapter
     for row, index in enumerate(artifact.moe_layers):
         moe = getattr(streamed.layers[index], adapter.moe)

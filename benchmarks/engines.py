@@ -1,0 +1,344 @@
+"""Decode speed of `hexq run` against llama.cpp on the same real-shaped checkpoint, measured in one run.
+
+    python benchmarks/engines.py --checkpoint CKPT --llama-cpp DIR
+    python benchmarks/engines.py --checkpoint CKPT --llama-cpp DIR --cgroup --repeats 3
+
+CKPT: a checkpoint from scripts/make_checkpoint.py (e.g. `--family qwen3_moe --size published --layers 6 --vocab
+8192`). DIR: llama.cpp's source tree (the one llama-cpp-python vendors: convert_hf_to_gguf.py, gguf-py) with its
+tools built in DIR/build/bin (llama-quantize); the `llama_cpp` package (`pip install hexq[gguf]`) runs the GGUFs.
+
+What runs (every row a fresh process, --threads threads, nothing else running; a 128-token held-out austen prompt,
+--decode greedy tokens; tokens/s = 1 / median decode step; the median over --repeats processes):
+  hexq packed        `hexq run` on the 3- and 4-bit artifacts: the fast tier holds the packed codes, the CPU kernels
+                     compute from them (the default)
+  hexq bf16 cache    the same artifacts with `--cache bf16`: every expert expanded to bf16 (the previous design)
+  llama.cpp          its own GGUFs of the checkpoint: convert_hf_to_gguf.py (bf16), then llama-quantize Q4_0 and
+                     Q3_K_S, run through llama_cpp with the same prompt tokens
+Artifacts: the checkpoint calibrated with round-to-nearest replicas (decode speed does not depend on how the codes
+were chosen) on 16 windows, packed at 3.0 and 4.0 bits.
+
+Bytes per decoded token (from the files, not timed): what one decode step reads - every dense tensor a token uses
+(attention, norms, routers, the head row-block it multiplies: the whole head; the embedding row aside) plus top_k of
+the num_experts experts per layer at their stored size (hexq: the allocation's mean slot bytes; llama.cpp: the
+expert tensors' bytes / num_experts * top_k). Memory read bandwidth: torch.sum over a 2 GiB float32 tensor on
+--threads threads (median of 5). The share of it an engine uses = bytes per token * tokens/s / bandwidth.
+
+With --cgroup, once more cold inside a memory cgroup of --memory-fraction of the bf16 model (page cache counted, as on
+a machine with less memory than the model; benchmarks/runtime.py has the mechanism): hexq --memory (packed), hexq
+--memory --cache bf16, and llama.cpp (mmap, its default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from runtime import MemoryCgroup, cgroup_root, drop_page_cache, files_under, vm_hwm
+
+from provenance import start_run, write_results
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT_TOKENS = 128
+RTN_RECIPE = """name: experts-rtn
+version: 1
+smoothing: {method: none}
+weights: {bits: 8, group_size: null, symmetric: false, method: rtn}
+activations: {bits: 8, dynamic: true, symmetric: false}
+experts:
+  mode: replicas
+  replica_bits: [2, 3, 4, 8]
+  propagate_bits: 4
+  weights: {group_size: 32, symmetric: false, method: rtn}
+  activations: {bits: null}
+calibration: {num_samples: 16, seqlen: 256, seed: 0}
+"""
+
+
+# ------------------------------------------------------------------------------------------ children
+
+
+def prompt_ids(artifact: Path) -> list[int]:
+    from hexq.artifact.format import Artifact
+    from hexq.data import eval_text, tokenize
+    from hexq.runtime.model import artifact_tokenizer
+
+    ids = tokenize(artifact_tokenizer(Artifact(artifact)), eval_text("austen"))
+    return ids[-PROMPT_TOKENS:].tolist()  # held-out text the perplexity windows do not use
+
+
+def child_hexq(spec: dict) -> dict:
+    import torch
+
+    from hexq.runtime.engine import Runtime
+
+    torch.set_num_threads(spec["threads"])
+    artifact = Path(spec["artifact"])
+    if spec["cold"]:
+        drop_page_cache(files_under(artifact))
+    runtime = Runtime(artifact, memory_bytes=spec.get("memory"), cache=spec["cache"], threads=spec["threads"])
+    if spec.get("memory") is None:
+        runtime.fill_all()
+    _, stats = runtime.generate(runtime.tokenizer.decode(spec["prompt"]), spec["decode"])
+    runtime.close()
+    return {"tpot_ms": 1000 * stats.tpot_seconds, "peak_rss_mib": vm_hwm() / 2**20,
+            "kernel": stats.kernel_path, "cache": stats.cache_format, "dense_mib": stats.dense_bytes / 2**20,
+            "experts_mib": stats.budget_bytes / 2**20}
+
+
+def child_llama(spec: dict) -> dict:
+    import ctypes
+
+    import llama_cpp
+    import numpy
+
+    if spec["cold"]:
+        drop_page_cache([Path(spec["gguf"])])
+    model = llama_cpp.Llama(spec["gguf"], n_ctx=PROMPT_TOKENS + spec["decode"] + 8, n_threads=spec["threads"],
+                            n_threads_batch=spec["threads"], n_batch=PROMPT_TOKENS, verbose=False)
+    vocab = model.n_vocab()
+
+    def last_logits():
+        pointer = llama_cpp.llama_get_logits_ith(model.ctx, -1)
+        return numpy.ctypeslib.as_array(ctypes.cast(pointer, ctypes.POINTER(ctypes.c_float)), shape=(vocab,))
+
+    model.eval(spec["prompt"])
+    steps = []
+    for _ in range(spec["decode"]):
+        token = int(last_logits().argmax())
+        started = time.perf_counter()
+        model.eval([token])
+        steps.append(time.perf_counter() - started)
+    return {"tpot_ms": 1000 * statistics.median(steps), "peak_rss_mib": vm_hwm() / 2**20}
+
+
+def child_bandwidth(spec: dict) -> dict:
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    data = torch.ones(1 << 29, dtype=torch.float32, device="cpu")  # 2 GiB
+    times = []
+    for _ in range(6):
+        started = time.perf_counter()
+        data.sum()
+        times.append(time.perf_counter() - started)
+    return {"read_gbps": data.numel() * 4 / statistics.median(times[1:]) / 1e9}
+
+
+CHILDREN = {"hexq": child_hexq, "llama": child_llama, "bandwidth": child_bandwidth}
+
+
+def run_child(spec: dict, cgroup: MemoryCgroup | None = None) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+               OMP_NUM_THREADS=str(spec.get("threads", 1)))
+    done = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True,
+                          env=env, cwd=ROOT, preexec_fn=cgroup.enter if cgroup else None)
+    measured = cgroup.report() if cgroup else {}
+    if done.returncode != 0:
+        if measured.get("cgroup_oom_kills"):
+            return {"error": "killed by the OOM killer at the cgroup's limit", **measured}
+        return {"error": " | ".join((done.stderr or done.stdout).strip().splitlines()[-2:]), **measured}
+    return json.loads(done.stdout.strip().splitlines()[-1]) | measured
+
+
+def repeated(spec: dict, repeats: int, cgroup_limit: int | None = None, root: Path | None = None) -> dict:
+    """The median row of `repeats` fresh processes (by tokens/s); errors are returned as they are."""
+    rows = []
+    for _ in range(repeats):
+        cgroup = MemoryCgroup(root, cgroup_limit) if cgroup_limit else None
+        try:
+            row = run_child(spec, cgroup)
+        finally:
+            if cgroup:
+                cgroup.remove()
+        if "error" in row:
+            return row
+        rows.append(row | {"tokens_per_s": 1000 / row["tpot_ms"]})
+    rows.sort(key=lambda r: r["tokens_per_s"])
+    return rows[len(rows) // 2] | {"tokens_per_s_all": [round(r["tokens_per_s"], 2) for r in rows]}
+
+
+# ------------------------------------------------------------------------------------------ preparing
+
+
+def hexq_artifacts(checkpoint: Path, work: Path) -> dict[str, Path]:
+    recipe = work / "experts-rtn.yaml"
+    recipe.write_text(RTN_RECIPE)
+    calibration = work / "calibration"
+    if not (calibration / "manifest.json").exists():
+        subprocess.run([sys.executable, "-m", "hexq_cli.main", "calibrate", str(checkpoint), "-r", str(recipe), "-o",
+                        str(calibration)], check=True, cwd=ROOT)
+    artifacts = {}
+    for bits in (3, 4):
+        out = work / f"hexq-{bits}.hexq"
+        if not (out / "manifest.json").exists():
+            subprocess.run([sys.executable, "-m", "hexq_cli.main", "pack", str(calibration), "--bits", str(bits),
+                            "-o", str(out), "--force"], check=True, cwd=ROOT)
+        artifacts[f"hexq {bits}-bit"] = out
+    return artifacts
+
+
+def llama_ggufs(checkpoint: Path, llama: Path, work: Path) -> dict[str, Path]:
+    """llama.cpp's own conversion (bf16) and quantizations of the checkpoint."""
+    bf16 = work / "model-bf16.gguf"
+    if not bf16.exists():
+        env = dict(os.environ, PYTHONPATH=str(llama / "gguf-py"))
+        subprocess.run([sys.executable, str(llama / "convert_hf_to_gguf.py"), str(checkpoint), "--outtype", "bf16",
+                        "--outfile", str(bf16)], check=True, env=env)
+    out = {"llama.cpp bf16": bf16}
+    for kind in ("Q4_0", "Q3_K_S"):
+        path = work / f"model-{kind}.gguf"
+        if not path.exists():
+            subprocess.run([str(llama / "build" / "bin" / "llama-quantize"), str(bf16), str(path), kind], check=True)
+        out[f"llama.cpp {kind}"] = path
+    return out
+
+
+def bytes_per_token_hexq(artifact: Path) -> dict:
+    """Bytes one decode step reads: the dense part as served (quantized linears packed, the rest bf16, the embedding
+    table aside: one row) plus top_k experts per layer at the allocation's mean slot bytes."""
+    import torch
+
+    from hexq.artifact.format import Artifact
+    from hexq.runtime.model import dense_plan_bytes, skeleton
+    from hexq.runtime.source import ArtifactSource
+
+    opened = Artifact(artifact)
+    streamed = skeleton(opened, torch.device("cpu"), torch.bfloat16)
+    dense = dense_plan_bytes(streamed, opened)
+    embed = streamed.model.model.embed_tokens.weight.numel() * 2
+    tied = getattr(streamed.config, "tie_word_embeddings", False)
+    source = ArtifactSource(opened, "packed")
+    slots = [source.slot_bytes[b] for row in opened.allocation for b in row if b]
+    top_k = opened.manifest["model"]["top_k"]
+    experts = statistics.mean(slots) * top_k * len(opened.moe_layers)
+    return {"dense": dense - (0 if tied else embed), "experts": experts, "total": dense - (0 if tied else embed)
+            + experts}
+
+
+def bytes_per_token_gguf(path: Path, top_k: int, num_experts: int) -> dict:
+    from gguf import GGUFReader
+
+    dense = experts = 0
+    for tensor in GGUFReader(str(path)).tensors:
+        if tensor.name == "token_embd.weight":
+            continue
+        if "_exps." in tensor.name:
+            experts += int(tensor.n_bytes) * top_k / num_experts
+        else:
+            dense += int(tensor.n_bytes)
+    return {"dense": dense, "experts": experts, "total": dense + experts}
+
+
+# ------------------------------------------------------------------------------------------ the run
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--child")
+    parser.add_argument("--checkpoint", type=Path)
+    parser.add_argument("--llama-cpp", type=Path, help="llama.cpp's source tree with build/bin/llama-quantize")
+    parser.add_argument("--work", type=Path, default=ROOT / "benchmarks" / "work" / "engines")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--decode", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--cgroup", action="store_true")
+    parser.add_argument("--memory-fraction", type=float, default=0.25)
+    parser.add_argument("-o", "--out", type=Path, default=ROOT / "benchmarks" / "results" / "engines.json")
+    args = parser.parse_args()
+    if args.child:
+        spec = json.loads(args.child)
+        print(json.dumps(CHILDREN[spec["kind"]](spec)))
+        return 0
+    if args.checkpoint is None or args.llama_cpp is None:
+        parser.error("--checkpoint and --llama-cpp are required")
+    run = start_run(args)
+    args.work.mkdir(parents=True, exist_ok=True)
+    artifacts = hexq_artifacts(args.checkpoint, args.work)
+    ggufs = llama_ggufs(args.checkpoint, args.llama_cpp, args.work)
+    config = json.loads((args.checkpoint / "config.json").read_text())
+    top_k, experts = config["num_experts_per_tok"], config.get("num_experts", config.get("num_local_experts"))
+    prompt = prompt_ids(next(iter(artifacts.values())))
+    base = {"prompt": prompt, "decode": args.decode, "threads": args.threads, "cold": False}
+    results: dict = {"benchmark": "engines", "checkpoint": str(args.checkpoint), "threads": args.threads,
+                     "decode": args.decode, "prompt_tokens": PROMPT_TOKENS, "rows": []}
+    results["bandwidth_gbps"] = run_child({"kind": "bandwidth", "threads": args.threads})["read_gbps"]
+    for name, artifact in artifacts.items():
+        traffic = bytes_per_token_hexq(artifact)
+        for cache in ("packed", "bf16"):
+            row = repeated(base | {"kind": "hexq", "artifact": str(artifact), "cache": cache}, args.repeats)
+            row |= {"engine": f"{name}, {cache} cache", "bytes_per_token_mb": traffic["total"] / 1e6
+                    if cache == "packed" else None}
+            results["rows"].append(row)
+            write_results(args.out, results, run)
+    for name, gguf in ggufs.items():
+        traffic = bytes_per_token_gguf(gguf, top_k, experts)
+        row = repeated(base | {"kind": "llama", "gguf": str(gguf)}, args.repeats)
+        results["rows"].append(row | {"engine": name, "bytes_per_token_mb": traffic["total"] / 1e6,
+                                      "file_mib": gguf.stat().st_size / 2**20})
+        write_results(args.out, results, run)
+    if args.cgroup:
+        root = cgroup_root()
+        model_bytes = sum(f.stat().st_size for f in files_under(args.checkpoint) if f.suffix == ".safetensors")
+        memory = int(model_bytes * args.memory_fraction)
+        overhead = 600 * 2**20  # interpreter, torch and the model skeleton (benchmarks/runtime.py measures it)
+        for name, spec in (("hexq 3-bit --memory, packed cache", {"kind": "hexq", "artifact": str(
+                                artifacts["hexq 3-bit"]), "cache": "packed", "memory": memory}),
+                           ("hexq 3-bit --memory, bf16 cache", {"kind": "hexq", "artifact": str(
+                               artifacts["hexq 3-bit"]), "cache": "bf16", "memory": memory}),
+                           ("llama.cpp Q3_K_S, mmap", {"kind": "llama", "gguf": str(ggufs["llama.cpp Q3_K_S"])})):
+            row = repeated(base | spec | {"cold": True}, args.repeats, memory + overhead, root) if root else {
+                "error": "no writable memory cgroup"}
+            results["rows"].append(row | {"engine": name, "cgroup_limit_mib": (memory + overhead) / 2**20})
+            write_results(args.out, results, run)
+    results["ratios"] = ratios(results)
+    write_results(args.out, results, run, complete=True)
+    print(render(results))
+    return 0
+
+
+def ratios(results: dict) -> dict:
+    rows = {r["engine"]: r for r in results["rows"] if "error" not in r}
+    out = {}
+    q4 = rows.get("llama.cpp Q4_0")
+    for name in ("hexq 3-bit, packed cache", "hexq 4-bit, packed cache"):
+        ours, old = rows.get(name), rows.get(name.replace("packed", "bf16"))
+        if ours and q4:
+            out[f"{name} / llama.cpp Q4_0 tokens/s"] = ours["tokens_per_s"] / q4["tokens_per_s"]
+        if ours and old:
+            out[f"{name} / the same with the bf16 cache, tokens/s"] = ours["tokens_per_s"] / old["tokens_per_s"]
+        if ours:
+            out[f"{name}: share of the read bandwidth"] = (ours["bytes_per_token_mb"] * 1e6 * ours["tokens_per_s"]
+                                                           / (results["bandwidth_gbps"] * 1e9))
+    cold = {k: v for k, v in rows.items() if "--memory" in k or "mmap" in k}
+    packed, bf16 = cold.get("hexq 3-bit --memory, packed cache"), cold.get("hexq 3-bit --memory, bf16 cache")
+    llama = cold.get("llama.cpp Q3_K_S, mmap")
+    if packed and bf16:
+        out["cgroup: hexq packed / hexq bf16 cache tokens/s"] = packed["tokens_per_s"] / bf16["tokens_per_s"]
+    if packed and llama:
+        out["cgroup: hexq packed / llama.cpp mmap tokens/s"] = packed["tokens_per_s"] / llama["tokens_per_s"]
+    return out
+
+
+def render(results: dict) -> str:
+    lines = [f"Decode, {results['threads']} threads, {results['prompt_tokens']}-token prompt, {results['decode']} "
+             f"tokens (median of the processes' median steps); read bandwidth {results['bandwidth_gbps']:.1f} GB/s",
+             "| engine | tokens/s | bytes/token (MB) | peak RSS (MiB) |", "|---|---|---|---|"]
+    for row in results["rows"]:
+        if "error" in row:
+            lines.append(f"| {row['engine']} | error: {row['error'][:120]} | | |")
+            continue
+        mb = row.get("bytes_per_token_mb")
+        lines.append(f"| {row['engine']} | {row['tokens_per_s']:.2f} | {'' if mb is None else f'{mb:.0f}'} | "
+                     f"{row['peak_rss_mib']:.0f} |")
+    lines += [f"- {key}: {value:.3f}" for key, value in results.get("ratios", {}).items()]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

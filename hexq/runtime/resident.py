@@ -1,0 +1,73 @@
+"""Every routed expert of a layer resident on the GPU as packed codes, computed with one launch per projection.
+
+When the device is CUDA, Triton is there, the policy is static and the budget holds every expert at its allocated
+width, the fast tier is one PackedArena per MoE layer (hexq.packed.triton): the stored codes, scales and zeros of all
+its experts, and per expert a table entry (where its gate_up and down start, its width; width 0 for a skipped
+expert). A forward pass looks the table up with the router's own choice of experts, on the device, and runs the
+pair GEMV for all (token, slot) pairs at once: no host synchronisation, no Python loop over experts, mixed widths in
+one launch. A skipped expert's pairs get weight 0 (hexq's artifacts have always computed a skipped expert as 0).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hexq.artifact.format import Artifact
+from hexq.packed import triton as gpu
+
+
+class ResidentExperts:
+    """One MoE layer's experts in one arena on `device` (see the module docstring)."""
+
+    def __init__(self, artifact: Artifact, row: int, device: torch.device, read_buffer: torch.Tensor) -> None:
+        self.shapes = [artifact.expert_shape(p) for p in ("gate_up", "down")]
+        group = artifact.manifest["experts"].get("group_size")
+        self.groups = [group or cols for _rows, cols in self.shapes]
+        widths = artifact.allocation[row]
+        code_bytes = params = 0
+        for bits in widths:
+            for (rows, cols), group_size in zip(self.shapes, self.groups, strict=True):
+                code_bytes += -(-rows * cols * bits // 8)
+                params += rows * (cols // group_size) if bits else 0
+        self.arena = gpu.PackedArena(code_bytes, params, device)
+        code_offset = torch.zeros(2, len(widths), dtype=torch.int64, device="cpu")
+        param_offset = torch.zeros(2, len(widths), dtype=torch.int64, device="cpu")
+        for expert, bits in enumerate(widths):
+            if not bits:
+                continue
+            for projection, weight in enumerate(artifact.read_expert(row, expert, bits, read_buffer)):
+                code_offset[projection, expert], param_offset[projection, expert] = self.arena.add(
+                    weight.codes.to(device), weight.scale.to(device), weight.zero.to(device))
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # the read buffer is reused by the next expert
+        self.code_offset, self.param_offset = code_offset.to(device), param_offset.to(device)
+        self.bits = torch.tensor(widths, dtype=torch.int32, device=device)
+        self.num_experts = len(widths)
+
+    @property
+    def nbytes(self) -> int:
+        return self.arena.nbytes
+
+    def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, act_fn,
+                 quantizers) -> torch.Tensor:
+        """The layer's routed experts' combined output [T, H] for hidden_states [T, H] (what the family's experts
+        module returns), every (token, slot) pair through its expert's codes."""
+        input_quant, mid_quant = quantizers
+        tokens, k = top_k_index.shape
+        experts = top_k_index.reshape(-1).long()
+        valid = (experts >= 0) & (experts < self.num_experts)  # some families mark dropped slots out of range
+        experts = torch.where(valid, experts, torch.zeros_like(experts))
+        bits = self.bits[experts]
+        weights = torch.where(valid & (bits > 0), top_k_weights.reshape(-1).float(), 0.0)
+        x = hidden_states.float().repeat_interleave(k, dim=0)
+        if input_quant is not None:
+            x = input_quant(x)
+        hidden = gpu.pair_gemv(x, self.arena, self.code_offset[0, experts], self.param_offset[0, experts], bits,
+                               self.shapes[0], self.groups[0])
+        gate, up = hidden.chunk(2, dim=-1)
+        mid = act_fn(gate) * up
+        if mid_quant is not None:
+            mid = mid_quant(mid)
+        y = gpu.pair_gemv(mid, self.arena, self.code_offset[1, experts], self.param_offset[1, experts], bits,
+                          self.shapes[1], self.groups[1])
+        return (y * weights[:, None]).view(tokens, k, -1).sum(dim=1).to(hidden_states.dtype)

@@ -1,0 +1,220 @@
+"""The slow tier (the artifact) and the memory of the fast tier: expert slots, allocated once and reused.
+
+What a slot holds (`--cache`):
+  packed  (default) the stored replica as it is on disk: gate_up and down codes, float16 scale and zero, read with
+          pread straight into the slot. Nothing is expanded: the runtime computes from the codes
+          (hexq.runtime.compute). A slot's size is its width's packed size, so a 3-bit expert takes ~0.25x the bytes
+          of its bf16 copy and the same memory holds ~4x as many experts.
+  bf16, fp32  the replica dequantized into compute-ready matrices (the pread goes to a per-thread read buffer and
+          the dequantization writes the slot; hexq.packed.cpu's kernel, or the torch path).
+
+Slots are pooled by size (one pool per width in packed mode, one size in the expanded modes): a slot given back by
+the cache (`recycle`) is reused by the next load of that size, so serving allocates nothing and faults no page in
+after the warm-up. Pools share one byte count: a new slot is allocated only while the pools' total stays within
+`capacity`; beyond it, free slots of other sizes are released first (the cache's own accounting, one budget for all
+widths, guarantees that enough of them are free).
+
+On CUDA the slots live in device memory: the pread goes to a pinned host buffer, then one copy to the slot (packed)
+or to a device read buffer that is dequantized into the slot (expanded).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from hexq.artifact.bitpack import DequantScratch
+from hexq.artifact.format import Artifact, PackedWeight, dequantize_packed_into, packed_weight_nbytes
+from hexq.runtime.cache import ExpertWeights
+
+LOADERS = 2  # threads that load experts: the forward pass and the prefetch worker
+CACHE_FORMATS = ("packed", "bf16", "fp32")
+EXPANDED = {"bf16": torch.bfloat16, "fp32": torch.float32}
+ALIGN = 64
+
+
+def _replica_nbytes(artifact: Artifact, bits: int) -> int:
+    """Bytes of one stored replica at `bits` (both matrices: codes, scale, zero) plus the alignment pread may add."""
+    group = artifact.manifest["experts"].get("group_size")
+    shapes = [artifact.expert_shape(p) for p in ("gate_up", "down")]
+    return sum(packed_weight_nbytes(s, bits, group or s[1]) for s in shapes) + 8 * 6
+
+
+@dataclass
+class _ThreadScratch:
+    """One loading thread's buffers: the pread buffer (expanded modes; pinned on CUDA), its device copy (CUDA), the
+    torch path's code buffer, and the transient slot of bypass loads (allocated at the thread's first bypass)."""
+
+    read: torch.Tensor | None = None
+    staging: torch.Tensor | None = None
+    codes: DequantScratch | None = None
+    transient: torch.Tensor | None = None
+
+
+class ArtifactSource:
+    """The cache's ExpertSource: `load` fills a slot, `recycle` takes it back, `load_transient` fills the calling
+    thread's bypass slot (valid until that thread's next bypass load). Layers are MoE rows."""
+
+    def __init__(self, artifact: Artifact, cache_format: str = "packed", device: torch.device | None = None,
+                 kernels=None) -> None:
+        if cache_format not in CACHE_FORMATS:
+            raise ValueError(f"--cache {cache_format}: choose one of {', '.join(CACHE_FORMATS)}")
+        self.artifact, self.format, self.device = artifact, cache_format, device or torch.device("cpu")
+        self.kernels = kernels if self.device.type == "cpu" else None
+        self.packed = cache_format == "packed"
+        self.shapes = [artifact.expert_shape(p) for p in ("gate_up", "down")]
+        self.numels = [rows * cols for rows, cols in self.shapes]
+        widths = sorted({b for row in artifact.allocation for b in row if b} | set(artifact.bank_bits))
+        self.replica_bytes = {b: _replica_nbytes(artifact, b) for b in widths}
+        self.read_nbytes = max(self.replica_bytes.values(), default=0)
+        if self.packed:
+            self.slot_bytes = {b: -(-n // ALIGN) * ALIGN for b, n in self.replica_bytes.items()}
+        else:
+            size = sum(self.numels) * EXPANDED[cache_format].itemsize
+            self.slot_bytes = {b: size for b in widths}
+        self.capacity = 0  # bytes the pools may hold together (set by the runtime once the budget is known)
+        self._pools: dict[int, list[torch.Tensor]] = {}  # slot size -> free slots
+        self._held = 0  # bytes of every slot allocated (free or in use)
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self.load_seconds: dict[int, list[float]] = {}  # width -> [total seconds, loads]
+
+    # --- sizes
+
+    def nbytes(self, layer: int, expert: int, bits: int) -> int:
+        return self.slot_bytes[bits]
+
+    @property
+    def largest_slot(self) -> int:
+        return max(self.slot_bytes.values(), default=0)
+
+    def scratch_nbytes(self) -> int:
+        """Load scratch the runtime reserves: per loading thread a pread buffer (expanded modes; twice on CUDA for its
+        device copy) and the torch path's code buffer without the kernels, plus the forward pass's transient slot."""
+        per_thread = 0
+        if not self.packed:
+            per_thread = self.read_nbytes * (2 if self.device.type == "cuda" else 1)
+            if self.kernels is None:
+                per_thread += DequantScratch.nbytes_for(max(self.numels))
+        elif self.device.type == "cuda":
+            per_thread = self.read_nbytes  # the pinned host buffer of the copy
+        return LOADERS * per_thread + self.largest_slot
+
+    # --- slots
+
+    def _new_slot(self, size: int) -> torch.Tensor:
+        """`size` bytes: raw bytes for packed replicas, the expanded dtype otherwise."""
+        dtype = torch.uint8 if self.packed else EXPANDED[self.format]
+        return torch.empty(size // dtype.itemsize, dtype=dtype, device=self.device)
+
+    def _take(self, size: int) -> torch.Tensor:
+        with self._lock:
+            free = self._pools.get(size)
+            if free:
+                return free.pop()
+            for other, slots in self._pools.items():  # make room: release free slots of other sizes
+                while slots and self._held + size > self.capacity:
+                    slots.pop()
+                    self._held -= other
+            if self._held + size > self.capacity:
+                raise RuntimeError(f"no memory for a {size}-byte expert slot: {self._held} of {self.capacity} "
+                                   "bytes held; the cache's byte accounting and the slot pools disagree")
+            self._held += size
+        return self._new_slot(size)
+
+    def recycle(self, weights: ExpertWeights) -> None:
+        """Take a slot back (the cache calls this once the version in it is unpublished and unpinned)."""
+        if weights.slot is not None and not weights.transient:
+            with self._lock:
+                self._pools.setdefault(self.slot_bytes[weights.bits], []).append(weights.slot)
+
+    def _scratch(self) -> _ThreadScratch:
+        scratch = getattr(self._local, "scratch", None)
+        if scratch is None:
+            scratch = self._local.scratch = _ThreadScratch()
+            cuda = self.device.type == "cuda"
+            if not self.packed or cuda:
+                scratch.read = torch.empty(self.read_nbytes, dtype=torch.uint8, device="cpu", pin_memory=cuda)
+            if not self.packed and cuda:
+                scratch.staging = torch.empty(self.read_nbytes, dtype=torch.uint8, device=self.device)
+            if not self.packed and self.kernels is None:
+                scratch.codes = DequantScratch(max(self.numels), self.device)
+        return scratch
+
+    # --- loads
+
+    def load(self, layer: int, expert: int, bits: int) -> ExpertWeights:
+        slot = self._take(self.slot_bytes[bits])
+        try:
+            return self._load_into(slot, layer, expert, bits, transient=False)
+        except BaseException:
+            with self._lock:
+                self._pools.setdefault(self.slot_bytes[bits], []).append(slot)
+            raise
+
+    def load_transient(self, layer: int, expert: int, bits: int) -> ExpertWeights:
+        """Load into the calling thread's bypass slot (valid until this thread's next transient load)."""
+        scratch = self._scratch()
+        if scratch.transient is None:
+            scratch.transient = self._new_slot(self.largest_slot)
+        return self._load_into(scratch.transient, layer, expert, bits, transient=True)
+
+    def _load_into(self, slot: torch.Tensor, layer: int, expert: int, bits: int, transient: bool) -> ExpertWeights:
+        started = time.perf_counter()
+        if self.packed:
+            weights = self._read_packed(slot, layer, expert, bits)
+        else:
+            weights = self._read_expanded(slot, layer, expert, bits)
+        elapsed = time.perf_counter() - started
+        with self._lock:
+            total = self.load_seconds.setdefault(bits, [0.0, 0])
+            total[0] += elapsed
+            total[1] += 1
+        return ExpertWeights(bits, *weights, slot=slot, transient=transient)
+
+    def _read_packed(self, slot: torch.Tensor, layer: int, expert: int, bits: int) -> tuple[PackedWeight, ...]:
+        if self.device.type == "cpu":
+            return self.artifact.read_expert(layer, expert, bits, slot)
+        host = self._scratch().read
+        packed = self.artifact.read_expert(layer, expert, bits, host)
+        moved = tuple(_to_device(weight, slot) for weight in packed)
+        torch.cuda.current_stream(self.device).synchronize()  # the host buffer is reused by this thread's next load
+        return moved
+
+    def _read_expanded(self, slot: torch.Tensor, layer: int, expert: int, bits: int) -> tuple[torch.Tensor, ...]:
+        scratch = self._scratch()
+        packed = self.artifact.read_expert(layer, expert, bits, scratch.read)
+        if scratch.staging is not None:
+            packed = tuple(_to_device(weight, scratch.staging) for weight in packed)
+        gate_up, down = (part.view(shape) for part, shape in zip(slot.split(self.numels), self.shapes, strict=True))
+        for out, weight in zip((gate_up, down), packed, strict=True):
+            if self.kernels is None or not self.kernels.dequantize(out, weight.codes, weight.bits, weight.scale,
+                                                                   weight.zero):
+                dequantize_packed_into(out, weight, scratch.codes)
+        if scratch.staging is not None:  # the staging buffer is reused by this thread's next load
+            torch.cuda.current_stream(self.device).synchronize()
+        return gate_up, down
+
+    def mean_load_seconds(self, bits: int) -> float:
+        """Measured mean seconds of one load at `bits` (the mean over all widths before the first at `bits`; 1.0
+        before any load): T_e of the cost model."""
+        total = self.load_seconds.get(bits)
+        if total and total[1]:
+            return total[0] / total[1]
+        done = [t for t in self.load_seconds.values() if t[1]]
+        return sum(t[0] for t in done) / sum(t[1] for t in done) if done else 1.0
+
+
+def _to_device(weight: PackedWeight, target: torch.Tensor) -> PackedWeight:
+    """The packed weight's tensors copied, as packed bytes, into the device buffer `target` at the byte offsets they
+    have in the host read buffer (both buffers are laid out alike)."""
+    moved = []
+    for tensor in (weight.codes, weight.scale, weight.zero):
+        start = tensor.storage_offset() * tensor.element_size()
+        part = target[start:start + tensor.numel() * tensor.element_size()].view(tensor.dtype).view(tensor.shape)
+        part.copy_(tensor, non_blocking=True)
+        moved.append(part)
+    return PackedWeight(*moved, weight.bits, weight.shape)

@@ -1,0 +1,180 @@
+"""Every hexq command on a GPU, every number compared with the CPU's: the check scripts/gpu_check.sh runs.
+
+For the reference model and a 2-layer Qwen3-30B-A3B-shaped checkpoint: calibrate (on the GPU, and the reference
+model on the CPU too), pack, eval (GPU and CPU), run (perplexity in bf16 and fp32, greedy generation, decode
+speed) and export, then the GPU tests (pytest -m gpu). Prints one table: each number, the CPU's, their relative
+difference and the tolerance it is held to (a row past its tolerance fails the check, exit 1). Results go to a JSON
+file (README renders the table from it).
+
+Tolerances. eval on GPU vs CPU: the same float32 streamed computation on two devices (different summation orders):
+1e-4. run vs eval: the served model (bf16 or fp32, packed kernels) against the streamed float32 evaluation: 1e-3,
+the runtime's accuracy goal. A CUDA-calibrated artifact against the CPU-calibrated one (GPTQ in float32 on two
+devices takes different rounding paths): 1%. Timings are reported, not compared.
+
+Run `DEVICE=cpu python scripts/gpu_check.py --size tiny` on any machine to check the script itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+HEXQ = [sys.executable, "-m", "hexq_cli.main"]
+
+
+class Check:
+    def __init__(self, work: Path, device: str) -> None:
+        self.work, self.device = work, device
+        self.rows: list[dict] = []
+        self.log = (work / "gpu_check.log").open("a")
+
+    def hexq(self, *args: str, timeout: int = 900) -> tuple[float, str]:
+        """Run one hexq command; (seconds, output). A failed command is a row of its own and raises."""
+        started = time.perf_counter()
+        done = subprocess.run([*HEXQ, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        seconds = time.perf_counter() - started
+        self.log.write(f"$ hexq {' '.join(args)}  ({seconds:.1f} s, exit {done.returncode})\n{done.stdout}\n"
+                       f"{done.stderr}\n")
+        self.log.flush()
+        if done.returncode != 0:
+            raise RuntimeError(f"hexq {' '.join(args)} failed: {done.stderr.strip().splitlines()[-1:]}")
+        return seconds, done.stdout
+
+    def compare(self, model: str, what: str, value: float, reference: float | None, tolerance: float | None,
+                unit: str = "") -> None:
+        change = None if reference is None else abs(value / reference - 1)
+        ok = None if tolerance is None or change is None else change <= tolerance
+        self.rows.append({"model": model, "what": what, "value": value, "reference": reference, "change": change,
+                          "tolerance": tolerance, "unit": unit, "ok": ok})
+        print(format_row(self.rows[-1]), flush=True)
+
+    def eval_ppl(self, target: Path, device: str, windows: int, seqlen: int) -> float:
+        out = self.work / f"eval-{target.name}-{device}.json"
+        self.hexq("eval", str(target), "-d", "austen", "-n", str(windows), "-L", str(seqlen), "--device", device,
+                  "--json", str(out))
+        return json.loads(out.read_text())["results"][0]["perplexity"]
+
+    def run_ppl(self, artifact: Path, device: str, dtype: str, windows: int, seqlen: int) -> dict:
+        out = self.work / f"run-{artifact.name}-{device}-{dtype}.json"
+        self.hexq("run", str(artifact), "--ppl", "austen", "-n", str(windows), "-L", str(seqlen), "--device", device,
+                  "--dtype", dtype, "--json", str(out))
+        return json.loads(out.read_text())
+
+    def generate(self, artifact: Path, device: str, tokens: int) -> dict:
+        out = self.work / f"gen-{artifact.name}-{device}.json"
+        self.hexq("run", str(artifact), "--prompt", "It is a truth universally acknowledged", "-m", str(tokens),
+                  "--device", device, "--json", str(out))
+        return json.loads(out.read_text())
+
+
+def format_row(row: dict) -> str:
+    value = f"{row['value']:.4g}{row['unit']}"
+    if row["reference"] is None:
+        return f"| {row['model']} | {row['what']} | {value} | | | |"
+    verdict = "ok" if row["ok"] else "FAIL"
+    return (f"| {row['model']} | {row['what']} | {value} | {row['reference']:.4g}{row['unit']} | "
+            f"{row['change']:.2e} | <= {row['tolerance']:g} {verdict} |")
+
+
+def check_model(check: Check, name: str, model: Path, windows: int, seqlen: int, calib_windows: int,
+                cpu_calibration: bool, decode_tokens: int) -> None:
+    device, work = check.device, check.work
+    calibration = work / f"{name}-cal-{device}"
+    seconds, _ = check.hexq("calibrate", str(model), "-r", "experts-mixed", "-n", str(calib_windows), "--device",
+                            device, "--out", str(calibration), "--force")
+    layers = json.loads((calibration / "manifest.json").read_text())["model"]["layers"]
+    check.compare(name, f"calibrate on {device}: seconds per layer ({calib_windows} windows)", seconds / layers,
+                  None, None, " s")
+    artifact = work / f"{name}-{device}.hexq"
+    check.hexq("pack", str(calibration), "--bits", "3", "--out", str(artifact), "--force")
+    cpu_eval = check.eval_ppl(artifact, "cpu", windows, seqlen)
+    check.compare(name, "eval, CPU", cpu_eval, None, None)
+    if device != "cpu":
+        check.compare(name, f"eval on {device} vs CPU", check.eval_ppl(artifact, device, windows, seqlen), cpu_eval,
+                      1e-4)
+    for dtype in ("bf16", "fp32"):
+        served = check.run_ppl(artifact, device, dtype, windows, seqlen)
+        check.compare(name, f"run --ppl on {device} ({dtype}, {served['stats']['kernel_path']}) vs eval",
+                      served["perplexity"], cpu_eval, 1e-3)
+    generated = check.generate(artifact, device, decode_tokens)
+    stats = generated["stats"]
+    check.compare(name, f"run decode on {device}: ms per token ({stats['kernel_path']})",
+                  1000 * stats["tpot_seconds"], None, None, " ms")
+    if device != "cpu":
+        reference = check.generate(artifact, "cpu", decode_tokens)
+        same = common_prefix(generated["text"], reference["text"])
+        check.compare(name, f"greedy text on {device}: characters equal to the CPU's", same,
+                      len(reference["text"]), None)
+    if cpu_calibration and device != "cpu":
+        cpu_cal = work / f"{name}-cal-cpu"
+        check.hexq("calibrate", str(model), "-r", "experts-mixed", "-n", str(calib_windows), "--device", "cpu",
+                   "--out", str(cpu_cal), "--force")
+        cpu_artifact = work / f"{name}-cpu.hexq"
+        check.hexq("pack", str(cpu_cal), "--bits", "3", "--out", str(cpu_artifact), "--force")
+        check.compare(name, f"artifact calibrated on {device} vs on CPU (eval, CPU)", cpu_eval,
+                      check.eval_ppl(cpu_artifact, "cpu", windows, seqlen), 1e-2)
+    export = work / f"{name}-ct"
+    check.hexq("export", str(artifact), "-o", str(export), "-n", "2", "-L", str(seqlen), "--force", "--json",
+               str(work / f"export-{name}.json"))
+    served = json.loads((work / f"export-{name}.json").read_text())["check"]["vs_served"]
+    # the export publishes only within its own limits (relative L2 of the logits); the perplexity is shown against 1%
+    check.compare(name, "export reloaded vs served (ppl)", served["ppl_model"], served["ppl_reference"], 1e-2)
+    shutil.rmtree(export, ignore_errors=True)
+
+
+def common_prefix(a: str, b: str) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work", type=Path, default=Path(os.environ.get("OUT", "gpu-check")))
+    parser.add_argument("--size", choices=("tiny", "real"), default="real",
+                        help="real: the reference model and a 2-layer Qwen3-30B-A3B-shaped checkpoint; tiny: the "
+                             "reference model at a few windows (to check the script).")
+    parser.add_argument("--skip-tests", action="store_true")
+    args = parser.parse_args()
+    device = os.environ.get("DEVICE", "cuda")
+    args.work.mkdir(parents=True, exist_ok=True)
+    check = Check(args.work, device)
+    started = time.perf_counter()
+    print("| model | what | value | CPU | change | tolerance |\n|---|---|---|---|---|---|", flush=True)
+    tiny = args.size == "tiny"
+    check_model(check, "qwen3moe", ROOT / "models" / "hexq-tiny-qwen3moe", windows=4 if tiny else 16, seqlen=256,
+                calib_windows=8 if tiny else 32, cpu_calibration=not tiny, decode_tokens=16 if tiny else 64)
+    if not tiny:
+        checkpoint = args.work / "qwen3-30b-a3b-2layers"
+        if not checkpoint.exists():
+            subprocess.run([sys.executable, str(ROOT / "scripts" / "make_checkpoint.py"), "--family", "qwen3_moe",
+                            "--size", "published", "--layers", "2", "--vocab", "8192", "--out", str(checkpoint)],
+                           check=True, cwd=ROOT)
+        check_model(check, "qwen3-30b-a3b x2", checkpoint, windows=4, seqlen=256, calib_windows=128,
+                    cpu_calibration=False, decode_tokens=32)
+        shutil.rmtree(checkpoint, ignore_errors=True)
+    if not args.skip_tests and device != "cpu":
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests"],
+                              capture_output=True, text=True, cwd=ROOT)
+        check.log.write(done.stdout + done.stderr)
+        summary = (done.stdout.strip().splitlines() or ["no output"])[-1]
+        check.rows.append({"model": "tests", "what": f"pytest -m gpu: {summary}", "value": done.returncode,
+                           "reference": None, "change": None, "tolerance": None, "unit": "", "ok": done.returncode == 0})
+        print(format_row(check.rows[-1]), flush=True)
+    results = {"device": device, "seconds": time.perf_counter() - started, "rows": check.rows,
+               "torch": __import__("torch").__version__,
+               "gpu": __import__("torch").cuda.get_device_name() if device.startswith("cuda") else None}
+    (args.work / "gpu_check.json").write_text(json.dumps(results, indent=1))
+    failed = [row for row in check.rows if row["ok"] is False]
+    print(f"\n{len(check.rows)} rows, {len(failed)} past tolerance, {results['seconds']:.0f} s")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

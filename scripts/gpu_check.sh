@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Every hexq command on CUDA against the CPU's numbers (scripts/gpu_check.py says what and to which tolerance), then
+# the GPU tests (pytest -m gpu). For a GPU machine with torch and transformers but no hexq install: the repository
+# goes on PYTHONPATH, the CLI under its installed name (hexq_cli), and wheels in .whl/ (packages the machine lacks,
+# e.g. compressed-tensors for the export's check) into a temporary site folder.
+#   scripts/gpu_check.sh                  # reference model + a 2-layer Qwen3-30B-A3B-shaped checkpoint, ~6 min
+#   DEVICE=cpu scripts/gpu_check.sh --size tiny   # the script itself, on any machine
+set -euo pipefail
+cd "$(dirname "$0")/.."
+site="$(mktemp -d)"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl/*.whl
+fi
+python3 -c "import hexq_cli" 2>/dev/null || ln -s "$PWD/cli" "$site/hexq_cli"
+export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+exec python3 scripts/gpu_check.py "$@"

@@ -1,0 +1,144 @@
+"""hexq run computing from the packed codes: the same perplexity as `hexq eval` on every device and dtype, the
+kernels' path in the stats, the packed cache's bytes, and the start-up self-check that refuses wrong numbers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hexq.errors import HexqError
+from hexq.eval.perplexity import make_windows
+from hexq.eval.run import runtime_perplexity
+from hexq.packed import triton as gpu
+from hexq.packed.cpu import available_paths, load_cpu_kernels
+from hexq.runtime.compute import Compute, Profiles
+from hexq.runtime.engine import Runtime
+from hexq.runtime.model import artifact_model
+from hexq.streaming import stream_nll
+from tests.conftest import DEVICES
+
+KERNELS = load_cpu_kernels()
+IDS = torch.randint(0, 8192, (260,), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.fixture(scope="module")
+def eval_perplexity(packed_artifact):
+    """`hexq eval` of the artifact (streamed, float32) on 5 windows of 52 tokens."""
+    streamed, _, prepare = artifact_model(packed_artifact, torch.device("cpu"))
+    return math.exp(float(stream_nll(streamed, make_windows(IDS, 52), 1, prepare).sum()) / (5 * 51))
+
+
+def from_codes(runtime: Runtime) -> Runtime:
+    """Every matrix the kernels take computed from its codes, whatever the measured cost model would pick (on these
+    tiny matrices it expands: one call's overhead outweighs the bytes)."""
+    runtime.compute.profiles = Profiles()
+    return runtime
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("cache", ["packed", "packed-codes", "bf16"])
+def test_run_matches_eval_on_every_device(packed_artifact, eval_perplexity, device, dtype, cache):
+    """The check `hexq run` and `hexq eval` share: the served perplexity within 0.1% of the streamed evaluation, on
+    every device this machine has, in both dtypes, from the codes, as the cost model picks, and from expanded
+    weights."""
+    with Runtime(packed_artifact, device=device, dtype=dtype, cache=cache.removesuffix("-codes")) as runtime:
+        if cache == "packed-codes":
+            from_codes(runtime)
+        got, scored, _ = runtime_perplexity(runtime, IDS, 52, None)
+        stats = runtime.stats()
+    assert scored == 5 * 51 and abs(got / eval_perplexity - 1) <= 1e-3, (got, eval_perplexity)
+    if device == "cpu" and KERNELS is not None and cache == "packed-codes":
+        assert stats.kernel_path == KERNELS.path and stats.gemv_rows > 0 and stats.expanded_experts == 0
+
+
+@pytest.mark.skipif(KERNELS is None, reason="no C compiler: the CPU kernels cannot be built here")
+@pytest.mark.parametrize("path", available_paths(KERNELS.library) if KERNELS else [])
+def test_every_cpu_path_serves_the_same_model(packed_artifact, eval_perplexity, path, monkeypatch):
+    monkeypatch.setenv("HEXQ_CPU_PATH", path)
+    with Runtime(packed_artifact, dtype="fp32") as runtime:
+        got, _, _ = runtime_perplexity(from_codes(runtime), IDS, 52, 2)
+        assert runtime.stats().kernel_path == path
+    streamed, _, prepare = artifact_model(packed_artifact, torch.device("cpu"))
+    want = math.exp(float(stream_nll(streamed, make_windows(IDS, 52, 2), 1, prepare).sum()) / (2 * 51))
+    assert abs(got / want - 1) <= 1e-3
+
+
+def test_decode_from_the_codes_tracks_the_exact_model(packed_artifact):
+    """Token by token (the GEMV path of decode), the logits stay within float32-level noise of the exact mode."""
+    exact = Runtime(packed_artifact, dtype="fp32", cache="fp32", kernels="torch")
+    served = from_codes(Runtime(packed_artifact, dtype="fp32"))
+    try:
+        ids = IDS[:12][None]
+        want = exact.forward(ids).logits
+        got = served.forward(ids).logits
+        assert float((got - want).norm() / want.norm()) <= 1e-3
+        past_a = past_b = None
+        for token in IDS[12:20].tolist():  # one token at a time with the KV cache: decode
+            step = torch.tensor([[token]])
+            a = exact.model(step, past_key_values=past_a, use_cache=True)
+            b = served.model(step, past_key_values=past_b, use_cache=True)
+            past_a, past_b = a.past_key_values, b.past_key_values
+            assert float((b.logits - a.logits).norm() / a.logits.norm()) <= 1e-3
+        assert served.stats().gemv_rows > 0 or KERNELS is None
+    finally:
+        exact.close()
+        served.close()
+
+
+def test_packed_cache_holds_the_stored_bytes(packed_artifact):
+    """The fast tier counts packed bytes: every expert at its allocation in ~bits/16 of its bf16 bytes."""
+    with Runtime(packed_artifact, warm="none") as packed, Runtime(packed_artifact, warm="none", cache="bf16") as bf16:
+        ratio = packed.expert_bytes / bf16.expert_bytes
+        average = packed.artifact.manifest["allocation"]["average_bits"]
+        # codes at the average width plus a float16 scale and zero per 32 weights (1 bit each), slots rounded to 64 B
+        assert average / 16 < ratio < (average + 1) / 16 * 1.1
+        sizes = [packed.source.slot_bytes[b] for b in sorted(packed.source.slot_bytes)]
+        assert sizes == sorted(set(sizes)) and sizes[-1] < bf16.source.largest_slot
+
+
+def test_self_check_refuses_wrong_numbers(packed_artifact, monkeypatch):
+    """A computation that is off (here: every expert output doubled, as a wrong dequantization would be) stops the
+    runtime at start-up with one line, instead of serving wrong perplexities."""
+    original = Compute.experts
+
+    def doubled(self, x, batch, y, act_fn, quantizers):
+        original(self, x, batch, y, act_fn, quantizers)
+        y.mul_(2.0)
+
+    monkeypatch.setattr(Compute, "experts", doubled)
+    with pytest.raises(HexqError, match="refusing to serve wrong numbers"):
+        Runtime(packed_artifact)
+
+
+@pytest.mark.skipif(not gpu.available(), reason="triton is not installed")
+def test_gpu_path_serves_the_same_model(packed_artifact, eval_perplexity):
+    """The CUDA path - every expert resident in one arena per layer, one Triton launch per projection, dense linears
+    through the same kernel - on CUDA where there is one, else in Triton's CPU interpreter: the same perplexity."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with Runtime(packed_artifact, device=device, kernels="triton", dtype="fp32") as runtime:
+        assert all(m.resident is not None for m in runtime.model.modules() if hasattr(m, "resident"))
+        got, _, _ = runtime_perplexity(runtime, IDS, 52, 1)
+        stats = runtime.stats()
+        text, _ = runtime.generate("It is a truth", 2)
+    streamed, _, prepare = artifact_model(packed_artifact, torch.device("cpu"))
+    want = math.exp(float(stream_nll(streamed, make_windows(IDS, 52, 1), 1, prepare).sum()) / 51)
+    assert abs(got / want - 1) <= 1e-3 and stats.kernel_path == "triton" and stats.cache.misses == 0
+    assert text
+
+
+def test_cost_model_latencies_are_measured_once_and_kept(packed_artifact, tmp_path, monkeypatch):
+    """The first runtime on a machine measures the latencies and keeps them; the next one reads them, so both make
+    the same GEMV-or-expand choices and compute the same bits."""
+    monkeypatch.setenv("HEXQ_CACHE_DIR", str(tmp_path))
+    ids = IDS[:40][None]
+    with Runtime(packed_artifact) as first:
+        logits = first.forward(ids).logits
+        profiles = first.compute.profiles
+    kept = sorted((tmp_path / "profiles").glob("*.json")) if KERNELS is not None else []
+    assert len(kept) == (2 if KERNELS is not None else 0)
+    with Runtime(packed_artifact, budget_bytes=first.source.largest_slot * 3) as second:
+        assert second.compute.profiles == profiles
+        assert torch.equal(second.forward(ids).logits, logits)
