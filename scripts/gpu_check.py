@@ -164,7 +164,8 @@ def main() -> int:
         check.log.write(done.stdout + done.stderr)
         summary = (done.stdout.strip().splitlines() or ["no output"])[-1]
         check.rows.append({"model": "tests", "what": f"pytest -m gpu: {summary}", "value": done.returncode,
-                           "reference": None, "change": None, "tolerance": None, "unit": "", "ok": done.returncode == 0})
+                           "reference": None, "change": None, "tolerance": None, "unit": "",
+                           "ok": done.returncode == 0})
         print(format_row(check.rows[-1]), flush=True)
     results = {"device": device, "seconds": time.perf_counter() - started, "rows": check.rows,
                "torch": __import__("torch").__version__,
