@@ -84,7 +84,7 @@ def format_row(row: dict) -> str:
 
 
 def check_model(check: Check, name: str, model: Path, windows: int, seqlen: int, calib_windows: int,
-                cpu_calibration: bool, decode_tokens: int) -> None:
+                cpu_calibration: bool, decode_tokens: int, export: bool) -> None:
     device, work = check.device, check.work
     calibration = work / f"{name}-cal-{device}"
     seconds, _ = check.hexq("calibrate", str(model), "-r", "experts-mixed", "-n", str(calib_windows), "--device",
@@ -107,7 +107,7 @@ def check_model(check: Check, name: str, model: Path, windows: int, seqlen: int,
     stats = generated["stats"]
     check.compare(name, f"run decode on {device}: ms per token ({stats['kernel_path']})",
                   1000 * stats["tpot_seconds"], None, None, " ms")
-    if device != "cpu":
+    if device != "cpu" and export:  # a trained model: its greedy text means something
         reference = check.generate(artifact, "cpu", decode_tokens)
         same = common_prefix(generated["text"], reference["text"])
         check.compare(name, f"greedy text on {device}: characters equal to the CPU's", same,
@@ -120,6 +120,8 @@ def check_model(check: Check, name: str, model: Path, windows: int, seqlen: int,
         check.hexq("pack", str(cpu_cal), "--bits", "3", "--out", str(cpu_artifact), "--force")
         check.compare(name, f"artifact calibrated on {device} vs on CPU (eval, CPU)", cpu_eval,
                       check.eval_ppl(cpu_artifact, "cpu", windows, seqlen), 1e-2)
+    if not export:
+        return
     export = work / f"{name}-ct"
     check.hexq("export", str(artifact), "-o", str(export), "-n", "2", "-L", str(seqlen), "--force", "--json",
                str(work / f"export-{name}.json"))
@@ -148,15 +150,18 @@ def main() -> int:
     print("| model | what | value | CPU | change | tolerance |\n|---|---|---|---|---|---|", flush=True)
     tiny = args.size == "tiny"
     check_model(check, "qwen3moe", ROOT / "models" / "hexq-tiny-qwen3moe", windows=4 if tiny else 16, seqlen=256,
-                calib_windows=8 if tiny else 32, cpu_calibration=not tiny, decode_tokens=16 if tiny else 64)
+                calib_windows=8 if tiny else 32, cpu_calibration=not tiny, decode_tokens=16 if tiny else 64,
+                export=True)
     if not tiny:
         checkpoint = args.work / "qwen3-30b-a3b-2layers"
         if not checkpoint.exists():
             subprocess.run([sys.executable, str(ROOT / "scripts" / "make_checkpoint.py"), "--family", "qwen3_moe",
                             "--size", "published", "--layers", "2", "--vocab", "8192", "--out", str(checkpoint)],
                            check=True, cwd=ROOT)
+        # a random-weight checkpoint: calibration time, eval/run agreement and decode speed mean something here,
+        # its text and an export check do not (the export at real size is measured on the CPU: README)
         check_model(check, "qwen3-30b-a3b x2", checkpoint, windows=4, seqlen=256, calib_windows=128,
-                    cpu_calibration=False, decode_tokens=32)
+                    cpu_calibration=False, decode_tokens=32, export=False)
         shutil.rmtree(checkpoint, ignore_errors=True)
     if not args.skip_tests and device != "cpu":
         done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests"],

@@ -10,7 +10,8 @@ from hexq.algos.quant import QuantMeta, QuantSpec, dequantize, quantize
 from hexq.artifact.bitpack import pack_bits
 from hexq.packed import triton as kernels
 
-pytestmark = pytest.mark.skipif(not kernels.available(), reason="triton is not installed")
+# gpu: scripts/gpu_check.sh selects them (-m gpu) to run on CUDA; elsewhere they run in the interpreter
+pytestmark = [pytest.mark.skipif(not kernels.available(), reason="triton is not installed"), pytest.mark.gpu]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 

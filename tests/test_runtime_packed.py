@@ -113,6 +113,7 @@ def test_self_check_refuses_wrong_numbers(packed_artifact, monkeypatch):
         Runtime(packed_artifact)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not gpu.available(), reason="triton is not installed")
 def test_gpu_path_serves_the_same_model(packed_artifact, eval_perplexity):
     """The CUDA path - every expert resident in one arena per layer, one Triton launch per projection, dense linears
