@@ -92,6 +92,10 @@ def check_model(check: Check, name: str, model: Path, windows: int, seqlen: int,
     layers = json.loads((calibration / "manifest.json").read_text())["model"]["layers"]
     check.compare(name, f"calibrate on {device}: seconds per layer ({calib_windows} windows)", seconds / layers,
                   None, None, " s")
+    stages = json.loads((calibration / "timings.json").read_text()).get("stages", {})
+    for stage in sorted({stage for layer in stages.values() for stage in layer}):
+        check.compare(name, f"  of which {stage} (mean per layer)",
+                      sum(layer.get(stage, 0.0) for layer in stages.values()) / max(1, len(stages)), None, None, " s")
     artifact = work / f"{name}-{device}.hexq"
     check.hexq("pack", str(calibration), "--bits", "3", "--out", str(artifact), "--force")
     cpu_eval = check.eval_ppl(artifact, "cpu", windows, seqlen)
