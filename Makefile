@@ -29,8 +29,10 @@ demo: setup
 	$(BIN)/hexq run $(DEMO)/model.hexq --ppl austen --windows 50 --budget $(BUDGET) --stats
 	$(BIN)/hexq run $(DEMO)/model.hexq --prompt '"My dear Mr. Bennet," said his lady to him one day,' --budget $(BUDGET) --stats
 
+# ruff, then the import layers and the no-cycle rule of pyproject's [tool.importlinter] contracts.
 lint: setup
 	$(BIN)/ruff check hexq cli tests scripts benchmarks
+	$(BIN)/lint-imports
 
 # Unit and end-to-end tests (slow ones deselected; -rs lists why any test skipped), then the perplexity gate
 # against tests/baselines/ppl.

@@ -39,7 +39,7 @@ and tokenizer).
 Also measured: perplexity of each reference model with the dense part and the fast tier in fp32 or bf16 (the four
 combinations, all experts resident, --windows windows of 256 tokens of held-out austen); and the dequantization rate
 of a miss on a Qwen3-30B-A3B expert (gate_up [1536, 2048], down [2048, 768], groups of 32) into bf16 and fp32 with
-the kernel (hexq.runtime.kernel) and with torch ops, against a copy of the same output bytes.
+the kernel (hexq.packed.kernel) and with torch ops, against a copy of the same output bytes.
 """
 
 from __future__ import annotations
@@ -268,7 +268,7 @@ def child_overhead(spec: dict) -> dict:
     """The fixed overhead: interpreter, torch, transformers, hexq, the tokenizer and the meta skeleton, no weights."""
     import torch
 
-    from hexq.artifact.format import Artifact
+    from hexq.artifact.reader import Artifact
     from hexq.runtime.engine import Runtime  # noqa: F401  (imported for its imports: what `hexq run` loads)
     from hexq.runtime.model import artifact_tokenizer, skeleton
 
@@ -318,9 +318,9 @@ def dequant_rate(reps: int) -> list[dict]:
     from dequant_speed import GROUP_SIZE, SHAPES, median_seconds  # the expert shapes and timing of that benchmark
 
     from hexq.algos.quant import QuantSpec, quantize
-    from hexq.artifact.bitpack import DequantScratch, pack_bits
-    from hexq.artifact.format import PackedWeight, dequantize_packed_into
-    from hexq.runtime.kernel import load_kernel
+    from hexq.packed.bitpack import DequantScratch, pack_bits
+    from hexq.packed.kernel import load_kernel
+    from hexq.packed.weight import PackedWeight, dequantize_packed_into
 
     kernel = load_kernel()
     generator = torch.Generator(device="cpu").manual_seed(0)
@@ -356,8 +356,8 @@ def dequant_rate(reps: int) -> list[dict]:
 
 
 def artifact_for(name: str, work: Path) -> Path:
-    from hexq.artifact.pack import Budget, pack
     from hexq.calib.pipeline import calibrate
+    from hexq.pack import Budget, pack
     from hexq.recipe import Calibration, load_recipe
 
     out = work / f"{name}-3.0.hexq"
@@ -374,7 +374,7 @@ def sizes(artifact: Path) -> dict:
     """Bytes of the dense part and of every expert in bf16, and the artifact's prompt text."""
     import torch
 
-    from hexq.artifact.format import Artifact
+    from hexq.artifact.reader import Artifact
     from hexq.data import eval_text, tokenize
     from hexq.runtime.engine import ArtifactSource
     from hexq.runtime.model import artifact_tokenizer, dense_plan_bytes, skeleton

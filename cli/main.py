@@ -236,10 +236,11 @@ def pack_command(
                                                "(default: the calibration's recipe).")] = None,
     bits: Annotated[float | None, typer.Option("--bits", help="Average bits per expert in every layer "
                                                "(default: the recipe's pack.avg_bits).")] = None,
-    budget: Annotated[str | None, typer.Option("--budget", help="Bytes for all routed experts of the model, "
-                                               "e.g. 3MB or 2.5MiB; split across layers by the recipe's "
-                                               "pack.schedule.")] = None,
-    schedule: Annotated[str | None, typer.Option("--schedule", help="How --budget is split across layers: "
+    expert_bytes: Annotated[str | None, typer.Option("--expert-bytes", help="Stored bytes for all routed experts of "
+                                                     "the model, e.g. 3MB or 2.5MiB; split across layers by the "
+                                                     "recipe's pack.schedule.")] = None,
+    old_budget: Annotated[str | None, typer.Option("--budget", hidden=True)] = None,
+    schedule: Annotated[str | None, typer.Option("--schedule", help="How --expert-bytes is split across layers: "
                                                  "uniform or cosine (deeper layers get less).")] = None,
     bank: Annotated[str | None, typer.Option("--bank", help="Widths kept for every expert besides its allocated one, "
                                              "for run policies that change precision: widths (2,4), policy names "
@@ -252,12 +253,14 @@ def pack_command(
     """Importance, hot-expert placement, bit allocation and one packed, checksummed artifact."""
     from dataclasses import replace
 
-    from hexq.artifact.pack import Budget, pack
+    from hexq.pack import Budget, pack
     from hexq.recipe import load_recipe
     from hexq.units import format_bytes, parse_bytes
 
-    if bits is not None and budget is not None:
-        raise HexqError("give either --bits (average per layer) or --budget (bytes for the model), not both")
+    if old_budget is not None:  # `hexq run --budget` is cache memory; pack's byte budget says what it counts
+        raise HexqError(f"hexq pack --budget is now --expert-bytes: pass --expert-bytes {old_budget}")
+    if bits is not None and expert_bytes is not None:
+        raise HexqError("give either --bits (average per layer) or --expert-bytes (bytes for the model), not both")
     settings = load_recipe(recipe).pack if recipe else None
     if schedule is not None:
         from hexq.calib.store import read_manifest
@@ -265,7 +268,7 @@ def pack_command(
 
         base = settings or recipe_from_dict(read_manifest(calibration)["recipe"]).pack
         settings = replace(base, schedule=schedule)
-    chosen = (Budget(total_bytes=parse_bytes(budget)) if budget is not None
+    chosen = (Budget(total_bytes=parse_bytes(expert_bytes)) if expert_bytes is not None
               else Budget(avg_bits=bits) if bits is not None else None)
     banked = tuple(item.strip() for item in bank.split(",") if item.strip()) if bank else ()
     with progress_bar() as bar:
@@ -347,7 +350,7 @@ def export(
 ) -> None:
     """Write a compressed-tensors checkpoint one layer at a time, keeping every calibrated code it can express,
     and check it against the model hexq run serves."""
-    from hexq.export import export_artifact
+    from hexq.export.command import export_artifact
     from hexq.io import write_json_atomic
     from hexq.units import format_bytes, parse_bytes
 
@@ -355,7 +358,7 @@ def export(
         report = staged(bar, f"export {artifact.name}: layers")
         summary = export_artifact(artifact, out, experts, force, source, windows, seqlen, data, check,
                                   parse_bytes(shard_size), report)
-    from hexq.artifact.export import vllm_support
+    from hexq.export.codec import vllm_support
 
     table = Table(title=f"{out}: routed experts per layer (dense: {summary.dense.name}, vLLM: "
                         f"{vllm_support(summary.dense, experts=False)})")

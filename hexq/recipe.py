@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from hexq.algos.gptq import ACT_ORDERS
+from hexq.algos.placement import SCHEMES
 from hexq.algos.quant import QuantSpec
 from hexq.data import bundled_folder
 from hexq.errors import HexqError
@@ -55,7 +56,7 @@ SMOOTHING_GROUPS = ("attention", "moe")  # input norm -> q,k,v; post-attention n
 EXPERT_MODES = ("uniform", "replicas")
 EXPORT_TARGETS = ("vllm",)  # experts.export_target: the grid hexq export writes routed experts on
 MOE_OBJECTIVES = ("routed", "all")  # HAQ's MoE-group objective: experts on their routed tokens, or on every token
-PLACEMENT_SCHEMES = ("paths", "frequency", "two_stage")  # 003 Algorithm 2: schemes 1, 2 and 3
+PLACEMENT_SCHEMES = tuple(SCHEMES.values())  # 003 Algorithm 2: schemes 1, 2 and 3
 BUDGET_SCHEDULES = ("uniform", "cosine")  # how one byte budget is split across layers (004 §4.3)
 
 

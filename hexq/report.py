@@ -40,9 +40,10 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
 from matplotlib.ticker import MaxNLocator, PercentFormatter
 
-from hexq.algos.placement import frequency_placement, hit_rates, path_placement, two_stage_placement
-from hexq.artifact.format import STATS_SHARD, Artifact
+from hexq.algos.placement import SCHEMES, hit_rates, place
+from hexq.artifact.format import STATS_SHARD
 from hexq.artifact.inspect import summarize
+from hexq.artifact.reader import Artifact
 from hexq.io import write_bytes_atomic
 from hexq.outputs import output_folder
 from hexq.units import format_bytes
@@ -56,7 +57,6 @@ PRODUCERS = {"placement.json": "python benchmarks/placement.py",
              "pack_quality.json": "python benchmarks/pack_quality.py",
              "calibrate.json": "python benchmarks/calibrate_table.py"}
 FRACTIONS = (0.25, 0.5)  # K as a share of a layer's experts, as in benchmarks/placement.py
-SCHEMES = {"1": "paths", "2": "frequency", "3": "two_stage"}  # 003 Table IV numbering -> recipe pack.placement
 SCHEME_COLORS = {"1": "tab:blue", "2": "tab:orange", "3": "tab:green"}
 # Schemes often pick the same experts; drawing them from thick to thin keeps coinciding lines visible.
 SCHEME_WIDTHS = {"1": (4.0, 9), "2": (2.5, 6.5), "3": (1.2, 4)}  # (line width, marker size)
@@ -153,8 +153,7 @@ def calibration_hit_rates(topk: torch.Tensor, counts: torch.Tensor) -> list[HitR
     rows = []
     for fraction in FRACTIONS:
         K = fraction_k(fraction, num_experts)
-        masks = {"1": path_placement(topk, num_experts, K), "2": frequency_placement(counts, K),
-                 "3": two_stage_placement(topk, num_experts, K)}
+        masks = {scheme: place(scheme, topk, counts, K) for scheme in SCHEMES}
         for scheme, mask in masks.items():
             rows.append(HitRow(scheme, K, fraction, "calibration", tuple(hit_rates(mask, topk).tolist())))
     return rows

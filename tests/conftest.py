@@ -100,7 +100,7 @@ def mixed_calibration(tiny_qwen3moe, tmp_path_factory):
 @pytest.fixture(scope="session")
 def mixed_artifact(mixed_calibration, tmp_path_factory):
     """The tiny calibration packed at 2.5 bits on average (widths 1-4 mixed in every layer)."""
-    from hexq.artifact.pack import Budget, pack
+    from hexq.pack import Budget, pack
 
     out = tmp_path_factory.mktemp("pack") / "mixed-2.5.hexq"
     pack(mixed_calibration[0], out, budget=Budget(avg_bits=2.5))

@@ -9,13 +9,14 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from hexq.artifact.bitpack import packed_nbytes, unpack_bits
 from hexq.calib import pipeline
-from hexq.calib.pipeline import calibrate, calibrated_model, open_model
+from hexq.calib.pipeline import calibrate, calibrated_model
 from hexq.calib.store import read_json
 from hexq.errors import HexqError
+from hexq.layer_pass import full_precision_plan, stream_logits
+from hexq.packed.bitpack import packed_nbytes, unpack_bits
 from hexq.recipe import Calibration, Experts, WeightQuant
-from hexq.streaming import full_precision_plan, stream_logits
+from hexq.streaming import open_model
 from hexq_cli.main import app
 from tests.conftest import small_recipe
 

@@ -5,9 +5,10 @@ import pytest
 import torch
 
 from hexq.algos.quant import QuantSpec, quantize
-from hexq.artifact.bitpack import dequantize_into, pack_bits
-from hexq.artifact.format import Artifact, PackedWeight, spans_buffer_nbytes
-from hexq.runtime.kernel import dequantize_packed_fast, load_kernel
+from hexq.artifact.reader import Artifact, spans_buffer_nbytes
+from hexq.packed.bitpack import dequantize_into, pack_bits
+from hexq.packed.kernel import dequantize_packed_fast, load_kernel
+from hexq.packed.weight import PackedWeight
 
 KERNEL = load_kernel()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no C compiler or no AVX-512 VBMI on this machine: the "

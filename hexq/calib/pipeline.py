@@ -27,12 +27,11 @@ from pathlib import Path
 import torch
 
 from hexq import __version__
-from hexq.adapters import MoEAdapter, check_moe_layers
+from hexq.adapters import MoEAdapter
 from hexq.algos.gptq import factorize_hessians, gptq_bank, gptq_replicas
 from hexq.algos.hessian import blend_cold_hessian
 from hexq.algos.quant import QuantMeta, QuantSpec, quantize
 from hexq.algos.smoothing import search_exponent, search_exponent_routed, smoothquant_scales
-from hexq.artifact.format import dequantize_packed
 from hexq.calib.capture import (
     RoutingStats,
     SiteStats,
@@ -48,13 +47,13 @@ from hexq.calib.store import (
     ExpertBank,
     bank_path,
     bank_weights,
+    calibration_source,
     differing_inputs,
     is_finished,
     layer_file_records,
     layer_meta,
     layers_done,
     load_layer,
-    model_fingerprint,
     open_bank,
     packed_matrix,
     progress_files,
@@ -65,10 +64,12 @@ from hexq.calib.store import (
     tensor_fingerprint,
     write_progress,
 )
-from hexq.checkpoint import Checkpoint
 from hexq.data import calibration_windows
 from hexq.errors import HexqError
 from hexq.io import write_json_atomic, write_sealed_json
+from hexq.layer_pass import ExpertCompute, expert_chunk, run_layer
+from hexq.models import model_fingerprint
+from hexq.packed.weight import PROJECTIONS, dequantize_packed
 from hexq.recipe import Recipe, WeightQuant, calibration_hash, recipe_from_dict, recipe_to_dict, validate_for_model
 from hexq.simulate import (
     RoutedTokens,
@@ -78,16 +79,8 @@ from hexq.simulate import (
     expert_output,
     quantized_expert_output,
 )
-from hexq.streaming import (
-    ExpertCompute,
-    HiddenStore,
-    LoadedLayer,
-    StreamedModel,
-    expert_chunk,
-    run_layer,
-)
+from hexq.streaming import HiddenStore, LoadedLayer, StreamedModel, open_model
 
-PROJECTIONS = ("gate_up", "down")
 Progress = Callable[[str, int, int], None]  # (what, done, total)
 # Working memory for one chunk of experts' GPTQ (weights of every width stacked, Hessians and factors, float32).
 GPTQ_CHUNK_BYTES = 1 << 30
@@ -530,24 +523,6 @@ def model_widths(streamed: StreamedModel) -> dict[str, int]:
     return widths
 
 
-def open_model(model_path: Path, device: torch.device) -> tuple[StreamedModel, object]:
-    """(streamed model, tokenizer) of a local Hugging Face checkpoint folder."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    from hexq.models import check_moe_folder
-
-    check_moe_folder(model_path)
-    checkpoint = Checkpoint(model_path)
-    try:
-        config = AutoConfig.from_pretrained(model_path, local_files_only=True)
-        tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise HexqError(f"cannot load model from {model_path}: {str(exc).splitlines()[0]}") from None
-    streamed = StreamedModel(config, checkpoint, device)
-    check_moe_layers(streamed.adapter, config, [i for i in range(streamed.num_layers) if streamed.is_moe(i)])
-    return streamed, tokenizer
-
-
 def calibrate(model_path: str | Path, recipe: Recipe, data: str, out: str | Path, device: str | None = None,
               batch_size: int = 8, progress: Progress | None = None, activation_limit: int | None = None,
               force: bool = False) -> CalibrationSummary:
@@ -653,11 +628,7 @@ def run_layers(streamed: StreamedModel, tokenizer, recipe: Recipe, windows, fold
 def calibration_plan(calib_dir: Path, expert_bits: int | None) -> tuple[dict, Recipe, int]:
     """(manifest, recipe, expert width) of a finished calibration, after checking the source model is unchanged."""
     manifest = read_manifest(calib_dir)
-    model_path = Path(manifest["model"]["path"])
-    if not model_path.is_dir():
-        raise HexqError(f"the source model of {calib_dir} is gone: {model_path}")
-    if model_fingerprint(model_path) != manifest["fingerprint"]["model"]:
-        raise HexqError(f"the model at {model_path} changed since {calib_dir} was calibrated (weights hash differs)")
+    calibration_source(calib_dir, manifest)
     recipe = recipe_from_dict(manifest["recipe"])
     bits = default_expert_bits(recipe) if expert_bits is None else expert_bits
     if bits not in manifest["expert_bits"]:

@@ -49,8 +49,8 @@ def open_target(path: Path, device: torch.device, expert_bits: int | None):
         return calibrated_model(path, device, expert_bits)
     if expert_bits is not None:
         raise HexqError("--expert-bits applies to a calibration folder, not to a model folder")
-    from hexq.calib.pipeline import open_model
-    from hexq.streaming import full_precision_plan
+    from hexq.layer_pass import full_precision_plan
+    from hexq.streaming import open_model
 
     streamed, tokenizer = open_model(path, device)
     return streamed, tokenizer, full_precision_plan(streamed)
@@ -75,7 +75,7 @@ def evaluate_model(model_path: str | Path, data: list[str], seqlen: int, max_win
     streams = {source: tokenize(tokenizer, eval_text(source)) for source in data}
     check_window_length(seqlen, int(getattr(streamed.config, "max_position_embeddings", 0) or 0))
     windows = {source: make_windows(ids, seqlen, max_windows) for source, ids in streams.items()}
-    from hexq.streaming import stream_nll
+    from hexq.layer_pass import stream_nll
 
     nll = stream_nll(streamed, torch.cat(list(windows.values())), batch_size, prepare, activation_limit,
                      progress=progress)

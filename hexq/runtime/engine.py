@@ -29,7 +29,7 @@ the model's; CachedExperts receives (hidden_states, top_k_index, top_k_weights) 
 The cache starts warm (`warm`): the placement `hexq pack` computed (003 Algorithm 2, scheme 3: the manifest's
 two-stage placement) or scheme 1 / 2 from the artifact's router traces, with as many experts per layer as the fast
 tier holds. A miss reads the packed replica (pread), then unpacks and dequantizes it in one pass straight into its
-slot (hexq.runtime.kernel; the torch path when the kernel is unavailable). On CUDA the fast tier lives in device
+slot (hexq.packed.kernel; the torch path when the kernel is unavailable). On CUDA the fast tier lives in device
 memory: the packed bytes are copied to the device and dequantized there.
 
 Correctness: with the `static` policy the result of every forward pass is bit-identical for every budget (the
@@ -51,13 +51,16 @@ from pathlib import Path
 import torch
 
 from hexq.adapters import adapter_for
-from hexq.artifact.bitpack import DequantScratch
-from hexq.artifact.format import STATS_SHARD, Artifact, PackedWeight, packed_weight_nbytes
+from hexq.algos.placement import place, ranked
+from hexq.artifact.format import STATS_SHARD
+from hexq.artifact.reader import Artifact
 from hexq.devices import resolve_device
 from hexq.errors import HexqError
+from hexq.packed.bitpack import DequantScratch
+from hexq.packed.kernel import DequantKernel, dequantize_packed_fast, load_kernel
+from hexq.packed.weight import PackedWeight, packed_weight_nbytes
 from hexq.runtime.cache import CacheStats, ExpertCache, ExpertWeights
 from hexq.runtime.cost import admit_fill, calibration_usage, usage_update
-from hexq.runtime.kernel import DequantKernel, dequantize_packed_fast, load_kernel
 from hexq.runtime.model import build_model, dense_plan_bytes, expert_quantizers, skeleton
 from hexq.runtime.policy import PolicyContext, make_policy
 from hexq.simulate import quantized_expert_output
@@ -461,8 +464,6 @@ def warm_order(artifact: Artifact, scheme: str, slots: int) -> list[tuple[int, i
     layers per layer by 003 Algorithm 2 scheme `scheme` (3: the manifest's two-stage placement when pack computed it
     for the same K, else recomputed from the router traces; 1: paths; 2: frequency), then the remaining slots to the
     most frequently routed experts left (calibration counts). Skipped experts (allocation 0) are never loaded."""
-    from hexq.algos.placement import frequency_placement, path_placement, ranked, two_stage_placement
-
     if scheme == "none" or slots <= 0:
         return []
     L, E = len(artifact.moe_layers), artifact.num_experts
@@ -475,8 +476,7 @@ def warm_order(artifact: Artifact, scheme: str, slots: int) -> list[tuple[int, i
             mask[row, hot] = True
     else:
         topk = artifact.tensor(STATS_SHARD, "router.topk").long()
-        mask = {"1": lambda: path_placement(topk, E, K), "2": lambda: frequency_placement(counts, K),
-                "3": lambda: two_stage_placement(topk, E, K)}[scheme]()
+        mask = place(scheme, topk, counts, K)
     artifact.release()
     allowed = torch.tensor(artifact.allocation, dtype=torch.long, device=counts.device) > 0
     chosen = mask & allowed

@@ -16,10 +16,12 @@ from collections.abc import Callable
 
 import torch
 
-from hexq.artifact.format import Artifact, expert_shard
+from hexq.artifact.format import expert_shard
+from hexq.artifact.reader import Artifact
+from hexq.layer_pass import ExpertCompute, expert_chunk
 from hexq.recipe import recipe_from_dict
 from hexq.simulate import ActQuantizer, act_quantizer, attach_input_quant
-from hexq.streaming import ExpertCompute, LoadedLayer, StreamedModel, expert_chunk
+from hexq.streaming import LoadedLayer, StreamedModel
 
 ExpertsFactory = Callable[[int, torch.nn.Module], torch.nn.Module]  # (MoE row, the family's module) -> replacement
 

@@ -1,6 +1,6 @@
 """A fused unpack + dequantize kernel for cache misses on CPU: packed codes straight to bf16/fp16/fp32 weights.
 
-Why a kernel. `hexq.artifact.bitpack.dequantize_into` does the same work with stock torch ops: a whole-tensor pass per
+Why a kernel. `hexq.packed.bitpack.dequantize_into` does the same work with stock torch ops: a whole-tensor pass per
 unpack step and one for the per-group affine, each reading and writing the expert once more. On a Qwen3-30B-A3B expert
 (gate_up [1536, 2048], down [2048, 768], groups of 32) it reaches 9-20% of a memory copy of the output bytes into
 bfloat16 (benchmarks/results/dequant_speed.json). This kernel makes one pass: 64 codes per step are loaded with one
@@ -42,9 +42,9 @@ from pathlib import Path
 
 import torch
 
-from hexq.artifact.bitpack import DequantScratch
-from hexq.artifact.format import PackedWeight, dequantize_packed_into
 from hexq.io import cache_dir
+from hexq.packed.bitpack import DequantScratch
+from hexq.packed.weight import PackedWeight, dequantize_packed_into
 
 logger = logging.getLogger(__name__)
 
