@@ -44,7 +44,7 @@ calibrate(sys.argv[1], recipe, "bundled", sys.argv[3])
 PEER = """
 import sys, torch
 from hexq.data import calibration_windows
-from hexq.eval.llmcompressor_peer import PEER_SCHEMES, run_peer
+from llmcompressor_peer import PEER_SCHEMES, run_peer
 from transformers import AutoTokenizer
 tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
 ids = calibration_windows(tokenizer, "bundled", int(sys.argv[2]), 256, seed=0).ids

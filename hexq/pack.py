@@ -46,7 +46,7 @@ from hexq.artifact.format import (
     replica_key,
 )
 from hexq.calib.capture import quantized_linears
-from hexq.calib.smooth import fold_calibrated
+from hexq.calib.fold import fold_calibrated
 from hexq.calib.store import bank_prefix, calibration_source, load_layer, open_bank, open_layer, read_manifest
 from hexq.errors import HexqError
 from hexq.outputs import output_folder

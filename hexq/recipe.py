@@ -18,7 +18,8 @@ Rules (one place for each: `_build` for keys and nesting, `_coerce` for types, `
 - a key used only by another method or mode (e.g. smoothing.alpha with method haq) must stay at its default,
   so a recipe never carries a setting that is silently ignored.
 
-The recipe stored in calibration outputs is `recipe_to_dict`; `recipe_hash` identifies it (sha256 of canonical JSON).
+The recipe stored in calibration outputs is `recipe_to_dict`; `calibration_hash` identifies it (sha256 of its
+canonical JSON).
 """
 
 from __future__ import annotations
@@ -176,7 +177,7 @@ def _check_unused_at_default(obj: Any, selector: str, used_by: dict[str, tuple[s
 class WeightQuant:
     """How weights are quantized (hexq.algos.quant / hexq.algos.gptq).
 
-    act_order, damp and block_size are GPTQ's (`gptq_quantize`); with method "rtn" they must stay at their defaults.
+    act_order, damp and block_size are GPTQ's (hexq.algos.gptq); with method "rtn" they must stay at their defaults.
     """
 
     bits: int = 8
@@ -510,13 +511,9 @@ def _hash_dict(data: dict[str, Any]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def recipe_hash(recipe: Recipe) -> str:
-    """sha256 hex digest of the canonical JSON of the recipe (sorted keys, no whitespace)."""
-    return _hash_dict(recipe_to_dict(recipe))
-
-
 def calibration_hash(recipe: Recipe) -> str:
-    """recipe_hash without the pack section: changing how a calibration is packed does not invalidate it. An unset
+    """sha256 of the recipe's canonical JSON (sorted keys, no whitespace) without the pack section: changing how a
+    calibration is packed does not invalidate it. An unset
     experts.export_target is left out, so calibrations made before that setting existed keep their fingerprint."""
     data = {key: value for key, value in recipe_to_dict(recipe).items() if key != "pack"}
     if data["experts"]["export_target"] is None:

@@ -10,7 +10,8 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from hexq.calib import pipeline
-from hexq.calib.pipeline import calibrate, calibrated_model
+from hexq.calib.calibrated import calibrated_model
+from hexq.calib.pipeline import calibrate
 from hexq.calib.store import read_json
 from hexq.errors import HexqError
 from hexq.layer_pass import full_precision_plan, stream_logits
@@ -172,8 +173,9 @@ def test_haq_w8a8_smoothing_helps_on_outliers_and_stays_close_to_full_precision(
     from transformers import AutoTokenizer
 
     from hexq.adapters import adapter_for
-    from hexq.calib.outliers import inject_outliers
     from tests.conftest import TOKENIZER_DIR, build_tiny_model
+
+    from outliers import inject_outliers
 
     model = build_tiny_model("qwen3_moe")
     inject_outliers(model, adapter_for("qwen3_moe"), channels_per_norm=4, factor=50.0, seed=0)

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from hexq.algos import gptq as gptq_mod
-from hexq.algos.gptq import GPTQResult, factorize_hessian, gptq_quantize, gptq_replicas, inverse_hessian_cholesky
+from hexq.algos.gptq import GPTQResult, factorize_hessian, gptq_replicas
 from hexq.algos.quant import QuantSpec, dequantize, grid_params, quantize, quantize_to_grid
 from tests.gptq_reference import assert_same_up_to_ties
+from tests.gptq_single import gptq_quantize
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -226,9 +227,9 @@ def test_hopeless_hessian_raises() -> None:
     with pytest.raises(ValueError, match="negative diagonal"):
         gptq_quantize(torch.ones(2, 2), -torch.eye(2), QuantSpec(bits=4))
     with pytest.raises(ValueError, match="NaN"):
-        inverse_hessian_cholesky(torch.full((2, 2), float("nan")))
+        factorize_hessian(torch.full((2, 2), float("nan")))
     with pytest.raises(ValueError, match="damp"):
-        inverse_hessian_cholesky(torch.eye(2), damp=0.0)
+        factorize_hessian(torch.eye(2), damp=0.0)
 
 
 def test_dead_inputs_are_zeroed() -> None:

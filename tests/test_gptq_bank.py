@@ -14,17 +14,11 @@ import pytest
 import torch
 
 from hexq.algos import gptq as gptq_mod
-from hexq.algos.gptq import (
-    GPTQBankResult,
-    HessianFactor,
-    factorize_hessians,
-    gptq_bank,
-    gptq_quantize,
-    gptq_replicas,
-)
+from hexq.algos.gptq import GPTQBankResult, HessianFactor, factorize_hessians, gptq_bank, gptq_replicas
 from hexq.algos.quant import QuantSpec, dequantize, grid_params
 from tests import gptq_reference as ref
 from tests.conftest import HexqFactoriesOnMeta
+from tests.gptq_single import gptq_quantize
 
 
 def _gen(seed: int) -> torch.Generator:

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from hexq.artifact.format import FORMAT_VERSION, expert_shard
 from hexq.artifact.reader import Artifact
-from hexq.calib.pipeline import calibrated_model
+from hexq.calib.calibrated import calibrated_model
 from hexq.calib.store import bank_weights
 from hexq.errors import HexqError
 from hexq.io import write_sealed_json

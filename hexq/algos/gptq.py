@@ -107,7 +107,7 @@ def _check_damp(damp: float, max_damp: float) -> None:
 
 
 def _column_order(diag: torch.Tensor, act_order: str, column_importance: torch.Tensor | None) -> torch.Tensor | None:
-    """Quantization order per row of diag [..., n] (see column_order)."""
+    """Quantization order per row of diag [..., n] (most important column first; None: the natural order)."""
     if act_order not in ACT_ORDERS:
         raise ValueError(f"act_order must be one of {ACT_ORDERS}, got {act_order!r}")
     if act_order == "none":
@@ -123,17 +123,6 @@ def _column_order(diag: torch.Tensor, act_order: str, column_importance: torch.T
     importance = column_importance.to(device=diag.device, dtype=torch.float64).expand(diag.shape)
     # stable sort: ties keep the natural order, so the result does not depend on the sort implementation.
     return torch.argsort(importance, dim=-1, descending=True, stable=True)
-
-
-def column_order(H: torch.Tensor, act_order: str, column_importance: torch.Tensor | None = None) -> torch.Tensor | None:
-    """Quantization order for act_order (most important column first), or None for the natural order.
-
-    H is [n, n] or a batch [E, n, n]; the order is [n] or [E, n] (one per expert). "max_activation" ranks by
-    `column_importance` (e.g. max |X| per channel, required, [n] or [E, n]); "sum_of_squares" ranks by
-    `column_importance` or, when absent, by diag(H) = 2 sum_t x_t^2. Important columns go first so that their error
-    can still be compensated by the many columns after them.
-    """
-    return _column_order(torch.diagonal(H, dim1=-2, dim2=-1), act_order, column_importance)
 
 
 def _prepared(H: torch.Tensor, experts: torch.Tensor, perm: torch.Tensor | None, dtype: torch.dtype,
@@ -220,23 +209,6 @@ def _check_finite(H: torch.Tensor) -> None:
     if not finite.all():
         raise ValueError(f"H of expert {int(torch.where(~finite)[0][0])} contains NaN or inf; "
                          "check the calibration activations")
-
-
-def inverse_hessian_cholesky(H: torch.Tensor, damp: float = 0.01, *,
-                             max_damp: float = 1.0) -> tuple[torch.Tensor, float]:
-    """Upper Cholesky factor U of (H + damp * mean(diag H) * I)^-1 for one H [n, n], and the damp that worked.
-
-    Damping keeps H positive definite when calibration tokens are few or channels are collinear (GPTQ uses 1% of
-    the mean diagonal). If a Cholesky fails (H indefinite or numerically singular) it is retried in float64, then
-    damp is multiplied by 10 up to `max_damp`; beyond that a ValueError says H is not usable. U is float32, or
-    float64 for a float64 H.
-    """
-    if H.ndim != 2 or H.shape[0] != H.shape[1]:
-        raise ValueError(f"H must be a square [in, in] matrix, got shape {tuple(H.shape)}")
-    _check_damp(damp, max_damp)
-    _check_finite(H[None])
-    U, damp_used, _ = _factorize(H[None], None, damp, max_damp, fix_dead=False)
-    return U[0], float(damp_used[0])
 
 
 def factorize_hessians(H: torch.Tensor, *, damp: float = 0.01, act_order: str = "none",
@@ -492,35 +464,6 @@ def gptq_bank(W: torch.Tensor, factor_or_H: HessianFactor | torch.Tensor, bits_l
 
 
 # ------------------------------------------------------------------------------------------ one weight
-
-
-def gptq_quantize(W: torch.Tensor, H: torch.Tensor | None, spec: QuantSpec, *, block_size: int = 128,
-                  damp: float = 0.01, act_order: str = "none", column_importance: torch.Tensor | None = None,
-                  factor: HessianFactor | None = None, max_damp: float = 1.0) -> GPTQResult:
-    """Quantize W [out, in] with GPTQ on the Hessian H [in, in] (2 X X^T summed over calibration tokens).
-
-    gptq_bank with one expert and one width (grids and dtypes as there). A precomputed `factor`
-    (factorize_hessian, one expert) replaces H, damp, act_order and column_importance, which are then not used.
-    """
-    if W.ndim != 2:
-        raise ValueError(f"W must be a 2-D [out, in] matrix, got shape {tuple(W.shape)}")
-    if block_size < 1:
-        raise ValueError(f"block_size must be positive, got {block_size}")
-    n = W.shape[1]
-    group = n if spec.group_size is None else spec.group_size
-    if n % group:
-        raise ValueError(f"in_features {n} is not a multiple of group_size {group}")
-    if factor is None:
-        if H is None:
-            raise ValueError("gptq_quantize needs H or a precomputed factor")
-        if H.shape != (n, n):
-            raise ValueError(f"H must be [{n}, {n}] for W of shape {tuple(W.shape)}, got {tuple(H.shape)}")
-        factor = factorize_hessian(H, damp=damp, act_order=act_order, column_importance=column_importance,
-                                   max_damp=max_damp)
-    elif factor.hinv_chol.shape != (1, n, n):
-        raise ValueError(f"factor is for {factor.num_experts} experts x {factor.hinv_chol.shape[-1]} inputs, "
-                         f"W has 1 x {n}")
-    return gptq_bank(W[None], factor, [spec.bits], spec, block_size=block_size)[spec.bits].expert(0)
 
 
 def gptq_replicas(W: torch.Tensor, H: torch.Tensor, bits_list: list[int] | tuple[int, ...], spec_template: QuantSpec,

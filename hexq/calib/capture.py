@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hexq.adapters import MoEAdapter
+from hexq.calib.routing import add_routing
 from hexq.simulate import RoutedTokens, expert_intermediate
 
 # Routed rows multiplied at once when accumulating one expert's Hessians (bounds the [rows, I] intermediate).
@@ -163,8 +164,6 @@ class RoutingStats:
 
     @classmethod
     def of(cls, routed: RoutedTokens) -> RoutingStats:
-        from hexq.calib.routing import add_routing
-
         num_experts = routed.num_experts
         counts = torch.zeros(num_experts, dtype=torch.long, device="cpu")
         score_sums = torch.zeros(num_experts, dtype=torch.float64, device="cpu")

@@ -14,13 +14,19 @@ import torch.nn.functional as F
 
 from hexq.adapters import MoEAdapter, adapter_for
 from hexq.artifact.reader import Artifact
+from hexq.checkpoint import safetensors_dtype
+from hexq.data import eval_text, tokenize
 from hexq.errors import HexqError
+from hexq.eval.perplexity import make_windows
 from hexq.export.codec import (
     INDEX,
     SINGLE,
     expert_modules,
     hub_name,
 )
+from hexq.layer_pass import ExpertCompute, expert_chunk, full_precision_plan, stream_layers
+from hexq.runtime.model import artifact_model
+from hexq.streaming import LoadedLayer, StreamedModel, open_model
 
 Progress = Callable[[str, int, int], None]
 @dataclass(frozen=True)
@@ -120,8 +126,6 @@ class ExportReader:
 
     def param_dtype(self, name: str) -> torch.dtype | None:
         """The stored dtype of a parameter (a quantized module dequantizes to float32), without reading it."""
-        from hexq.checkpoint import safetensors_dtype
-
         key = hub_name(name, self.adapter)
         if key.endswith(".weight") and self.scheme_of(key.removesuffix(".weight")) is not None:
             return torch.float32
@@ -237,8 +241,6 @@ def export_model(folder: Path, adapter: MoEAdapter):
     from its config groups."""
     from transformers import AutoConfig
 
-    from hexq.layer_pass import ExpertCompute, expert_chunk
-    from hexq.streaming import LoadedLayer, StreamedModel
 
     config = AutoConfig.from_pretrained(folder, local_files_only=True)
     if hasattr(config, "quantization_config"):
@@ -289,12 +291,6 @@ def check_export(artifact: Artifact, folder: Path, windows: int = 8, seqlen: int
                  source: Path | None = None, batch_size: int = 4, projected: bool = False,
                  thresholds: Thresholds = THRESHOLDS, progress: Progress | None = None) -> CheckResult:
     """Reload `folder` and compare its logits with the served model and full precision (module docstring)."""
-    from hexq.data import eval_text, tokenize
-    from hexq.eval.perplexity import make_windows
-    from hexq.layer_pass import full_precision_plan, stream_layers
-    from hexq.runtime.model import artifact_model
-    from hexq.streaming import open_model
-
     device = torch.device("cpu")
     adapter = adapter_for(artifact.manifest["model"]["model_type"])
     served, tokenizer, served_prepare = artifact_model(artifact, device)

@@ -33,6 +33,8 @@ from hexq.export.codec import (
 from hexq.export.plan import ExpertChoice, LayerExport, dense_scheme, export_replicas, plan_export
 from hexq.io import SafetensorsWriter, write_json_atomic
 from hexq.packed.weight import PROJECTIONS, PackedWeight, dequantize_packed
+from hexq.runtime.model import artifact_config
+from hexq.streaming import StreamedModel
 
 Progress = Callable[[str, int, int], None]
 DEFAULT_SHARD_BYTES = 5 * 10**9  # as save_pretrained's default max_shard_size "5GB"
@@ -252,9 +254,6 @@ def write_layer(artifact: Artifact, streamed, writer: ShardedWriter, index: int,
 def write_export(artifact: Artifact, folder: Path, experts: str = "auto", shard_bytes: int = DEFAULT_SHARD_BYTES,
                  progress: Progress | None = None) -> WritePlan:
     """Write the checkpoint into `folder` (an empty folder: the caller publishes it)."""
-    from hexq.runtime.model import artifact_config
-    from hexq.streaming import StreamedModel
-
     config = artifact_config(artifact)
     streamed = StreamedModel(config, artifact, torch.device("cpu"))  # the skeleton, for shapes only
     adapter = streamed.adapter

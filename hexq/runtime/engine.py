@@ -64,6 +64,7 @@ from hexq.runtime.cost import admit_fill, calibration_usage, usage_update
 from hexq.runtime.model import build_model, dense_plan_bytes, expert_quantizers, skeleton
 from hexq.runtime.policy import PolicyContext, make_policy
 from hexq.simulate import quantized_expert_output
+from hexq.streaming import blocked_nll
 
 MODES = ("cache", "ondemand")  # ondemand: no fast tier, every expert loaded from the slow tier at each use
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -637,8 +638,6 @@ class Runtime:
     def window_nll(self, window: torch.Tensor) -> torch.Tensor:
         """Summed next-token NLL of one window scored as a prefill (a new sequence for the policy). The head is
         applied in vocabulary blocks (hexq.streaming.blocked_nll): no [positions, vocab] logits exist at once."""
-        from hexq.streaming import blocked_nll
-
         self.policy.begin_sequence()
         self.state.prefill = True
         hidden = self.model.model(window[None].to(self.device)).last_hidden_state[0, :-1]

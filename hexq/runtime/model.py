@@ -21,7 +21,7 @@ from hexq.artifact.reader import Artifact
 from hexq.layer_pass import ExpertCompute, expert_chunk
 from hexq.recipe import recipe_from_dict
 from hexq.simulate import ActQuantizer, act_quantizer, attach_input_quant
-from hexq.streaming import LoadedLayer, StreamedModel
+from hexq.streaming import LoadedLayer, StreamedModel, _tensor_slots
 
 ExpertsFactory = Callable[[int, torch.nn.Module], torch.nn.Module]  # (MoE row, the family's module) -> replacement
 
@@ -105,8 +105,6 @@ def dense_plan_bytes(streamed: StreamedModel) -> int:
     routed experts, in the compute dtype (integer tensors in their own), tied embeddings once, plus the buffers the
     skeleton holds already (rotary frequencies). Read from the meta skeleton, so a memory budget can be checked
     before anything is allocated."""
-    from hexq.streaming import _tensor_slots
-
     skip = streamed.experts_path
     tied = bool(getattr(streamed.config, "tie_word_embeddings", False))
     total = sum(buffer.numel() * buffer.element_size() for module in streamed.model.modules()
