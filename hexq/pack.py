@@ -166,9 +166,9 @@ def export_replica_experts(row: list[int], symmetric: bool) -> list[int]:
 
 
 def layer_export_tensors(bank, experts: list[int], bits: int, own_grid: bool) -> dict[str, torch.Tensor]:
-    """The `bits` replicas of `experts` (hexq.artifact.export's export_shard layout: the keys of
+    """The `bits` replicas of `experts` (hexq.artifact.format.export_shard's layout: the keys of
     layer_expert_tensors), sliced from the calibration's packed bank (own_grid) or from its export-target bank
-    (`export.<proj>.b<bits>`, hexq.calib.pipeline.export_spec)."""
+    (`export.<proj>.b<bits>`, hexq.calib.quantize.export_spec)."""
     out: dict[str, torch.Tensor] = {}
     for expert in experts:
         for projection in PROJECTIONS:
@@ -181,7 +181,7 @@ def layer_export_tensors(bank, experts: list[int], bits: int, own_grid: bool) ->
 def export_grid(calib_dir: Path, layer: int, cols: int, group_size: int | None,
                 symmetric: bool) -> tuple[int | None, bool, bool]:
     """(group size, symmetric, own grid) of a calibration's export replicas: its export-target bank's grid (vLLM's:
-    symmetric, hexq.calib.pipeline.export_spec) when it has one, else its own replica grid. cols: gate_up's input
+    symmetric, hexq.calib.quantize.export_spec) when it has one, else its own replica grid. cols: gate_up's input
     width."""
     with open_bank(calib_dir, layer) as handle:
         key = f"{bank_prefix('gate_up', EXPORT_BITS, export=True)}.scale"

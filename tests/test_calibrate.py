@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from hexq.calib import pipeline
 from hexq.calib.calibrated import calibrated_model
+from hexq.calib.loss_table import loss_sample
 from hexq.calib.pipeline import calibrate
 from hexq.calib.store import read_json
 from hexq.errors import HexqError
@@ -61,9 +62,9 @@ def test_output_folder_layout_and_loss_table(mixed_run):
 
 def test_loss_sample_strides_over_every_window():
     x = torch.arange(10).float()[:, None]
-    assert pipeline.loss_sample(x, 10) is x
-    assert pipeline.loss_sample(x, 4)[:, 0].tolist() == [0, 3, 6, 9]  # at most 4 rows, first to last
-    assert pipeline.loss_sample(x, 3)[:, 0].tolist() == [0, 4, 8]
+    assert loss_sample(x, 10) is x
+    assert loss_sample(x, 4)[:, 0].tolist() == [0, 3, 6, 9]  # at most 4 rows, first to last
+    assert loss_sample(x, 3)[:, 0].tolist() == [0, 4, 8]
 
 
 def test_loss_tokens_samples_the_loss_table_and_nothing_else(tiny_qwen3moe, mixed_run, tmp_path):

@@ -261,7 +261,7 @@ def test_dense_layers_are_smoothed_at_the_dense_setting_in_a_mixed_precision_mod
 
 @pytest.mark.slow
 def test_report_labels_moe_rows_with_their_model_layers(mixed_deepseek):
-    from hexq.report import write_report
+    from hexq.report.page import write_report
 
     page = write_report(mixed_deepseek / "art.hexq", mixed_deepseek / "report").read_text()
     assert "<th>layer 2</th>" in page and "<th>layer 3</th>" in page and "<th>layer 0</th>" not in page

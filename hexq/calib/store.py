@@ -223,7 +223,7 @@ class ExpertBank:
 
     def __init__(self, path: Path, num_experts: int, shapes: dict[str, tuple[int, int]], bits_list: tuple[int, ...],
                  group_sizes: dict[str, int], export: tuple[int, int] | None = None) -> None:
-        """export: (bits, group size) of the export-target replica (hexq.calib.pipeline.export_spec) stored beside
+        """export: (bits, group size) of the export-target replica (hexq.calib.quantize.export_spec) stored beside
         the bank under export.<proj>.b<bits>, if the recipe asks for one."""
         entries = [(bank_prefix(p, bits), p, bits, group_sizes[p]) for p in shapes for bits in bits_list]
         if export is not None:

@@ -11,7 +11,7 @@ What each part becomes (hexq.export.codec explains the exact code mapping):
   Every expert whose allocated b-bit code fits the T-bit scheme is written unchanged (b <= T; 1-bit symmetric as
   +-1 codes at half the scale); a skipped expert is exact zeros. An expert that does not fit (an 8-bit expert in a
   4-bit layer, 1-bit asymmetric) is projected onto the layer's scheme with a GPTQ replica in that scheme: the
-  artifact's export replicas (`hexq pack` keeps them for such experts, see hexq.artifact.pack), else the widest
+  artifact's export replicas (`hexq pack` keeps them for such experts, see hexq.pack), else the widest
   stored bank replica that fits; round-to-nearest from the allocated weights only when no replica exists.
   `experts="auto"` gives a layer T = 4 unless that would need round-to-nearest, and T = 8 (every width exact) then.
 - embeddings, norms, routers, biases: as stored in the artifact.

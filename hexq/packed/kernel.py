@@ -247,7 +247,7 @@ def load_kernel() -> DequantKernel | None:
 
 def dequantize_packed_fast(out: torch.Tensor, weight: PackedWeight, kernel: DequantKernel | None,
                            scratch: DequantScratch | None = None) -> torch.Tensor:
-    """`hexq.artifact.format.dequantize_packed_into` through the kernel when it covers the inputs, else through torch
+    """`hexq.packed.weight.dequantize_packed_into` through the kernel when it covers the inputs, else through torch
     ops (with `scratch`, the torch path's reusable code buffer): the same values either way."""
     if kernel is not None and kernel.supports(out, weight):
         return kernel(out, weight)
