@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from hexq.algos.gptq import ACT_ORDERS
+from hexq.algos.hessian import ACT_ORDERS
 from hexq.algos.placement import SCHEMES
 from hexq.algos.quant import QuantSpec
 from hexq.data import bundled_folder

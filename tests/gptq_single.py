@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from hexq.algos.gptq import GPTQResult, HessianFactor, factorize_hessian, gptq_bank
+from hexq.algos.gptq import GPTQResult, gptq_bank
+from hexq.algos.hessian import HessianFactor, factorize_hessian
 from hexq.algos.quant import QuantSpec
 
 

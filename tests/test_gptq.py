@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hexq.algos import gptq as gptq_mod
-from hexq.algos.gptq import GPTQResult, factorize_hessian, gptq_replicas
+from hexq.algos import hessian as hessian_mod
+from hexq.algos.gptq import GPTQResult, gptq_replicas
+from hexq.algos.hessian import factorize_hessian
 from hexq.algos.quant import QuantSpec, dequantize, grid_params, quantize, quantize_to_grid
 from tests.gptq_reference import assert_same_up_to_ties
 from tests.gptq_single import gptq_quantize
@@ -244,13 +245,13 @@ def test_dead_inputs_are_zeroed() -> None:
 # (g) -------------------------------------------------------------------------------------------------------------
 def test_replicas_factor_once(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
-    original = gptq_mod.factorize_hessians
+    original = hessian_mod.factorize_hessians
 
     def counting(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(gptq_mod, "factorize_hessians", counting)
+    monkeypatch.setattr(hessian_mod, "factorize_hessians", counting)
     W, X, H = _correlated(n_in=32, n_out=8, tokens=128, seed=10)
     template = QuantSpec(bits=4, group_size=16, symmetric=False)
     bank = gptq_replicas(W, H, [1, 2, 3, 4, 8], template)

@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 
 from hexq.adapters import MoEAdapter
-from hexq.algos.gptq import factorize_hessians, gptq_bank, gptq_replicas
-from hexq.algos.hessian import blend_cold_hessian
+from hexq.algos.gptq import gptq_bank, gptq_replicas
+from hexq.algos.hessian import blend_cold_hessian, factorize_hessians
 from hexq.algos.quant import QuantMeta, QuantSpec, quantize
 from hexq.calib.capture import (
     RoutingStats,
