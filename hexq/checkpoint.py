@@ -47,13 +47,6 @@ class Checkpoint:
 
     # --------------------------------------------------------------------------------------------- raw access
 
-    @property
-    def shards(self) -> list[Path]:
-        return [self.folder / name for name in sorted(set(self.weight_map.values()))]
-
-    def has(self, key: str) -> bool:
-        return key in self.weight_map
-
     def release(self) -> None:
         """Close every shard's memory map: pages read so far stop counting in the process's memory (a streamed
         run calls this after each layer, so its RSS does not grow with the layers it has read)."""

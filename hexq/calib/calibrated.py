@@ -4,7 +4,6 @@ inputs, resuming) and by `hexq eval CALIBRATION` (calibrated_model)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -33,7 +32,6 @@ from hexq.simulate import (
 )
 from hexq.streaming import LoadedLayer, open_model
 
-Progress = Callable[[str, int, int], None]  # (what, done, total)
 # Working memory for one chunk of experts' GPTQ (weights of every width stacked, Hessians and factors, float32).
 
 # ------------------------------------------------------------------------------------------ applying a layer

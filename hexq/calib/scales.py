@@ -3,8 +3,6 @@ grid search of e in s = max|X|^e, SmoothQuant's fixed alpha, or none) and folded
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from hexq.adapters import MoEAdapter
@@ -18,7 +16,6 @@ from hexq.layer_pass import run_layer
 from hexq.recipe import Recipe
 from hexq.streaming import HiddenStore, LoadedLayer
 
-Progress = Callable[[str, int, int], None]  # (what, done, total)
 # Working memory for one chunk of experts' GPTQ (weights of every width stacked, Hessians and factors, float32).
 
 # ------------------------------------------------------------------------------------------ pass A: smoothing

@@ -3,7 +3,6 @@ come from (exact, zero, an export or bank replica, round-to-nearest): decided be
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +17,6 @@ from hexq.export.codec import (
 from hexq.packed.grids import scheme_fits
 from hexq.recipe import recipe_from_dict
 
-Progress = Callable[[str, int, int], None]
 EXPERT_MODES = ("auto", "w4", "w8", "vllm")
 
 
