@@ -136,6 +136,8 @@ def expert_statistics(routed: RoutedTokens, experts: list[int], gate_up: torch.T
         [routed.count(e) for e in experts],
         torch.zeros(n, hidden, dtype=torch.float32, device=device),
         torch.zeros(n, inner, dtype=torch.float32, device=device))
+    low = torch.full((), float("inf"), dtype=torch.float32, device=device)  # kept on the device: no host
+    high = torch.full((), float("-inf"), dtype=torch.float32, device=device)  # synchronisation per expert
     for j, expert in enumerate(experts):
         token, _slot = routed.rows(expert)
         if not len(token):  # never routed: zero statistics (split would still yield one empty chunk)
@@ -147,8 +149,8 @@ def expert_statistics(routed: RoutedTokens, experts: list[int], gate_up: torch.T
             mid = expert_intermediate(x, gate_up[j], act_fn).float()
             stats.down[j].addmm_(mid.T, mid, alpha=2.0)
             stats.mid_abs_max[j] = torch.maximum(stats.mid_abs_max[j], mid.abs().amax(dim=0))
-            stats.mid_low, stats.mid_high = min(stats.mid_low, float(mid.min())), max(stats.mid_high,
-                                                                                      float(mid.max()))
+            low, high = torch.minimum(low, mid.min()), torch.maximum(high, mid.max())
+    stats.mid_low, stats.mid_high = float(low), float(high)
     return stats
 
 

@@ -99,6 +99,16 @@ def quantize_expert_chunk(weights: torch.Tensor, hessians: torch.Tensor, setting
     return out, report
 
 
+def gptq_chunk_bytes(device: torch.device) -> int:
+    """Working memory for one chunk of experts' GPTQ: GPTQ_CHUNK_BYTES on the CPU (it bounds calibration's peak
+    RSS); on a GPU a quarter of its free memory, at least that: the column loop's launches, not its arithmetic, bound
+    a GPU calibration, so a layer's experts should go through it in one or two chunks, not dozens."""
+    if device.type != "cuda":
+        return GPTQ_CHUNK_BYTES
+    free, _total = torch.cuda.mem_get_info(device)
+    return max(GPTQ_CHUNK_BYTES, free // 4)
+
+
 def gptq_chunk_size(shapes: dict[str, tuple[int, int]], widths: int, budget: int = GPTQ_CHUNK_BYTES) -> int:
     """Experts per chunk so that every width's weights (stacked, gptq_bank keeps ~2 copies alive), the float32
     weights and the Hessians with their factors fit `budget` bytes for the larger projection; an expert larger than
@@ -189,7 +199,8 @@ def fill_bank(bank: ExpertBank, loaded: LoadedLayer, routed: RoutedTokens, weigh
     input_low, input_high = float(routed.x.min()), float(routed.x.max())
     mid_low, mid_high = float("inf"), float("-inf")
     extra = export_spec(recipe, shapes)
-    chunk = gptq_chunk_size(shapes, len(bits_list) + (extra is not None))
+    budget = gptq_chunk_bytes(routed.x.device)
+    chunk = gptq_chunk_size(shapes, len(bits_list) + (extra is not None), budget)
     escalated: dict[str, dict] = {}
     for start in range(0, num_experts, chunk):
         experts = list(range(start, min(start + chunk, num_experts)))
@@ -210,13 +221,13 @@ def fill_bank(bank: ExpertBank, loaded: LoadedLayer, routed: RoutedTokens, weigh
                                                   blend)
         for projection, weight, hessian, channel_max in (("gate_up", gate_up, h_in, stats.input_abs_max),
                                                          ("down", down, h_down, stats.mid_abs_max)):
-            results, factor = quantize_expert_chunk(weight, hessian, setting, bits_list, channel_max)
+            results, factor = quantize_expert_chunk(weight, hessian, setting, bits_list, channel_max, budget)
             for bits, (codes, scale, zero) in results.items():
                 bank.put(projection, bits, experts, codes, scale, zero)
             if extra is not None:  # the same Hessian, factorized the same way (deterministic), on the export grid
                 export_setting = replace(setting, group_size=extra.group_size, symmetric=extra.symmetric)
                 (codes, scale, zero), = quantize_expert_chunk(weight, hessian, export_setting, (extra.bits,),
-                                                              channel_max)[0].values()
+                                                              channel_max, budget)[0].values()
                 bank.put(projection, extra.bits, experts, codes, scale, zero, export=True)
             for j, expert in enumerate(experts):  # record what the Cholesky factorization needed beyond the recipe
                 if factor and (factor["float64"][j] or factor["damp"][j] > setting.damp):

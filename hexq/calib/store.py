@@ -299,6 +299,9 @@ def bank_weights(bank, projection: str, bits: int, experts: list[int], shape: tu
     """The experts' replica at `bits`, dequantized [n, rows, cols] in `dtype` on `device`; `bank` is an open bank
     (open_bank) or a dict of its tensors."""
     prefix = bank_prefix(projection, bits)
-    codes, scale, zero = (bank_rows(bank, f"{prefix}.{part}", experts) for part in ("codes", "scale", "zero"))
+    # the packed bytes go to the device and are dequantized there (a GPU calibration dequantized five widths of
+    # every expert on the CPU before)
+    codes, scale, zero = (bank_rows(bank, f"{prefix}.{part}", experts).to(device)
+                          for part in ("codes", "scale", "zero"))
     return torch.stack([dequantize_packed(PackedWeight(codes[j], scale[j], zero[j], bits, tuple(shape)), dtype)
-                        for j in range(len(experts))]).to(device)
+                        for j in range(len(experts))])
