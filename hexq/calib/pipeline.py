@@ -103,14 +103,18 @@ def calibrate_layer(loaded: LoadedLayer, adapter: MoEAdapter, hidden: HiddenStor
     """Passes A-C of one layer (see the module docstring); the bank goes to `folder` (the calibration being written,
     which also takes spilled activations). Returns the layer's other tensors, its report and its outputs."""
     tensors: dict[str, torch.Tensor] = {}
+    clock = StageClock(device)
     smoothing, expert_scale = smooth_layer(loaded, adapter, hidden, kwargs, recipe, recipe.calibration.seed + index,
                                            tensors)
+    clock.stage("smoothing")
     weights_of = compute_experts(loaded, expert_scale, device) if loaded.is_moe else None
     report, moe_sample = quantize_layer(loaded, adapter, hidden, kwargs, recipe, weights_of, tensors,
                                         bank_path(folder, index), progress)
+    clock.stage("quantize")
     apply_dense_part(loaded, adapter, tensors, recipe, fold=False)
     outputs = HiddenStore(activation_limit, folder)
     routed = run_layer(loaded, hidden, kwargs, outputs, experts=None)
+    clock.stage("quantized pass")
     if routed is not None:
         propagate = calibrated_experts(loaded, tensors, recipe, default_expert_bits(recipe), device, folder)
         widths = expert_bits_list(recipe)
@@ -119,9 +123,24 @@ def calibrate_layer(loaded: LoadedLayer, adapter: MoEAdapter, hidden: HiddenStor
                                      (propagate.input_quant, propagate.mid_quant), moe_sample, loaded.act_fn,
                                      propagate.chunk, recipe.experts.loss_tokens, progress)
         add_expert_outputs(outputs, routed, experts_out)
+        clock.stage("loss table")
     meta = {"layer": index, "smoothing": smoothing, "unsmoothed": unsmoothed_linears(loaded.module, adapter),
             **report}
-    return tensors, meta, outputs
+    return tensors, meta | {"stage_seconds": clock.seconds}, outputs
+
+
+class StageClock:
+    """Seconds of each stage of one layer's calibration (on a GPU measured to the end of its queued work)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.seconds, self._last = device, {}, time.perf_counter()
+
+    def stage(self, name: str) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.seconds[name] = round(now - self._last, 3)
+        self._last = now
 
 
 def add_expert_outputs(outputs: HiddenStore, routed: RoutedTokens, experts_out: torch.Tensor) -> None:
@@ -215,9 +234,11 @@ def run_layers(streamed: StreamedModel, tokenizer, recipe: Recipe, windows, fold
             else:
                 tensors, meta, outputs = calibrate_layer(loaded, adapter, hidden, kwargs, recipe, index, device,
                                                          activation_limit, folder, progress)
+                stages = meta.pop("stage_seconds")
                 save_layer(folder, index, tensors, meta)
                 files |= layer_file_records(folder, index)
                 timings[f"layer_{index:03d}"] = round(time.time() - layer_started, 2)
+                timings.setdefault("stages", {})[f"layer_{index:03d}"] = stages
                 write_json_atomic(folder / "timings.json", timings)
                 write_progress(folder, fingerprint, index + 1, files)
         hidden.close()

@@ -9,7 +9,8 @@ manifest written last (its presence means the run is complete).
                              holds experts.<proj>.b<bits>.codes [E, bytes per expert] and .scale/.zero
                              [E, rows, groups] float16)
       layer_000.json         smoothing exponents and errors, cold-expert fallbacks, damping, token counts
-      timings.json           wall time per layer (the one file that differs between identical runs)
+      timings.json           wall time per layer and per stage (the one file that differs between identical
+                             runs)
 
 Every file is written atomically (temporary file, then rename).
 """
