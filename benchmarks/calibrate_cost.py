@@ -44,7 +44,7 @@ calibrate(sys.argv[1], recipe, "bundled", sys.argv[3])
 PEER = """
 import sys, torch
 from hexq.data import calibration_windows
-from hexq.eval.llmcompressor_peer import PEER_SCHEMES, run_peer
+from llmcompressor_peer import PEER_SCHEMES, run_peer
 from transformers import AutoTokenizer
 tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
 ids = calibration_windows(tokenizer, "bundled", int(sys.argv[2]), 256, seed=0).ids
@@ -99,7 +99,7 @@ def main() -> None:
             seconds, rss = in_wrapper("hexq", folder, str(args.samples), f"{work}/cal")
             timings = json.loads((Path(work) / "cal" / "timings.json").read_text())
             row |= {"hexq_bank_seconds": round(seconds, 1), "hexq_bank_peak_rss_mib": round(rss / 2**20),
-                    "hexq_seconds_per_layer": [timings[key] for key in sorted(timings)]}
+                    "hexq_seconds_per_layer": [timings[key] for key in sorted(timings) if key.startswith("layer_")]}
             if real:
                 per_layer = sum(row["hexq_seconds_per_layer"]) / len(row["hexq_seconds_per_layer"])
                 row["hexq_extrapolated_hours"] = round(per_layer * PUBLISHED_LAYERS.get(name, 0) / 3600, 2)

@@ -24,7 +24,6 @@ from pathlib import Path
 
 import torch
 
-from hexq.calib.outliers import inject_outliers
 from hexq.calib.pipeline import calibrate
 from hexq.data import calibration_windows, eval_text, tokenize
 from hexq.eval.perplexity import perplexity
@@ -32,6 +31,7 @@ from hexq.eval.run import evaluate_model
 from hexq.models import load_model
 from hexq.recipe import ActivationQuant, Calibration, Experts, Recipe, Smoothing, WeightQuant
 
+from outliers import inject_outliers
 from provenance import start_run, write_results
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -133,7 +133,7 @@ def run(models: list[str], settings: list[str], samples: int, windows: int, outl
                         print(json.dumps(row), flush=True)
                         shutil.rmtree(out)
                     if peer:
-                        from hexq.eval.llmcompressor_peer import PEER_SCHEMES, run_peer
+                        from llmcompressor_peer import PEER_SCHEMES, run_peer
 
                         started = time.time()
                         peer_model = run_peer(folder, PEER_SCHEMES[setting_name], calib_ids)

@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 
 from hexq.algos.quant import QuantMeta, QuantSpec, dequantize, quantize
-from hexq.artifact.bitpack import DequantScratch, dequantize_into, pack_bits
 from hexq.io import write_json_atomic
+from hexq.packed.bitpack import DequantScratch, dequantize_into, pack_bits
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = {"gate_up": (1536, 2048), "down": (2048, 768)}  # Qwen3-30B-A3B: hidden 2048, moe_intermediate 768

@@ -64,7 +64,7 @@ calibration: {num_samples: 16, seqlen: 256, seed: 0}
 
 
 def prompt_ids(artifact: Path) -> list[int]:
-    from hexq.artifact.format import Artifact
+    from hexq.artifact.reader import Artifact
     from hexq.data import eval_text, tokenize
     from hexq.runtime.model import artifact_tokenizer
 
@@ -204,7 +204,7 @@ def bytes_per_token_hexq(artifact: Path) -> dict:
     table aside: one row) plus top_k experts per layer at the allocation's mean slot bytes."""
     import torch
 
-    from hexq.artifact.format import Artifact
+    from hexq.artifact.reader import Artifact
     from hexq.runtime.model import dense_plan_bytes, skeleton
     from hexq.runtime.source import ArtifactSource
 

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from hexq.algos.gptq import factorize_hessians, gptq_bank
+from hexq.algos.gptq import gptq_bank
+from hexq.algos.hessian import factorize_hessians
 from hexq.algos.quant import QuantSpec
 from hexq.io import write_json_atomic
 from tests import gptq_reference as reference

@@ -23,14 +23,15 @@ from pathlib import Path
 import torch
 
 from hexq.algos.allocation import shuffled_like
-from hexq.artifact.format import Artifact
-from hexq.artifact.pack import Budget, pack
-from hexq.calib.pipeline import calibrate, open_model
+from hexq.artifact.reader import Artifact
+from hexq.calib.pipeline import calibrate
 from hexq.data import eval_text, tokenize
 from hexq.eval.perplexity import make_windows
+from hexq.layer_pass import full_precision_plan, stream_nll
+from hexq.pack import Budget, pack
 from hexq.recipe import load_recipe
 from hexq.runtime.model import artifact_model
-from hexq.streaming import full_precision_plan, stream_nll
+from hexq.streaming import open_model
 
 from provenance import start_run, write_results
 

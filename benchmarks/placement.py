@@ -18,13 +18,12 @@ from pathlib import Path
 import torch
 
 from hexq.algos.placement import (
+    SCHEMES,
     expert_counts,
-    frequency_placement,
     global_frequency_placement,
-    path_placement,
+    place,
     placement_metrics,
     stack_trace,
-    two_stage_placement,
 )
 from hexq.calib.routing import capture_router_topk
 from hexq.data import calibration_windows, eval_text, tokenize
@@ -55,8 +54,7 @@ def unique_path_share(topk: torch.Tensor) -> float:
 
 def placements(calib: torch.Tensor, num_experts: int, K: int) -> dict[str, torch.Tensor]:
     counts = expert_counts(calib, num_experts)
-    return {"1": path_placement(calib, num_experts, K), "2": frequency_placement(counts, K),
-            "3": two_stage_placement(calib, num_experts, K),
+    return {**{scheme: place(scheme, calib, counts, K) for scheme in SCHEMES},
             "2g": global_frequency_placement(counts, K * calib.shape[0])}
 
 

@@ -269,7 +269,7 @@ def child_overhead(spec: dict) -> dict:
     """The fixed overhead: interpreter, torch, transformers, hexq, the tokenizer and the meta skeleton, no weights."""
     import torch
 
-    from hexq.artifact.format import Artifact
+    from hexq.artifact.reader import Artifact
     from hexq.runtime.engine import Runtime  # noqa: F401  (imported for its imports: what `hexq run` loads)
     from hexq.runtime.model import artifact_tokenizer, skeleton
 
@@ -319,9 +319,9 @@ def dequant_rate(reps: int) -> list[dict]:
     from dequant_speed import GROUP_SIZE, SHAPES, median_seconds  # the expert shapes and timing of that benchmark
 
     from hexq.algos.quant import QuantSpec, quantize
-    from hexq.artifact.bitpack import DequantScratch, pack_bits
-    from hexq.artifact.format import PackedWeight, dequantize_packed_into
+    from hexq.packed.bitpack import DequantScratch, pack_bits
     from hexq.packed.cpu import load_cpu_kernels
+    from hexq.packed.weight import PackedWeight, dequantize_packed_into
 
     kernels = load_cpu_kernels()
     generator = torch.Generator(device="cpu").manual_seed(0)
@@ -357,8 +357,8 @@ def dequant_rate(reps: int) -> list[dict]:
 
 
 def artifact_for(name: str, work: Path) -> Path:
-    from hexq.artifact.pack import Budget, pack
     from hexq.calib.pipeline import calibrate
+    from hexq.pack import Budget, pack
     from hexq.recipe import Calibration, load_recipe
 
     out = work / f"{name}-3.0.hexq"
@@ -375,7 +375,7 @@ def sizes(artifact: Path) -> dict:
     """Bytes of the dense part and of every expert in bf16, and the artifact's prompt text."""
     import torch
 
-    from hexq.artifact.format import Artifact
+    from hexq.artifact.reader import Artifact
     from hexq.data import eval_text, tokenize
     from hexq.runtime.model import artifact_tokenizer, skeleton
     from hexq.runtime.source import ArtifactSource

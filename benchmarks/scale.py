@@ -118,7 +118,7 @@ def main() -> None:
                 row["disk_mib"] = round(du(outputs[step]) / 2**20)
             if step == "calibrate" and (calibration / "timings.json").is_file():
                 timings = json.loads((calibration / "timings.json").read_text())
-                row["seconds_per_layer"] = [timings[key] for key in sorted(timings)]
+                row["seconds_per_layer"] = [timings[key] for key in sorted(timings) if key.startswith("layer_")]
             if step.startswith("eval") and "stdout" in result:
                 row["output"] = result["stdout"].strip().splitlines()[-3:]
             rows.append(row)

@@ -1,97 +1,35 @@
-"""The `hexq` command. One function per command; rich output lives here only."""
+"""The `hexq` command. One function per command; rich output lives here only (hexq_cli.common has what the
+commands share; hexq modules are imported inside each command, for start-up time)."""
 
 from __future__ import annotations
 
-import functools
-import json
-import os
 from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
 from hexq import __version__
 from hexq.errors import HexqError
-
-app = typer.Typer(help="Quantize, calibrate and serve Mixture-of-Experts language models.", no_args_is_help=True,
-                  add_completion=False, pretty_exceptions_enable=False)
-console = Console()
-err_console = Console(stderr=True)
-
-DEFAULT_EVAL_DATA = ["wikitext2", "austen", "pydocs", "foldoc"]
-
-ModelArg = Annotated[Path, typer.Argument(help="Local HuggingFace MoE model folder.", show_default=False)]
-EvalTargetArg = Annotated[Path, typer.Argument(help="HuggingFace MoE model folder, or a hexq calibration folder "
-                                               "(evaluated as its quantized model).", show_default=False)]
-SeqlenOpt = Annotated[int, typer.Option("--seqlen", "-L", help="Window length in tokens.", min=2)]
-WindowsOpt = Annotated[int | None, typer.Option("--windows", "-n", help="Evaluate at most this many windows "
-                                                "per text (default: all).", min=1)]
-BatchOpt = Annotated[int, typer.Option("--batch-size", "-b", help="Windows per forward pass.", min=1)]
-DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:N or auto (cuda when present, else "
-                                        "cpu).")]
-ActivationsOpt = Annotated[str, typer.Option("--activation-memory", help="Memory for activations between two layers, "
-                                             "e.g. 2GiB; the rest spills to disk.")]
-ForceOpt = Annotated[bool, typer.Option("--force", help="Replace an existing output folder (only one hexq wrote, of "
-                                        "the same kind; never an input).")]
-JsonOpt = Annotated[Path | None, typer.Option("--json", help="Also write the results to this JSON file.")]
-
-
-def handle_errors(command):
-    """Turn known errors into one red line and exit code 1; HEXQ_DEBUG=1 shows the traceback instead."""
-
-    @functools.wraps(command)
-    def wrapper(*args, **kwargs):
-        try:
-            return command(*args, **kwargs)
-        except (HexqError, ValueError, OSError) as exc:  # OSError: disk full, permissions, missing files
-            if os.environ.get("HEXQ_DEBUG"):
-                raise
-            err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
-            raise typer.Exit(1) from None
-        except KeyboardInterrupt:
-            err_console.print("[bold red]interrupted[/]")
-            raise typer.Exit(130) from None
-        except RuntimeError as exc:
-            import torch
-
-            if not isinstance(exc, torch.OutOfMemoryError) or os.environ.get("HEXQ_DEBUG"):
-                raise
-            from hexq.devices import out_of_memory_message
-
-            message = out_of_memory_message(exc, command.__name__.removesuffix("_command"))
-            err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
-            raise typer.Exit(1) from None
-
-    return wrapper
-
-
-def progress_bar() -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    TimeRemainingColumn(), console=err_console, transient=True)
-
-
-def staged(bar: Progress, title: str):
-    """A progress callback (what, done, total) for layer-by-layer work: one bar for the layers, with its ETA, and one
-    for the stage inside the current layer (expert groups, loss table), reset when the stage changes."""
-    layers = bar.add_task(title, total=None)
-    inner: dict[str, int] = {}
-
-    def report(what: str, done: int, total: int) -> None:
-        if what == "layers" or what not in inner:
-            for task in inner.values():
-                bar.remove_task(task)
-            inner.clear()
-        if what == "layers":
-            bar.update(layers, completed=done, total=total)
-            return
-        if what not in inner:
-            inner[what] = bar.add_task(f"  {what}", total=total)
-        bar.update(inner[what], completed=done, total=total)
-
-    return report
+from hexq_cli.artifact_commands import export, inspect, report
+from hexq_cli.common import (
+    DEFAULT_EVAL_DATA,
+    ActivationsOpt,
+    BatchOpt,
+    DeviceOpt,
+    EvalTargetArg,
+    ForceOpt,
+    JsonOpt,
+    ModelArg,
+    SeqlenOpt,
+    WindowsOpt,
+    app,
+    console,
+    err_console,
+    handle_errors,
+    progress_bar,
+    staged,
+)
 
 
 @app.command()
@@ -236,10 +174,11 @@ def pack_command(
                                                "(default: the calibration's recipe).")] = None,
     bits: Annotated[float | None, typer.Option("--bits", help="Average bits per expert in every layer "
                                                "(default: the recipe's pack.avg_bits).")] = None,
-    budget: Annotated[str | None, typer.Option("--budget", help="Bytes for all routed experts of the model, "
-                                               "e.g. 3MB or 2.5MiB; split across layers by the recipe's "
-                                               "pack.schedule.")] = None,
-    schedule: Annotated[str | None, typer.Option("--schedule", help="How --budget is split across layers: "
+    expert_bytes: Annotated[str | None, typer.Option("--expert-bytes", help="Stored bytes for all routed experts of "
+                                                     "the model, e.g. 3MB or 2.5MiB; split across layers by the "
+                                                     "recipe's pack.schedule.")] = None,
+    old_budget: Annotated[str | None, typer.Option("--budget", hidden=True)] = None,
+    schedule: Annotated[str | None, typer.Option("--schedule", help="How --expert-bytes is split across layers: "
                                                  "uniform or cosine (deeper layers get less).")] = None,
     bank: Annotated[str | None, typer.Option("--bank", help="Widths kept for every expert besides its allocated one, "
                                              "for run policies that change precision: widths (2,4), policy names "
@@ -252,12 +191,14 @@ def pack_command(
     """Importance, hot-expert placement, bit allocation and one packed, checksummed artifact."""
     from dataclasses import replace
 
-    from hexq.artifact.pack import Budget, pack
+    from hexq.pack import Budget, pack
     from hexq.recipe import load_recipe
     from hexq.units import format_bytes, parse_bytes
 
-    if bits is not None and budget is not None:
-        raise HexqError("give either --bits (average per layer) or --budget (bytes for the model), not both")
+    if old_budget is not None:  # `hexq run --budget` is cache memory; pack's byte budget says what it counts
+        raise HexqError(f"hexq pack --budget is now --expert-bytes: pass --expert-bytes {old_budget}")
+    if bits is not None and expert_bytes is not None:
+        raise HexqError("give either --bits (average per layer) or --expert-bytes (bytes for the model), not both")
     settings = load_recipe(recipe).pack if recipe else None
     if schedule is not None:
         from hexq.calib.store import read_manifest
@@ -265,7 +206,7 @@ def pack_command(
 
         base = settings or recipe_from_dict(read_manifest(calibration)["recipe"]).pack
         settings = replace(base, schedule=schedule)
-    chosen = (Budget(total_bytes=parse_bytes(budget)) if budget is not None
+    chosen = (Budget(total_bytes=parse_bytes(expert_bytes)) if expert_bytes is not None
               else Budget(avg_bits=bits) if bits is not None else None)
     banked = tuple(item.strip() for item in bank.split(",") if item.strip()) if bank else ()
     with progress_bar() as bar:
@@ -281,115 +222,8 @@ def pack_command(
                   f"({summary.seconds:.1f}s)")
 
 
-@app.command()
-@handle_errors
-def inspect(
-    artifact: Annotated[Path, typer.Argument(help="Artifact folder made by hexq pack.", show_default=False)],
-    json_out: JsonOpt = None,
-) -> None:
-    """Sizes per part, bits per layer, budget use and checksums of an artifact."""
-    from hexq.artifact.inspect import summarize
-    from hexq.io import write_json_atomic
-    from hexq.units import format_bytes
-
-    info = summarize(artifact)
-    parts = Table(title=f"{artifact.name}: {info['model']['model_type']}, {info['model']['num_layers']} layers x "
-                        f"{info['model']['num_experts']} experts (format v{info['format_version']})")
-    for column in ("part", "files", "bytes", "checksums"):
-        parts.add_column(column, justify="left" if column == "part" else "right")
-    for part in info["parts"]:
-        parts.add_row(part["part"], str(part["files"]), format_bytes(part["bytes"]),
-                      "ok" if part["ok"] else "[bold red]BAD[/]")
-    console.print(parts)
-    layers = Table(title=f"allocation ({info['allocation']['budget']}), placement {info['placement']['scheme']}")
-    widths = info["allocation"]["bits_set"]
-    for column in ("layer", *[f"{b}-bit" for b in widths], "avg bits", "expert bytes", "hot experts"):
-        layers.add_column(column, justify="right")
-    for row in info["allocation"]["layers"]:
-        layers.add_row(str(row["layer"]), *[str(row["histogram"].get(str(b), 0)) for b in widths],
-                       f"{row['average_bits']:.3f}", format_bytes(row["bytes"]), " ".join(map(str, row["hot"])))
-    console.print(layers)
-    accounting = info["accounting"]
-    banked = (f" + every expert at {', '.join(map(str, accounting['bank_bits']))} bits"
-              if accounting["bank_bits"] else "")
-    console.print(f"experts stored (allocation{banked}): {format_bytes(accounting['stored_experts'])} = "
-                  f"{accounting['experts_vs_bf16']:.1%} of their bf16 size {format_bytes(accounting['bf16_experts'])}"
-                  f"; dense part {format_bytes(accounting['dense'])}; artifact {format_bytes(accounting['files'])}"
-                  f"; checksums {'ok' if info['checksums_ok'] else 'FAILED'}")
-    if json_out is not None:
-        write_json_atomic(json_out, info)
-        console.print(f"wrote {json_out}")
-    if not info["checksums_ok"]:
-        bad = ", ".join(name for name, ok in info["files"].items() if not ok)
-        raise HexqError(f"checksum mismatch in {artifact}: {bad}")
-
-
-@app.command()
-@handle_errors
-def export(
-    artifact: Annotated[Path, typer.Argument(help="Artifact folder made by hexq pack.", show_default=False)],
-    out: Annotated[Path, typer.Option("--out", "-o", help="Checkpoint folder to write.")] = Path("model-ct"),
-    experts: Annotated[str, typer.Option("--experts", help="Routed experts' scheme per layer: auto (4-bit unless a "
-                                         "projection would need round-to-nearest, then 8-bit), w4, w8, or vllm "
-                                         "(4-bit on the grid vLLM's fused MoE takes).")] = "auto",
-    source: Annotated[Path | None, typer.Option("--source", help="The full-precision checkpoint the artifact was "
-                                                "made from (default: the path the artifact records).")] = None,
-    windows: Annotated[int, typer.Option("--windows", "-n", help="Held-out windows the check compares logits "
-                                         "on.", min=1)] = 8,
-    seqlen: SeqlenOpt = 256,
-    data: Annotated[str, typer.Option("--data", "-d", help="Held-out text for the check (corpus name or "
-                                      "file).")] = "austen",
-    shard_size: Annotated[str, typer.Option("--shard-size", help="Largest safetensors shard, e.g. 5GB.")] = "5GB",
-    check: Annotated[bool, typer.Option("--check/--no-check", help="Reload the export and compare its logits with "
-                                        "the served model (the folder is published only if it passes).")] = True,
-    force: ForceOpt = False,
-    json_out: JsonOpt = None,
-) -> None:
-    """Write a compressed-tensors checkpoint one layer at a time, keeping every calibrated code it can express,
-    and check it against the model hexq run serves."""
-    from hexq.export import export_artifact
-    from hexq.io import write_json_atomic
-    from hexq.units import format_bytes, parse_bytes
-
-    with progress_bar() as bar:
-        report = staged(bar, f"export {artifact.name}: layers")
-        summary = export_artifact(artifact, out, experts, force, source, windows, seqlen, data, check,
-                                  parse_bytes(shard_size), report)
-    from hexq.artifact.export import vllm_support
-
-    table = Table(title=f"{out}: routed experts per layer (dense: {summary.dense.name}, vLLM: "
-                        f"{vllm_support(summary.dense, experts=False)})")
-    for column in ("layer", "scheme", "exact", "zero", "projected", "table MSE allocated -> written", "vLLM"):
-        table.add_column(column, justify="left" if column in ("scheme", "projected", "vLLM") else "right")
-    for layer in summary.layers:
-        projected = layer.projected
-        listing = ", ".join(f"{c.expert}:{c.allocated}->{c.source} {c.bits}" for c in projected) or "-"
-        known = [c for c in projected if c.mse_allocated is not None and c.mse_used is not None]
-        cost = (f"{sum(c.mse_allocated for c in known):.3g} -> {sum(c.mse_used for c in known):.3g}"
-                if known else ("n/a" if projected else "-"))
-        table.add_row(str(layer.layer), layer.scheme.name, str(sum(c.source == "exact" for c in layer.choices)),
-                      str(sum(c.source == "zero" for c in layer.choices)), listing, cost,
-                      vllm_support(layer.scheme, experts=True))
-    console.print(table)
-    result = summary.check
-    if result is not None:
-        checks = Table(title=f"check: {result.windows} windows x {result.seqlen} of {data}, "
-                             f"{result.tokens_scored:,} tokens scored; limit vs served {result.limit}")
-        for column in ("export vs", "rel. L2 of logits", "max |delta logit|", "argmax agreement", "ppl export",
-                       "ppl reference", "ppl change"):
-            checks.add_column(column, justify="left" if column == "export vs" else "right")
-        for c in (result.vs_served, result.vs_full_precision):
-            if c is not None:
-                checks.add_row(c.reference, f"{c.rel_l2:.3g}", f"{c.max_abs:.3g}", f"{c.argmax_agreement:.2%}",
-                               f"{c.ppl_model:.3f}", f"{c.ppl_reference:.3f}", f"{c.ppl_change:+.3%}")
-        console.print(checks)
-        if result.vs_full_precision is None:
-            console.print(f"full precision: not compared ({result.full_precision_note})")
-    console.print(f"exported {artifact} to {out}: {format_bytes(summary.files_bytes)} in {summary.seconds:.1f}s"
-                  + ("" if result is not None else " (not checked)"))
-    if json_out is not None:
-        write_json_atomic(json_out, json.loads((out / "hexq_export.json").read_text()))
-        console.print(f"wrote {json_out}")
+app.command()(inspect)
+app.command()(export)
 
 
 def print_run_stats(stats: dict) -> None:
@@ -520,27 +354,7 @@ def run(
         console.print(f"wrote {json_out}")
 
 
-@app.command()
-@handle_errors
-def report(
-    artifact: Annotated[Path, typer.Argument(help="Artifact folder made by hexq pack.", show_default=False)],
-    out: Annotated[Path, typer.Option("--out", "-o", help="Folder for index.html and its PNG plots.")] = Path(
-        "report"),
-    results: Annotated[Path | None, typer.Option("--results", help="Folder of benchmark result JSONs "
-                                                 "(pack_quality.json, calibrate.json; default: the checkout's "
-                                                 "benchmarks/results).")] = None,
-    placement_json: Annotated[Path | None, typer.Option("--placement-json", help="Held-out hit rates written by "
-                                                        "benchmarks/placement.py (default: placement.json in the "
-                                                        "results folder).")] = None,
-    force: Annotated[bool, typer.Option("--force", help="Replace a report hexq wrote earlier in the output "
-                                        "folder.")] = False,
-) -> None:
-    """An HTML page of plots: expert hotness, loss tables, bit allocation, hit rates, perplexity vs bits."""
-    from hexq.report import write_report
-
-    with err_console.status(f"report {artifact.name}"):
-        index = write_report(artifact, out, results, placement_json, force)
-    console.print(str(index), highlight=False, soft_wrap=True)  # the bare path, unwrapped, for scripts
+app.command()(report)
 
 
 def main() -> None:

@@ -26,6 +26,7 @@ from safetensors import SafetensorError, safe_open
 
 from hexq.adapters import MoEAdapter, adapter_for
 from hexq.errors import HexqError
+from hexq.models import read_model_config
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -45,13 +46,6 @@ class Checkpoint:
         self._lock = threading.Lock()
 
     # --------------------------------------------------------------------------------------------- raw access
-
-    @property
-    def shards(self) -> list[Path]:
-        return [self.folder / name for name in sorted(set(self.weight_map.values()))]
-
-    def has(self, key: str) -> bool:
-        return key in self.weight_map
 
     def release(self) -> None:
         """Close every shard's memory map: pages read so far stop counting in the process's memory (a streamed
@@ -92,11 +86,6 @@ class Checkpoint:
             raise HexqError(f"{self.folder / shard}: tensor {key} has shape {list(tensor.shape)}, the model's "
                             f"config needs {list(shape)}")
         return tensor
-
-    def stored_dtype(self) -> torch.dtype:
-        """The dtype of the first decoder weight (what the model is stored in)."""
-        key = next((k for k in sorted(self.weight_map) if ".layers." in k and k.endswith(".weight")), None)
-        return self.read(key).dtype if key else torch.float32
 
     # ---------------------------------------------------------------------------------------- model names
 
@@ -170,8 +159,6 @@ def safetensors_dtype(name: str) -> torch.dtype | None:
 
 
 def _read_config(folder: Path) -> dict:
-    from hexq.models import read_model_config
-
     return read_model_config(folder)
 
 

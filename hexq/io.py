@@ -1,8 +1,9 @@
-"""Atomic file writes: write to a temporary file in the same folder, then rename over the target.
-Also a streaming safetensors writer built the same way."""
+"""Atomic file writes: write to a temporary file in the same folder, then rename over the target. Also a streaming
+safetensors writer built the same way, sealed JSON, and hexq's one file hasher (file_sha256, file_record)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -285,13 +286,15 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hexq"
 
 
-def file_sha256(path: Path, chunk_bytes: int = 1 << 24) -> str:
-    """SHA-256 of a file, remembered in hexq's cache by (real path, size, mtime, inode) so that a 60 GB checkpoint is
-    hashed once, not by every command that checks it is unchanged. An edit that changes neither size, mtime nor
-    inode goes unseen; the artifact's own integrity checks do not use this cache."""
-    import hashlib
+def file_sha256(path: str | Path, *, cached: bool = False) -> str:
+    """SHA-256 of a file: hexq's one hasher (artifact and calibration integrity checks, model fingerprints).
 
+    cached: remember it in hexq's cache by (real path, size, mtime, inode), so that a 60 GB checkpoint is hashed once,
+    not by every command that checks it is unchanged; an edit that changes neither size, mtime nor inode then goes
+    unseen, so integrity checks of hexq's own files never use the cache."""
     path = Path(path).resolve()
+    if not cached:
+        return _sha256(path)
     stat = path.stat()
     key = f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{stat.st_ino}"
     index = cache_dir() / "sha256.json"
@@ -301,11 +304,7 @@ def file_sha256(path: Path, chunk_bytes: int = 1 << 24) -> str:
         known = {}
     if key in known:
         return known[key]
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(chunk_bytes), b""):
-            digest.update(chunk)
-    value = digest.hexdigest()
+    value = _sha256(path)
     try:
         known = {k: v for k, v in known.items() if not k.startswith(f"{path}|")}
         known[key] = value
@@ -313,6 +312,19 @@ def file_sha256(path: Path, chunk_bytes: int = 1 << 24) -> str:
     except OSError:  # a read-only home still gets the right answer, only not remembered
         pass
     return value
+
+
+def _sha256(path: Path, chunk_bytes: int = 1 << 24) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(chunk_bytes), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def file_record(path: str | Path) -> dict:
+    """{sha256, bytes} of a file, as artifact and calibration manifests record every file they hold."""
+    return {"sha256": file_sha256(path), "bytes": Path(path).stat().st_size}
 
 
 def save_tensors(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
@@ -334,8 +346,6 @@ def write_sealed_json(path: str | Path, obj) -> None:
     """Write `obj` as JSON and, beside it, its SHA-256 in sha256sum's format (`sha256sum -c` checks it), so that any
     later edit of the file is detected and named by `read_sealed_json`. The seal is written second: a run killed in
     between leaves a file that fails its check rather than one that passes it."""
-    import hashlib
-
     path = Path(path)
     data = (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode()
     write_bytes_atomic(path, data)
@@ -345,10 +355,6 @@ def write_sealed_json(path: str | Path, obj) -> None:
 def read_sealed_json(path: str | Path):
     """The JSON object in `path`, after checking it against its seal (write_sealed_json); a missing, unreadable or
     different seal, or invalid JSON, is a one-line HexqError naming the file."""
-    import hashlib
-
-    from hexq.errors import HexqError
-
     path = Path(path)
     try:
         data = path.read_bytes()

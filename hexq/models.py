@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
 import torch
 
 from hexq.adapters import ADAPTERS, MoEAdapter, adapter_for, supported_types
+from hexq.devices import resolve_device
 from hexq.errors import HexqError
+from hexq.io import file_sha256
 
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 
@@ -57,11 +60,29 @@ def load_model(folder: str | Path, device: str | None = None, dtype: torch.dtype
         model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=dtype)
     except OSError as exc:
         raise HexqError(f"cannot load model from {folder}: {str(exc).splitlines()[0]}") from None
-    from hexq.devices import resolve_device
-
     model.to(resolve_device(device)).eval()
     return model, tokenizer, adapter
 
 
-def context_length(model) -> int:
-    return int(getattr(model.config, "max_position_embeddings", 0) or 0)
+def context_length(config) -> int:
+    """The longest sequence a model's config allows (0: the config does not say)."""
+    return int(getattr(config, "max_position_embeddings", 0) or 0)
+
+
+def model_fingerprint(folder: Path) -> str:
+    """SHA-256 over the names and SHA-256s of the model's weight shards and config (not its tokenizer or card);
+    each file's hash comes from hexq's stat-keyed cache (hexq.io.file_sha256) when the file has not changed."""
+    digest = hashlib.sha256()
+    for path in sorted([*Path(folder).glob("*.safetensors"), Path(folder) / "config.json"]):
+        digest.update(f"{path.name}:{file_sha256(path, cached=True)}\n".encode())
+    return digest.hexdigest()
+
+
+def source_state(folder: Path, fingerprint: str) -> str | None:
+    """Whether the model folder a calibration or an artifact was made from is still what it was: None when it is,
+    "gone" when the folder is missing, "changed" when its weights hash differs from `fingerprint`."""
+    if not Path(folder).is_dir():
+        return "gone"
+    if model_fingerprint(folder) != fingerprint:
+        return "changed"
+    return None

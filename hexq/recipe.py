@@ -11,37 +11,44 @@ A recipe file is one mapping whose keys are the fields of `Recipe`; each section
     calibration: {num_samples: 128, seqlen: 256, seed: 0}
     pack:        {alpha: 0.5, bits: [1, 2, 3, 4], avg_bits: 3.0, schedule: uniform, placement: two_stage}
 
-Rules (one place for each: `_build` for keys and nesting, `_coerce` for types, `__post_init__` for values):
+Rules (one place for each: `build` for keys and nesting, `_coerce` for types, `__post_init__` for values):
 - a key left out takes the dataclass default (the defaults are the paper's HAQ W8A8 setting);
 - an unknown key fails naming the key and the allowed ones; a duplicated key fails (PyYAML would keep the last);
 - a wrong type fails naming the key and the expected type (an int is accepted where a number is expected);
 - a key used only by another method or mode (e.g. smoothing.alpha with method haq) must stay at its default,
   so a recipe never carries a setting that is silently ignored.
 
-The recipe stored in calibration outputs is `recipe_to_dict`; `recipe_hash` identifies it (sha256 of canonical JSON).
+The recipe stored in calibration outputs is `recipe_to_dict`; `calibration_hash` identifies it (sha256 of its
+canonical JSON).
 """
 
 from __future__ import annotations
 
-import difflib
-import functools
 import hashlib
 import json
 import os
-import reprlib
-import types
-import typing
 from collections.abc import Hashable, Iterable, Mapping
-from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from hexq.algos.gptq import ACT_ORDERS
+from hexq.algos.hessian import ACT_ORDERS
+from hexq.algos.placement import SCHEMES
 from hexq.algos.quant import QuantSpec
 from hexq.data import bundled_folder
-from hexq.errors import HexqError
+from hexq.typed_config import (
+    RecipeError,
+    build,
+    check_at_least,
+    check_bits,
+    check_choice,
+    check_types,
+    check_unit,
+    check_unused_at_default,
+    to_plain,
+)
 
 if TYPE_CHECKING:  # importlib.resources.abc is Python >= 3.11; only the annotations need it
     from importlib.resources.abc import Traversable
@@ -55,117 +62,8 @@ SMOOTHING_GROUPS = ("attention", "moe")  # input norm -> q,k,v; post-attention n
 EXPERT_MODES = ("uniform", "replicas")
 EXPORT_TARGETS = ("vllm",)  # experts.export_target: the grid hexq export writes routed experts on
 MOE_OBJECTIVES = ("routed", "all")  # HAQ's MoE-group objective: experts on their routed tokens, or on every token
-PLACEMENT_SCHEMES = ("paths", "frequency", "two_stage")  # 003 Algorithm 2: schemes 1, 2 and 3
+PLACEMENT_SCHEMES = tuple(SCHEMES.values())  # 003 Algorithm 2: schemes 1, 2 and 3
 BUDGET_SCHEDULES = ("uniform", "cosine")  # how one byte budget is split across layers (004 §4.3)
-
-
-class RecipeError(HexqError):
-    """A problem with a recipe. `key` is the dotted path of the offending key relative to the dataclass that
-    raised it ("" when the message is already complete); the loader prefixes it with the section it was read from."""
-
-    def __init__(self, key: str, problem: str) -> None:
-        self.key, self.problem = key, problem
-        super().__init__(f"{key} {problem}" if key else problem)
-
-    def under(self, section: str) -> RecipeError:
-        if not section or not self.key:
-            return self
-        return RecipeError(f"{section}.{self.key}", self.problem)
-
-
-# --------------------------------------------------------------------------------------------- type checking
-
-
-def _describe(value: Any) -> str:
-    return "null" if value is None else f"{type(value).__name__} {reprlib.repr(value)}"
-
-
-def _expected(hint: Any) -> str:
-    """What a value of type `hint` looks like in YAML, for error messages."""
-    if _is_optional(hint):
-        return f"{_expected(_non_none(hint))} or null"
-    if typing.get_origin(hint) is tuple:
-        return f"a list of {_expected(typing.get_args(hint)[0]).removeprefix('a ').removeprefix('an ')}s"
-    if is_dataclass(hint):
-        return "a mapping"
-    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
-    return names[hint]
-
-
-def _is_optional(hint: Any) -> bool:
-    return typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in typing.get_args(hint)
-
-
-def _non_none(hint: Any) -> Any:
-    (inner,) = [arg for arg in typing.get_args(hint) if arg is not type(None)]
-    return inner
-
-
-def _coerce(value: Any, hint: Any) -> tuple[bool, Any]:
-    """(ok, value converted to the canonical Python type): int -> float for numbers, list -> tuple for tuples."""
-    if _is_optional(hint):
-        return (True, None) if value is None else _coerce(value, _non_none(hint))
-    if typing.get_origin(hint) is tuple:
-        if not isinstance(value, list | tuple):
-            return False, value
-        items = [_coerce(item, typing.get_args(hint)[0]) for item in value]
-        return all(ok for ok, _ in items), tuple(item for _, item in items)
-    if is_dataclass(hint):
-        return isinstance(value, hint), value
-    if hint is float:
-        ok = isinstance(value, int | float) and not isinstance(value, bool)
-        return ok, float(value) if ok else value
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool), value
-    return isinstance(value, hint), value
-
-
-@functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _check_types(obj: Any) -> None:
-    """Type-check every field of a frozen dataclass against its annotation, storing the canonical value."""
-    for f in fields(obj):
-        hint = _hints(type(obj))[f.name]
-        ok, value = _coerce(getattr(obj, f.name), hint)
-        if not ok:
-            raise RecipeError(f.name, f"must be {_expected(hint)}, got {_describe(getattr(obj, f.name))}")
-        object.__setattr__(obj, f.name, value)
-
-
-# ------------------------------------------------------------------------------------------ value checks
-
-
-def _check_bits(key: str, bits: int) -> None:
-    if not 1 <= bits <= 8:
-        raise RecipeError(key, f"must be in 1..8, got {bits}")
-
-
-def _check_choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise RecipeError(key, f"must be one of {', '.join(allowed)}; got {value!r}")
-
-
-def _check_at_least(key: str, value: int, low: int) -> None:
-    if value < low:
-        raise RecipeError(key, f"must be at least {low}, got {value}")
-
-
-def _check_unit(key: str, value: float, *, open_low: bool = False) -> None:
-    if not (0 < value <= 1 if open_low else 0 <= value <= 1):
-        raise RecipeError(key, f"must be in {'(0, 1]' if open_low else '[0, 1]'}, got {value}")
-
-
-def _check_unused_at_default(obj: Any, selector: str, used_by: dict[str, tuple[str, ...]]) -> None:
-    """Fields used only by some values of `selector` (a method or mode) must keep their defaults otherwise."""
-    active = getattr(obj, selector)
-    defaults = {f.name: f.default for f in fields(obj)}
-    for name, users in used_by.items():
-        if active not in users and getattr(obj, name) != defaults[name]:
-            only = " or ".join(repr(user) for user in users)
-            raise RecipeError(name, f"is used only with {selector} {only} ({selector} is {active!r}); remove it")
 
 
 # ------------------------------------------------------------------------------------------ dataclasses
@@ -175,7 +73,7 @@ def _check_unused_at_default(obj: Any, selector: str, used_by: dict[str, tuple[s
 class WeightQuant:
     """How weights are quantized (hexq.algos.quant / hexq.algos.gptq).
 
-    act_order, damp and block_size are GPTQ's (`gptq_quantize`); with method "rtn" they must stay at their defaults.
+    act_order, damp and block_size are GPTQ's (hexq.algos.gptq); with method "rtn" they must stay at their defaults.
     """
 
     bits: int = 8
@@ -187,15 +85,15 @@ class WeightQuant:
     block_size: int = 128  # columns per lazy-update block
 
     def __post_init__(self) -> None:
-        _check_types(self)
-        _check_bits("bits", self.bits)
+        check_types(self)
+        check_bits("bits", self.bits)
         if self.group_size is not None:
-            _check_at_least("group_size", self.group_size, 1)
-        _check_choice("method", self.method, WEIGHT_METHODS)
-        _check_choice("act_order", self.act_order, ACT_ORDERS)
-        _check_unit("damp", self.damp, open_low=True)
-        _check_at_least("block_size", self.block_size, 1)
-        _check_unused_at_default(self, "method", {name: ("gptq",) for name in ("act_order", "damp", "block_size")})
+            check_at_least("group_size", self.group_size, 1)
+        check_choice("method", self.method, WEIGHT_METHODS)
+        check_choice("act_order", self.act_order, ACT_ORDERS)
+        check_unit("damp", self.damp, open_low=True)
+        check_at_least("block_size", self.block_size, 1)
+        check_unused_at_default(self, "method", {name: ("gptq",) for name in ("act_order", "damp", "block_size")})
 
     def spec(self, bits: int | None = None) -> QuantSpec:
         """The QuantSpec of this setting, at `bits` instead of self.bits when given (one replica of a bank)."""
@@ -212,9 +110,9 @@ class ActivationQuant:
     symmetric: bool = False
 
     def __post_init__(self) -> None:
-        _check_types(self)
+        check_types(self)
         if self.bits is not None:
-            _check_bits("bits", self.bits)
+            check_bits("bits", self.bits)
             return
         for f in fields(self):
             if f.name != "bits" and getattr(self, f.name) != f.default:
@@ -245,14 +143,14 @@ class Smoothing:
     moe_objective: str = "routed"  # haq only: "routed" (each expert on its tokens) | "all" (every expert, every token)
 
     def __post_init__(self) -> None:
-        _check_types(self)
-        _check_choice("method", self.method, SMOOTHING_METHODS)
-        _check_unit("alpha", self.alpha)
-        _check_unit("grid_step", self.grid_step, open_low=True)
-        _check_at_least("max_tokens", self.max_tokens, 1)
+        check_types(self)
+        check_choice("method", self.method, SMOOTHING_METHODS)
+        check_unit("alpha", self.alpha)
+        check_unit("grid_step", self.grid_step, open_low=True)
+        check_at_least("max_tokens", self.max_tokens, 1)
         self._check_groups()
-        _check_choice("moe_objective", self.moe_objective, MOE_OBJECTIVES)
-        _check_unused_at_default(self, "method", {"alpha": ("smoothquant",), "grid_step": ("haq",),
+        check_choice("moe_objective", self.moe_objective, MOE_OBJECTIVES)
+        check_unused_at_default(self, "method", {"alpha": ("smoothquant",), "grid_step": ("haq",),
                                                   "max_tokens": ("haq",), "groups": ("haq", "smoothquant"),
                                                   "moe_objective": ("haq",)})
 
@@ -261,7 +159,7 @@ class Smoothing:
             raise RecipeError("groups", f"is empty; list at least one of {', '.join(SMOOTHING_GROUPS)} "
                                         "(or use method none)")
         for group in self.groups:
-            _check_choice("groups", group, SMOOTHING_GROUPS)
+            check_choice("groups", group, SMOOTHING_GROUPS)
         if len(set(self.groups)) != len(self.groups):
             raise RecipeError("groups", f"lists a group twice: {list(self.groups)}")
         object.__setattr__(self, "groups", tuple(g for g in SMOOTHING_GROUPS if g in self.groups))
@@ -285,7 +183,7 @@ class Experts:
     export_target "vllm" (replicas only): also one GPTQ replica per expert on vLLM's fused-MoE W4A16 grid (4-bit
     symmetric, groups of 128, or 64/32 when 128 does not divide the expert widths) from the same Hessian and Cholesky
     factor, which `hexq pack` keeps and `hexq export --experts vllm` writes for every expert whose own replica is on
-    another grid (hexq.calib.pipeline.export_spec).
+    another grid (hexq.calib.quantize.export_spec).
 
     Cold experts: an expert with fewer than min_tokens routed calibration tokens uses
     H = (1 - fallback_blend) * H_expert + fallback_blend * H_layer (both per-token means; H_layer from every token
@@ -303,15 +201,15 @@ class Experts:
     loss_tokens: int = 2048  # replicas only
 
     def __post_init__(self) -> None:
-        _check_types(self)
-        _check_choice("mode", self.mode, EXPERT_MODES)
+        check_types(self)
+        check_choice("mode", self.mode, EXPERT_MODES)
         if self.export_target is not None:
-            _check_choice("export_target", self.export_target, EXPORT_TARGETS)
+            check_choice("export_target", self.export_target, EXPORT_TARGETS)
         self._check_replica_bits()
-        _check_at_least("min_tokens", self.min_tokens, 1)
-        _check_unit("fallback_blend", self.fallback_blend)
-        _check_at_least("loss_tokens", self.loss_tokens, 1)
-        _check_unused_at_default(self, "mode", {"replica_bits": ("replicas",), "propagate_bits": ("replicas",),
+        check_at_least("min_tokens", self.min_tokens, 1)
+        check_unit("fallback_blend", self.fallback_blend)
+        check_at_least("loss_tokens", self.loss_tokens, 1)
+        check_unused_at_default(self, "mode", {"replica_bits": ("replicas",), "propagate_bits": ("replicas",),
                                                 "export_target": ("replicas",), "loss_tokens": ("replicas",)})
         if self.mode == "replicas" and self.weights is not None and self.weights.bits != WeightQuant.bits:
             raise RecipeError("weights.bits", f"is not used in mode 'replicas' (each replica takes one of "
@@ -322,7 +220,7 @@ class Experts:
         if not bits:
             raise RecipeError("replica_bits", "is empty; list the replica widths, e.g. [1, 2, 3, 4, 8]")
         for b in bits:
-            _check_bits("replica_bits", b)
+            check_bits("replica_bits", b)
         if len(set(bits)) != len(bits):
             raise RecipeError("replica_bits", f"has duplicates: {list(bits)}")
         if list(bits) != sorted(bits):
@@ -340,10 +238,10 @@ class Calibration:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _check_types(self)
-        _check_at_least("num_samples", self.num_samples, 1)
-        _check_at_least("seqlen", self.seqlen, 1)
-        _check_at_least("seed", self.seed, 0)
+        check_types(self)
+        check_at_least("num_samples", self.num_samples, 1)
+        check_at_least("seqlen", self.seqlen, 1)
+        check_at_least("seed", self.seed, 0)
 
 
 @dataclass(frozen=True)
@@ -371,8 +269,8 @@ class Pack:
     export_replicas: bool = False
 
     def __post_init__(self) -> None:
-        _check_types(self)
-        _check_unit("alpha", self.alpha)
+        check_types(self)
+        check_unit("alpha", self.alpha)
         if not self.bits:
             raise RecipeError("bits", "is empty; list the widths the allocation may use, e.g. [1, 2, 3, 4]")
         for b in self.bits:
@@ -383,10 +281,10 @@ class Pack:
         if not min(self.bits) <= self.avg_bits <= max(self.bits):
             raise RecipeError("avg_bits", f"must be within bits [{min(self.bits)}, {max(self.bits)}], "
                                           f"got {self.avg_bits}")
-        _check_choice("schedule", self.schedule, BUDGET_SCHEDULES)
-        _check_unit("cosine_lambda", self.cosine_lambda)
-        _check_choice("placement", self.placement, PLACEMENT_SCHEMES)
-        _check_unit("hot_fraction", self.hot_fraction, open_low=True)
+        check_choice("schedule", self.schedule, BUDGET_SCHEDULES)
+        check_unit("cosine_lambda", self.cosine_lambda)
+        check_choice("placement", self.placement, PLACEMENT_SCHEMES)
+        check_unit("hot_fraction", self.hot_fraction, open_low=True)
 
 
 @dataclass(frozen=True)
@@ -404,7 +302,7 @@ class Recipe:
     pack: Pack = field(default_factory=Pack)
 
     def __post_init__(self) -> None:
-        _check_types(self)
+        check_types(self)
         if not self.name.strip():
             raise RecipeError("name", "must not be empty")
         if self.version != RECIPE_VERSION:
@@ -444,64 +342,14 @@ def validate_for_model(recipe: Recipe, hidden_size: int,
                                                        f"dividing every input width ({listed}) or null (per-channel)")
 
 
-# ------------------------------------------------------------------------------------------ dict <-> dataclass
-
-
-def _section_label(path: str) -> str:
-    return path or "recipe"
-
-
-def _unknown_key(key: Any, path: str, allowed: list[str]) -> RecipeError:
-    close = difflib.get_close_matches(str(key), allowed, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return RecipeError("", f"unknown key {key!r} in {_section_label(path)}{hint}; allowed: {', '.join(allowed)}")
-
-
-def _nested_class(hint: Any) -> type | None:
-    inner = _non_none(hint) if _is_optional(hint) else hint
-    return inner if is_dataclass(inner) else None
-
-
-def _build(cls: type, data: Any, path: str) -> Any:
-    """An instance of dataclass `cls` from the mapping `data` read at section `path` ("" for the top level)."""
-    allowed = [f.name for f in fields(cls)]
-    if not isinstance(data, dict):
-        raise RecipeError("", f"{_section_label(path)} must be a mapping with keys {', '.join(allowed)}; "
-                              f"got {_describe(data)}")
-    for key in data:
-        if key not in allowed:
-            raise _unknown_key(key, path, allowed)
-    for f in fields(cls):
-        if f.default is MISSING and f.default_factory is MISSING and f.name not in data:
-            raise RecipeError("", f"missing key {f.name!r} in {_section_label(path)}")
-    kwargs = {}
-    for key, value in data.items():
-        nested = _nested_class(_hints(cls)[key])
-        if nested is not None and isinstance(value, dict):
-            value = _build(nested, value, f"{path}.{key}" if path else key)
-        kwargs[key] = value
-    try:
-        return cls(**kwargs)
-    except RecipeError as err:
-        raise err.under(path) from None
-
-
-def _to_plain(value: Any) -> Any:
-    if is_dataclass(value):
-        return {f.name: _to_plain(getattr(value, f.name)) for f in fields(value)}
-    if isinstance(value, tuple):
-        return [_to_plain(item) for item in value]
-    return value
-
-
 def recipe_from_dict(data: Mapping[str, Any]) -> Recipe:
     """A Recipe from its dict form (a parsed YAML file or `recipe_to_dict` output), with every check applied."""
-    return _build(Recipe, dict(data) if isinstance(data, Mapping) else data, "")
+    return build(Recipe, dict(data) if isinstance(data, Mapping) else data, "")
 
 
 def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
     """Every field, JSON/YAML-ready (tuples as lists); recipe_from_dict(recipe_to_dict(r)) == r."""
-    return _to_plain(recipe)
+    return to_plain(recipe)
 
 
 def _hash_dict(data: dict[str, Any]) -> str:
@@ -509,13 +357,9 @@ def _hash_dict(data: dict[str, Any]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def recipe_hash(recipe: Recipe) -> str:
-    """sha256 hex digest of the canonical JSON of the recipe (sorted keys, no whitespace)."""
-    return _hash_dict(recipe_to_dict(recipe))
-
-
 def calibration_hash(recipe: Recipe) -> str:
-    """recipe_hash without the pack section: changing how a calibration is packed does not invalidate it. An unset
+    """sha256 of the recipe's canonical JSON (sorted keys, no whitespace) without the pack section: changing how a
+    calibration is packed does not invalidate it. An unset
     experts.export_target is left out, so calibrations made before that setting existed keep their fingerprint."""
     data = {key: value for key, value in recipe_to_dict(recipe).items() if key != "pack"}
     if data["experts"]["export_target"] is None:

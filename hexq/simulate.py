@@ -2,9 +2,9 @@
 and the runtime).
 
 Activation quantization is attached in two places only: a forward pre-hook on each quantized attention /
-shared-expert linear, and `SimulatedExperts`, the one replacement for a layer's fused routed-experts module,
-which quantizes the expert inputs and the down projection's input (the intermediate) per token or with static
-per-tensor ranges.
+shared-expert linear (`attach_input_quant`), and `quantized_expert_output`, the one definition of a quantized
+routed expert, which quantizes the expert's input and the down projection's input (the intermediate) per token or
+with static per-tensor ranges.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def expert_output(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ac
 def quantized_expert_output(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act_fn,
                             input_quant: ActQuantizer | None, mid_quant: ActQuantizer | None) -> torch.Tensor:
     """expert_output with the expert's input and the down projection's input fake-quantized when configured: the
-    one definition of a quantized expert, shared by SimulatedExperts and the runtime's cached experts."""
+    one definition of a quantized expert, shared by calibration, the streamed passes and the runtime."""
     if input_quant is not None:
         x = input_quant(x)
     mid = expert_intermediate(x, gate_up, act_fn)
@@ -56,36 +56,6 @@ class ActQuantizer:
         spec = QuantSpec(bits=self.bits, symmetric=self.symmetric)
         scale, zero = grid_params(torch.tensor([[self.low, self.high]], dtype=torch.float32, device=x.device), spec)
         return ((quantize_to_grid(x.float(), scale, zero, spec.qmax) - zero) * scale).to(x.dtype)
-
-
-class SimulatedExperts(torch.nn.Module):
-    """Routed experts from given fused weights (gate_up [E, 2I, H], down [E, H, I]), same interface as the
-    transformers 5.x experts module: forward(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k])."""
-
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, act_fn,
-                 input_quant: ActQuantizer | None = None, mid_quant: ActQuantizer | None = None) -> None:
-        super().__init__()
-        self.gate_up_proj = torch.nn.Parameter(gate_up, requires_grad=False)
-        self.down_proj = torch.nn.Parameter(down, requires_grad=False)
-        self.num_experts = gate_up.shape[0]
-        self.act_fn = act_fn
-        self.input_quant = input_quant
-        self.mid_quant = mid_quant
-
-    def expert_forward(self, expert: int, x: torch.Tensor) -> torch.Tensor:
-        """One expert on its routed tokens x [n, H] -> [n, H], with activation quantization if configured."""
-        return quantized_expert_output(x, self.gate_up_proj[expert], self.down_proj[expert], self.act_fn,
-                                       self.input_quant, self.mid_quant)
-
-    def forward(self, hidden_states, top_k_index, top_k_weights):
-        out = torch.zeros_like(hidden_states)
-        for expert in top_k_index.unique().tolist():
-            if not 0 <= expert < self.num_experts:
-                continue  # some families mark dropped slots with an out-of-range id
-            token, slot = torch.where(top_k_index == expert)
-            y = self.expert_forward(expert, hidden_states[token]) * top_k_weights[token, slot, None]
-            out.index_add_(0, token, y.to(out.dtype))
-        return out
 
 
 def act_quantizer(setting, low_high: torch.Tensor | None) -> ActQuantizer | None:

@@ -26,7 +26,11 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from hexq.adapters import MoEAdapter, adapter_for
+from hexq.adapters import MoEAdapter, adapter_for, check_moe_layers
+from hexq.checkpoint import Checkpoint
+from hexq.errors import HexqError
+from hexq.models import check_moe_folder
+from hexq.simulate import ExpertTap
 
 Progress = Callable[[str, int, int], None]
 
@@ -263,8 +267,6 @@ class StreamedModel:
     def layer(self, index: int, experts: bool = True) -> Iterator[LoadedLayer]:
         """Layer `index` materialized (dense part in the compute dtype on the device; routed experts, when
         `experts`, in their stored dtype on the CPU, behind an ExpertTap), put back on meta when the block ends."""
-        from hexq.simulate import ExpertTap
-
         layer = self.layers[index]
         prefix = f"model.layers.{index}."
         original = self.experts_module(index)
@@ -426,129 +428,17 @@ def blocked_nll(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return torch.log(running_sum) + running_max - picked
 
 
-# ------------------------------------------------------------------------------------------ one layer, all batches
+def open_model(model_path: Path, device: torch.device) -> tuple[StreamedModel, object]:
+    """(streamed model, tokenizer) of a local Hugging Face checkpoint folder."""
+    from transformers import AutoConfig, AutoTokenizer  # importing transformers costs seconds: only when a model opens
 
-# Bytes of compute-ready expert weights materialized at once when experts are computed one chunk at a time.
-EXPERT_CHUNK_BYTES = 512 * 2**20
-
-
-def expert_chunk(gate_up_shape: tuple[int, int], down_shape: tuple[int, int], dtype: torch.dtype,
-                 budget_bytes: int = EXPERT_CHUNK_BYTES) -> int:
-    """How many experts fit in `budget_bytes` when materialized in `dtype` (at least one)."""
-    per_expert = (gate_up_shape[0] * gate_up_shape[1] + down_shape[0] * down_shape[1]) * torch.finfo(dtype).bits // 8
-    return max(1, budget_bytes // per_expert)
-
-
-def stored_weights(loaded: LoadedLayer, device: torch.device, dtype: torch.dtype):
-    """weights_of for a layer's own (full-precision) experts: the chunk upcast from the stored dtype."""
-
-    def weights_of(experts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        return (loaded.gate_up[experts].to(device=device, dtype=dtype),
-                loaded.down[experts].to(device=device, dtype=dtype))
-
-    return weights_of
-
-
-@dataclass(frozen=True)
-class ExpertCompute:
-    """How a streamed layer's routed experts are computed: compute-ready weights per chunk of expert ids, the
-    activation quantizers of their inputs, and the chunk size."""
-
-    weights_of: Callable[[list[int]], tuple[torch.Tensor, torch.Tensor]]
-    input_quant: object | None = None
-    mid_quant: object | None = None
-    chunk: int = 1
-
-
-@torch.no_grad()
-def run_layer(loaded: LoadedLayer, hidden: HiddenStore, kwargs: list[dict], out: HiddenStore | None,
-              experts: ExpertCompute | None, progress: Callable[[int, int], None] | None = None):
-    """Every batch of `hidden` through the materialized layer, outputs appended to `out` (None: a pass whose
-    outputs are not needed, e.g. one that only feeds hooks). On a MoE layer the routed experts' output is added
-    expert by expert (hexq.simulate.routed_outputs) when `experts` is given; returns what the experts received
-    (hexq.simulate.RoutedTokens), or None on a dense layer."""
-    from hexq.simulate import routed_outputs
-
-    device = next(loaded.module.parameters()).device
-    for index in range(len(hidden)):
-        result = loaded.module(hidden[index].to(device), **kwargs[index])
-        if out is not None:
-            out.append(result[0] if isinstance(result, tuple) else result)
-    if not loaded.is_moe:
-        return None
-    routed = loaded.tap.take()
-    if experts is not None and out is not None:
-        y = routed_outputs(routed, experts.weights_of, loaded.act_fn, experts.input_quant, experts.mid_quant,
-                           experts.chunk, progress)
-        start = len(out) - len(hidden)
-        for offset, part in enumerate(routed.split(y)):
-            current = out[start + offset]
-            out[start + offset] = current + part.reshape(current.shape)
-    return routed
-
-
-LayerPlan = Callable[[LoadedLayer], "ExpertCompute | None"]
-
-
-@torch.no_grad()
-def stream_layers(streamed: StreamedModel, windows: torch.Tensor, batch_size: int, prepare: LayerPlan,
-                  activation_limit: int | None = None, spill_dir: Path | None = None,
-                  progress: Progress | None = None) -> HiddenStore:
-    """The last decoder layer's outputs for windows [N, L] (one entry per batch), every window through layer l
-    before layer l+1 is read. prepare(loaded) makes a materialized layer compute as the evaluated model does (e.g.
-    quantized weights) and says how its routed experts are computed; the source's own experts are read only if
-    prepare.reads_experts. The caller closes the returned store."""
-    reads_experts = getattr(prepare, "reads_experts", False)
-    hidden = HiddenStore(activation_limit, spill_dir)
+    check_moe_folder(model_path)
+    checkpoint = Checkpoint(model_path)
     try:
-        kwargs = streamed.layer_inputs(windows, batch_size, hidden)
-        for index in range(streamed.num_layers):
-            with streamed.layer(index, experts=reads_experts) as loaded:
-                experts = prepare(loaded)
-                outputs = HiddenStore(activation_limit, spill_dir)
-                run_layer(loaded, hidden, kwargs, outputs, experts)
-            hidden.close()
-            hidden = outputs
-            if progress:
-                progress("layers", index + 1, streamed.num_layers)
-    except BaseException:
-        hidden.close()
-        raise
-    return hidden
-
-
-def stream_nll(streamed: StreamedModel, windows: torch.Tensor, batch_size: int, prepare: LayerPlan,
-               activation_limit: int | None = None, spill_dir: Path | None = None,
-               progress: Progress | None = None) -> torch.Tensor:
-    """Summed next-token NLL of each window [N] (float64), streamed (see stream_layers)."""
-    hidden = stream_layers(streamed, windows, batch_size, prepare, activation_limit, spill_dir, progress)
-    try:
-        return streamed.head_nll(hidden, windows, batch_size)
-    finally:
-        hidden.close()
-
-
-@torch.no_grad()
-def stream_logits(streamed: StreamedModel, windows: torch.Tensor, prepare: LayerPlan,
-                  batch_size: int = 8) -> torch.Tensor:
-    """Logits [N, L, vocab] (float32) of windows, streamed: for checks on small models and few windows."""
-    hidden = stream_layers(streamed, windows, batch_size, prepare)
-    try:
-        with streamed.parts("model.norm", "lm_head"):
-            norm, head = streamed.model.model.norm, streamed.model.lm_head
-            return torch.cat([head(norm(h.to(streamed.device))).float().cpu() for h in hidden])
-    finally:
-        hidden.close()
-
-
-def full_precision_plan(streamed: StreamedModel) -> LayerPlan:
-    """The checkpoint's own model: experts upcast chunk by chunk to the compute dtype."""
-
-    def prepare(loaded: LoadedLayer) -> ExpertCompute | None:
-        if not loaded.is_moe:
-            return None
-        chunk = expert_chunk(tuple(loaded.gate_up.shape[1:]), tuple(loaded.down.shape[1:]), streamed.dtype)
-        return ExpertCompute(stored_weights(loaded, streamed.device, streamed.dtype), chunk=chunk)
-
-    prepare.reads_experts = True
-    return prepare
+        config = AutoConfig.from_pretrained(model_path, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise HexqError(f"cannot load model from {model_path}: {str(exc).splitlines()[0]}") from None
+    streamed = StreamedModel(config, checkpoint, device)
+    check_moe_layers(streamed.adapter, config, [i for i in range(streamed.num_layers) if streamed.is_moe(i)])
+    return streamed, tokenizer

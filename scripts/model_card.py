@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -20,11 +21,13 @@ import torch
 
 from hexq.algos.quant import QuantSpec
 from hexq.calib.routing import capture_router_counts
-from hexq.calib.rtn import rtn_quantize_model
 from hexq.data import TRAIN_CORPORA, eval_text, tokenize
 from hexq.eval.perplexity import make_windows, perplexity
 from hexq.io import write_bytes_atomic, write_json_atomic
 from hexq.models import load_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))  # the RTN baseline lives there
+from rtn import rtn_quantize_model  # noqa: E402
 
 SEQLEN = 256
 DATA = ["wikitext2", *TRAIN_CORPORA]

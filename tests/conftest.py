@@ -104,7 +104,7 @@ def mixed_calibration(tiny_qwen3moe, tmp_path_factory):
 @pytest.fixture(scope="session")
 def mixed_artifact(mixed_calibration, tmp_path_factory):
     """The tiny calibration packed at 2.5 bits on average (widths 1-4 mixed in every layer)."""
-    from hexq.artifact.pack import Budget, pack
+    from hexq.pack import Budget, pack
 
     out = tmp_path_factory.mktemp("pack") / "mixed-2.5.hexq"
     pack(mixed_calibration[0], out, budget=Budget(avg_bits=2.5))
@@ -115,8 +115,8 @@ def mixed_artifact(mixed_calibration, tmp_path_factory):
 def packed_artifact(tmp_path_factory):
     """A tiny Qwen3-MoE wide enough for the packed kernels (hidden and expert width 64: groups of 32, whole 64-code
     steps), calibrated with experts-mixed as bundled (groups of 32) and packed at 2.5 bits (widths mixed)."""
-    from hexq.artifact.pack import Budget, pack
     from hexq.calib.pipeline import calibrate
+    from hexq.pack import Budget, pack
 
     model = save_tiny_model(tmp_path_factory.mktemp("wide-qwen3moe"), "qwen3_moe", hidden_size=64,
                             moe_intermediate_size=64, intermediate_size=128, head_dim=16)

@@ -9,11 +9,11 @@ from hexq.adapters import (
     adapter_for,
     check_moe_layers,
     moe_layer_indices,
-    route,
     supported_types,
 )
 from hexq.errors import HexqError
 from tests.conftest import TINY_CONFIGS, build_tiny_model
+from tests.routing_reference import route
 
 
 def submodule(layer: torch.nn.Module, path: str) -> torch.nn.Module | None:

@@ -17,9 +17,9 @@ from hexq.algos.allocation import (
     avg_bit_budget,
     cosine_retention,
     layer_budgets,
-    prefix_split,
     shuffled_like,
 )
+from tests.allocation_reference import prefix_split
 
 BIT_SETS = [(1, 2, 3, 4), (1, 2, 3, 4, 8), (0, 2, 4), (0, 1, 2, 3, 4, 8), (0, 4, 8), (2,), (0, 8)]
 

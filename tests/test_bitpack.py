@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from hexq.algos.quant import QuantMeta, QuantSpec, dequantize, quantize
-from hexq.artifact import bitpack
-from hexq.artifact.bitpack import DequantScratch, dequantize_into, pack_bits, packed_nbytes, unpack_bits
-from hexq.artifact.format import PackedWeight, dequantize_packed, dequantize_packed_into
+from hexq.packed import bitpack
+from hexq.packed.bitpack import DequantScratch, dequantize_into, pack_bits, packed_nbytes, unpack_bits
+from hexq.packed.weight import PackedWeight, dequantize_packed, dequantize_packed_into
 from tests.conftest import DEVICES
 
 

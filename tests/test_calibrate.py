@@ -9,13 +9,16 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from hexq.artifact.bitpack import packed_nbytes, unpack_bits
 from hexq.calib import pipeline
-from hexq.calib.pipeline import calibrate, calibrated_model, open_model
+from hexq.calib.calibrated import calibrated_model
+from hexq.calib.loss_table import loss_sample
+from hexq.calib.pipeline import calibrate
 from hexq.calib.store import read_json
 from hexq.errors import HexqError
+from hexq.layer_pass import full_precision_plan, stream_logits
+from hexq.packed.bitpack import packed_nbytes, unpack_bits
 from hexq.recipe import Calibration, Experts, WeightQuant
-from hexq.streaming import full_precision_plan, stream_logits
+from hexq.streaming import open_model
 from hexq_cli.main import app
 from tests.conftest import small_recipe
 
@@ -59,9 +62,9 @@ def test_output_folder_layout_and_loss_table(mixed_run):
 
 def test_loss_sample_strides_over_every_window():
     x = torch.arange(10).float()[:, None]
-    assert pipeline.loss_sample(x, 10) is x
-    assert pipeline.loss_sample(x, 4)[:, 0].tolist() == [0, 3, 6, 9]  # at most 4 rows, first to last
-    assert pipeline.loss_sample(x, 3)[:, 0].tolist() == [0, 4, 8]
+    assert loss_sample(x, 10) is x
+    assert loss_sample(x, 4)[:, 0].tolist() == [0, 3, 6, 9]  # at most 4 rows, first to last
+    assert loss_sample(x, 3)[:, 0].tolist() == [0, 4, 8]
 
 
 def test_loss_tokens_samples_the_loss_table_and_nothing_else(tiny_qwen3moe, mixed_run, tmp_path):
@@ -171,8 +174,9 @@ def test_haq_w8a8_smoothing_helps_on_outliers_and_stays_close_to_full_precision(
     from transformers import AutoTokenizer
 
     from hexq.adapters import adapter_for
-    from hexq.calib.outliers import inject_outliers
     from tests.conftest import TOKENIZER_DIR, build_tiny_model
+
+    from outliers import inject_outliers
 
     model = build_tiny_model("qwen3_moe")
     inject_outliers(model, adapter_for("qwen3_moe"), channels_per_norm=4, factor=50.0, seed=0)

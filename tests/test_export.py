@@ -16,18 +16,15 @@ from conftest import save_tiny_model, small_recipe
 
 from hexq.adapters import adapter_for
 from hexq.algos.quant import QuantSpec, dequantize, quantize
-from hexq.artifact.export import (
-    ActSpec,
-    CtScheme,
-    ExportReader,
-    export_shard,
-    module_tensors,
-    retarget,
-    scheme_fits,
-)
-from hexq.artifact.format import Artifact, PackedWeight, dequantize_packed, pack_weight, replica_key
+from hexq.artifact.format import export_shard, replica_key
+from hexq.artifact.reader import Artifact
 from hexq.errors import HexqError
-from hexq.export import export_artifact, plan_export
+from hexq.export.check import ExportReader
+from hexq.export.codec import ActSpec, CtScheme, module_tensors, retarget
+from hexq.export.command import export_artifact
+from hexq.export.plan import plan_export
+from hexq.packed.grids import scheme_fits
+from hexq.packed.weight import PackedWeight, dequantize_packed, pack_weight
 from hexq.recipe import WeightQuant
 from hexq.runtime.model import artifact_config
 from hexq.streaming import StreamedModel
@@ -109,8 +106,8 @@ def test_export_of_a_mixed_artifact_is_the_served_model(mixed_artifact, tmp_path
 @pytest.fixture(scope="module")
 def qwen2moe_artifact(tmp_path_factory):
     """A shared-expert family: tiny Qwen2-MoE calibrated with experts-mixed and packed at 2.5 bits."""
-    from hexq.artifact.pack import Budget, pack
     from hexq.calib.pipeline import calibrate
+    from hexq.pack import Budget, pack
 
     root = tmp_path_factory.mktemp("qwen2moe")
     model = save_tiny_model(root / "model", "qwen2_moe")
@@ -155,7 +152,7 @@ def test_shared_expert_is_bit_identical_and_keys_load_in_transformers(qwen2moe_a
 @pytest.fixture(scope="module")
 def eight_bit_artifact(mixed_calibration, tmp_path_factory):
     """The tiny calibration packed with 8-bit experts allowed and the export replicas kept."""
-    from hexq.artifact.pack import Budget, pack
+    from hexq.pack import Budget, pack
     from hexq.recipe import Pack
 
     out = tmp_path_factory.mktemp("pack8") / "art.hexq"
@@ -192,7 +189,7 @@ def test_eight_bit_experts_are_projected_with_their_gptq_replica(eight_bit_artif
 
 
 def test_without_replicas_auto_keeps_eight_bit_layers_exact(mixed_calibration, tmp_path):
-    from hexq.artifact.pack import Budget, pack
+    from hexq.pack import Budget, pack
     from hexq.recipe import Pack
 
     pack(mixed_calibration[0], tmp_path / "a.hexq", replace(Pack(), bits=(1, 2, 8)), budget=Budget(avg_bits=4.0))
@@ -209,7 +206,7 @@ def test_without_replicas_auto_keeps_eight_bit_layers_exact(mixed_calibration, t
 def test_a_broken_scale_fails_the_command_and_leaves_nothing(mixed_artifact, tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    import hexq.export as export_module
+    import hexq.export.write as export_module
     from hexq_cli.main import app
 
     original = export_module.retarget
@@ -265,14 +262,15 @@ def test_never_replaces_a_user_folder_the_artifact_or_its_parent(mixed_artifact,
 
 KILLED = """
 import sys, time
-import hexq.export as export
+import hexq.export.command as command
+import hexq.export.write as export
 write_layer = export.write_layer
 def slow(artifact, streamed, writer, index, *args):
     write_layer(artifact, streamed, writer, index, *args)
     print("writing", flush=True)
     time.sleep(60)
 export.write_layer = slow
-export.export_artifact(sys.argv[1], sys.argv[2], check=False)
+command.export_artifact(sys.argv[1], sys.argv[2], check=False)
 """
 
 
@@ -297,8 +295,8 @@ def test_export_target_vllm_replicas_replace_another_grid(tokenizer, tmp_path):
     written for every expert by `--experts vllm`."""
     from conftest import build_tiny_model
 
-    from hexq.artifact.pack import pack
     from hexq.calib.pipeline import calibrate
+    from hexq.pack import pack
 
     model = tmp_path / "model"
     build_tiny_model("qwen3_moe", hidden_size=64, moe_intermediate_size=32, intermediate_size=64).save_pretrained(model)

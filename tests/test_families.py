@@ -25,13 +25,14 @@ import pytest
 import torch
 
 from hexq.adapters import adapter_for, moe_layer_indices
-from hexq.artifact.format import Artifact, dense_shard
-from hexq.artifact.pack import pack
+from hexq.artifact.format import dense_shard
+from hexq.artifact.reader import Artifact
 from hexq.calib.pipeline import calibrate
 from hexq.calib.store import read_json
 from hexq.data import eval_text, tokenize
 from hexq.eval.perplexity import make_windows
-from hexq.export import export_artifact
+from hexq.export.command import export_artifact
+from hexq.pack import pack
 from hexq.recipe import Calibration, load_recipe
 from hexq.runtime.engine import Runtime
 from scripts.make_checkpoint import write_checkpoint
@@ -226,7 +227,7 @@ def mixed_recipe():
 @pytest.fixture(scope="module")
 def mixed_deepseek(tmp_path_factory) -> Path:
     """DeepSeek-V3 (two dense first layers) calibrated with experts-mixed, MoE group selected, packed at 2.5 bits."""
-    from hexq.artifact.pack import Budget
+    from hexq.pack import Budget
 
     root = tmp_path_factory.mktemp("mixed-deepseek")
     overrides, layers, _moe_layers = FAMILIES["deepseek_v3"]
@@ -260,7 +261,7 @@ def test_dense_layers_are_smoothed_at_the_dense_setting_in_a_mixed_precision_mod
 
 @pytest.mark.slow
 def test_report_labels_moe_rows_with_their_model_layers(mixed_deepseek):
-    from hexq.report import write_report
+    from hexq.report.page import write_report
 
     page = write_report(mixed_deepseek / "art.hexq", mixed_deepseek / "report").read_text()
     assert "<th>layer 2</th>" in page and "<th>layer 3</th>" in page and "<th>layer 0</th>" not in page

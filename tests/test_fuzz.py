@@ -18,9 +18,9 @@ import pytest
 import yaml
 
 from hexq.artifact.inspect import summarize
-from hexq.artifact.pack import Budget, pack
 from hexq.errors import HexqError
 from hexq.eval.run import evaluate_model
+from hexq.pack import Budget, pack
 
 CASES = int(os.environ.get("HEXQ_FUZZ_CASES", "60"))
 EVAL = dict(data=["austen"], seqlen=16, max_windows=1, batch_size=1, device="cpu")

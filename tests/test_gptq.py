@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hexq.algos import gptq as gptq_mod
-from hexq.algos.gptq import GPTQResult, factorize_hessian, gptq_quantize, gptq_replicas, inverse_hessian_cholesky
+from hexq.algos import hessian as hessian_mod
+from hexq.algos.gptq import GPTQResult, gptq_replicas
+from hexq.algos.hessian import factorize_hessian
 from hexq.algos.quant import QuantSpec, dequantize, grid_params, quantize, quantize_to_grid
 from tests.gptq_reference import assert_same_up_to_ties
+from tests.gptq_single import gptq_quantize
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -226,9 +228,9 @@ def test_hopeless_hessian_raises() -> None:
     with pytest.raises(ValueError, match="negative diagonal"):
         gptq_quantize(torch.ones(2, 2), -torch.eye(2), QuantSpec(bits=4))
     with pytest.raises(ValueError, match="NaN"):
-        inverse_hessian_cholesky(torch.full((2, 2), float("nan")))
+        factorize_hessian(torch.full((2, 2), float("nan")))
     with pytest.raises(ValueError, match="damp"):
-        inverse_hessian_cholesky(torch.eye(2), damp=0.0)
+        factorize_hessian(torch.eye(2), damp=0.0)
 
 
 def test_dead_inputs_are_zeroed() -> None:
@@ -243,13 +245,13 @@ def test_dead_inputs_are_zeroed() -> None:
 # (g) -------------------------------------------------------------------------------------------------------------
 def test_replicas_factor_once(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
-    original = gptq_mod.factorize_hessians
+    original = hessian_mod.factorize_hessians
 
     def counting(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(gptq_mod, "factorize_hessians", counting)
+    monkeypatch.setattr(hessian_mod, "factorize_hessians", counting)
     W, X, H = _correlated(n_in=32, n_out=8, tokens=128, seed=10)
     template = QuantSpec(bits=4, group_size=16, symmetric=False)
     bank = gptq_replicas(W, H, [1, 2, 3, 4, 8], template)

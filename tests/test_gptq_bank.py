@@ -14,17 +14,13 @@ import pytest
 import torch
 
 from hexq.algos import gptq as gptq_mod
-from hexq.algos.gptq import (
-    GPTQBankResult,
-    HessianFactor,
-    factorize_hessians,
-    gptq_bank,
-    gptq_quantize,
-    gptq_replicas,
-)
+from hexq.algos import hessian as hessian_mod
+from hexq.algos.gptq import GPTQBankResult, gptq_bank, gptq_replicas
+from hexq.algos.hessian import HessianFactor, factorize_hessians
 from hexq.algos.quant import QuantSpec, dequantize, grid_params
 from tests import gptq_reference as ref
 from tests.conftest import HexqFactoriesOnMeta
+from tests.gptq_single import gptq_quantize
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -235,7 +231,7 @@ def test_float64_retry_only_for_failing_experts(monkeypatch: pytest.MonkeyPatch)
     """Which experts each attempt covers: all in float32, then only the failures in float64."""
     W, H, _ = expert_batch(experts=4, n=16, seed=8, dtype=torch.float32)
     attempts = []
-    original = gptq_mod._damped_inverse_cholesky
+    original = hessian_mod._damped_inverse_cholesky
 
     def failing_expert_2_in_float32(A: torch.Tensor, damp: float):
         U, ok = original(A, damp)
@@ -245,7 +241,7 @@ def test_float64_retry_only_for_failing_experts(monkeypatch: pytest.MonkeyPatch)
             ok[2] = False
         return U, ok
 
-    monkeypatch.setattr(gptq_mod, "_damped_inverse_cholesky", failing_expert_2_in_float32)
+    monkeypatch.setattr(hessian_mod, "_damped_inverse_cholesky", failing_expert_2_in_float32)
     factor = factorize_hessians(H)
     assert attempts == [(torch.float32, 4), (torch.float64, 1)]
     assert factor.float64_used.tolist() == [False, False, True, False]

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from hexq.artifact.pack import Budget, pack
 from hexq.calib.pipeline import calibrate
 from hexq.errors import HexqError
+from hexq.pack import Budget, pack
 from tests.conftest import mixed_recipe
 
 ROOT = Path(__file__).resolve().parent.parent

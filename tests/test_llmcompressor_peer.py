@@ -7,7 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hexq.eval.llmcompressor_peer import (
+from hexq.models import load_model
+from tests.conftest import save_tiny_model
+
+from llmcompressor_peer import (
     PEER_SCHEMES,
     PeerScheme,
     build_recipe,
@@ -16,8 +19,6 @@ from hexq.eval.llmcompressor_peer import (
     quantization_scheme,
     run_peer,
 )
-from hexq.models import load_model
-from tests.conftest import save_tiny_model
 
 pytest.importorskip("llmcompressor")
 

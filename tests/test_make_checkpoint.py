@@ -11,22 +11,16 @@ import torch
 from safetensors import safe_open
 
 from hexq.errors import HexqError
-from scripts.make_checkpoint import (
-    FAMILIES,
-    build_config,
+from scripts.checkpoint_families import FAMILIES, build_config, families, weight_files
+from scripts.checkpoint_skew import (
     calibrate_alpha,
-    checkpoint_plan,
     corpus_windows,
-    families,
     hot_quarter_share,
-    parse_size,
-    plan_shards,
     select_experts,
     shares_on_random_inputs,
     shares_on_text,
-    weight_files,
-    write_checkpoint,
 )
+from scripts.make_checkpoint import checkpoint_plan, parse_size, plan_shards, write_checkpoint
 
 SHARE_BAND_TEXT = (0.30, 0.45)  # forward pass over corpus text, mean over MoE layers, tiny, --skew 0.35
 SHARE_TOLERANCE_RANDOM = 0.03  # normalized random router inputs: calibrated target +- this

@@ -3,9 +3,10 @@ import torch
 
 from hexq.adapters import adapter_for
 from hexq.algos.smoothing import activation_channel_max, search_exponent
-from hexq.calib.outliers import inject_outliers
-from hexq.calib.smooth import ATTN_IN, MOE_IN, smoothing_groups
+from hexq.calib.fold import ATTN_IN, MOE_IN, smoothing_groups
 from tests.conftest import TINY_CONFIGS, build_tiny_model
+
+from outliers import inject_outliers
 
 IDS = torch.randint(0, 8192, (2, 16), generator=torch.Generator().manual_seed(0))
 

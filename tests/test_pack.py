@@ -10,16 +10,17 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from hexq.artifact.bitpack import packed_nbytes
-from hexq.artifact.format import FORMAT_VERSION, Artifact, expert_shard
-from hexq.artifact.pack import Budget, pack
-from hexq.calib.pipeline import calibrated_model
+from hexq.artifact.format import FORMAT_VERSION, expert_shard
+from hexq.artifact.reader import Artifact
+from hexq.calib.calibrated import calibrated_model
 from hexq.calib.store import bank_weights
 from hexq.errors import HexqError
 from hexq.io import write_sealed_json
+from hexq.layer_pass import stream_logits
+from hexq.pack import Budget, pack
+from hexq.packed.bitpack import packed_nbytes
 from hexq.recipe import Pack
 from hexq.runtime.model import artifact_model
-from hexq.streaming import stream_logits
 from hexq_cli.main import app
 
 runner = CliRunner()
@@ -219,8 +220,11 @@ def test_cli_pack_and_inspect(mixed_calibration, tmp_path):
     info = json.loads(report.read_text())
     assert info["checksums_ok"] and info["allocation"]["average_bits"] <= 3.0
     assert sum(sum(row["histogram"].values()) for row in info["allocation"]["layers"]) == 2 * 8
-    bad = runner.invoke(app, ["pack", str(mixed_calibration[0]), "-o", str(tmp_path / "b"), "--budget", "lots"])
+    bad = runner.invoke(app, ["pack", str(mixed_calibration[0]), "-o", str(tmp_path / "b"), "--expert-bytes", "lots"])
     assert bad.exit_code == 1 and "cannot read 'lots' as a size" in bad.output
+    old = runner.invoke(app, ["pack", str(mixed_calibration[0]), "-o", str(tmp_path / "b"), "--budget", "3MB"])
+    assert old.exit_code == 1 and "--budget is now --expert-bytes" in old.output and len(old.output.splitlines()) == 1
+    assert not (tmp_path / "b").exists()
 
 
 def test_pack_settings_must_match_the_replicas(mixed_calibration, tmp_path):
@@ -231,7 +235,7 @@ def test_pack_settings_must_match_the_replicas(mixed_calibration, tmp_path):
 def test_bank_export_keeps_only_the_replicas_export_projects(mixed_calibration, tmp_path):
     """--bank export stores the 4-bit replica of exactly the experts allocated a width without an exact 4-bit form,
     and hexq export writes those replicas in their place."""
-    from hexq.artifact.export import export_shard
+    from hexq.artifact.format import export_shard
 
     settings = replace(Pack(), bits=(1, 2, 4, 8))
     pack(mixed_calibration[0], tmp_path / "x.hexq", settings, budget=Budget(avg_bits=4.5), bank=("export",))

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from hexq.algos.quant import QuantMeta, QuantSpec, dequantize, quantize
-from hexq.artifact.bitpack import dequantize_into, pack_bits
 from hexq.packed import cpu
+from hexq.packed.bitpack import dequantize_into, pack_bits
 from hexq.packed.cpu import GemvJob, gemv_takes, load_cpu_kernels
 
 KERNELS = load_cpu_kernels()

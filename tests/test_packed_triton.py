@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from hexq.algos.quant import QuantMeta, QuantSpec, dequantize, quantize
-from hexq.artifact.bitpack import pack_bits
 from hexq.packed import triton as kernels
+from hexq.packed.bitpack import pack_bits
 
 # gpu: scripts/gpu_check.sh selects them (-m gpu) to run on CUDA; elsewhere they run in the interpreter
 pytestmark = [pytest.mark.skipif(not kernels.available(), reason="triton is not installed"), pytest.mark.gpu]

@@ -6,12 +6,14 @@ import torch
 
 from hexq.adapters import adapter_for
 from hexq.algos.placement import (
+    SCHEMES,
     expert_counts,
     frequency_placement,
     global_frequency_placement,
     hit_rates,
     path_coverage,
     path_placement,
+    place,
     placement_metrics,
     stack_trace,
     transition_counts,
@@ -165,3 +167,15 @@ def test_capture_router_topk_records_the_same_routing_as_the_counts():
     with torch.no_grad():  # hooks are removed when the block ends
         model(input_ids=ids)
     assert stack_trace(calls).shape == topk.shape
+
+
+def test_place_dispatches_by_name_or_003_number():
+    topk, E, K = random_trace(L=4, T=40, k=2, E=16, seed=17), 16, 4
+    counts = expert_counts(topk, E)
+    masks = schemes(topk, E, K)
+    assert not any(torch.equal(masks[a], masks[b]) for a, b in combinations(masks, 2))  # a mix-up would show
+    for number, name in SCHEMES.items():
+        assert torch.equal(place(number, topk, counts, K), place(name, topk, counts, K))
+        assert torch.equal(place(name, topk, counts, K), schemes(topk, E, K)[number])
+    with pytest.raises(ValueError, match="unknown placement scheme 'four'"):
+        place("four", topk, counts, K)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hexq.algos import policy_widths
 from hexq.algos.allocation import avg_bit_budget
 from hexq.runtime.policy import POLICIES, PolicyContext, context_widths, make_policy
 
@@ -198,3 +199,15 @@ def test_make_policy_names_and_errors():
         make_policy("depth", ctx, high_bits=2, low_bits=4)
     with pytest.raises(ValueError, match="loss_table must have shape"):
         PolicyContext(ctx.allocation, ctx.loss_table[:, :, :2], ctx.skip_loss, TABLE_BITS, 3.0, 0.25, 2)
+
+
+@pytest.mark.parametrize("row", [ROW, [8, 4, 4, 2, 2, 1, 1, 0], [3] * 8, [0] * 8])
+def test_pack_stores_exactly_the_widths_each_policy_asks_for(row):
+    """hexq pack --bank POLICY stores policy_widths (computed from the allocation alone); the runtime's policy with its
+    defaults must ask for exactly those, or a run would miss a replica (or the artifact carry an unused one)."""
+    context = make_context(allocation_row=row, avg_bits=max(1.0, sum(row) / len(row)))
+    assert set(POLICIES) == set(policy_widths.POLICIES)
+    for name in POLICIES:
+        if name == "context" and not any(row):
+            continue  # context needs a non-zero budget
+        assert policy_widths.policy_widths(name, context.allocation, TABLE_BITS) == make_policy(name, context).widths()

@@ -9,9 +9,9 @@ from hexq.recipe import (
     Recipe,
     WeightQuant,
     bundled_recipes,
+    calibration_hash,
     load_recipe,
     recipe_from_dict,
-    recipe_hash,
     recipe_to_dict,
     validate_for_model,
 )
@@ -48,7 +48,7 @@ def test_every_bundled_recipe_loads_and_round_trips(name, tmp_path):
     path.write_text(yaml.safe_dump(recipe_to_dict(recipe)))
     assert load_recipe(path) == recipe
     assert load_recipe(str(path)) == recipe
-    assert recipe_hash(load_recipe(path)) == recipe_hash(recipe)
+    assert calibration_hash(load_recipe(path)) == calibration_hash(recipe)
 
 
 def test_bundled_recipes_say_what_the_issue_asks():
@@ -177,7 +177,7 @@ def test_integers_are_accepted_as_numbers_and_hash_the_same():
     as_int = recipe_from_dict(data)
     data["weights"]["damp"] = 1.0
     assert as_int.weights.damp == 1.0 and isinstance(as_int.weights.damp, float)
-    assert recipe_hash(as_int) == recipe_hash(recipe_from_dict(data))
+    assert calibration_hash(as_int) == calibration_hash(recipe_from_dict(data))
 
 
 def test_group_size_not_dividing_a_width_fails_naming_the_width():
@@ -220,15 +220,15 @@ def test_file_errors_name_the_file_and_stay_one_line(tmp_path):
         load_recipe(path)
 
 
-def test_recipe_hash_is_stable_across_key_order():
+def test_calibration_hash_is_stable_across_key_order():
     data = base()
     reordered = {key: (dict(reversed(list(value.items()))) if isinstance(value, dict) else value)
                  for key, value in reversed(list(data.items()))}
     assert list(reordered) != list(data)
-    assert recipe_hash(recipe_from_dict(reordered)) == recipe_hash(recipe_from_dict(data))
-    assert len(recipe_hash(recipe_from_dict(data))) == 64
+    assert calibration_hash(recipe_from_dict(reordered)) == calibration_hash(recipe_from_dict(data))
+    assert len(calibration_hash(recipe_from_dict(data))) == 64
     data["calibration"]["seed"] = 1
-    assert recipe_hash(recipe_from_dict(data)) != recipe_hash(recipe_from_dict(reordered))
+    assert calibration_hash(recipe_from_dict(data)) != calibration_hash(recipe_from_dict(reordered))
 
 
 def test_smoothing_groups_are_stored_in_canonical_order():

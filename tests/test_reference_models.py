@@ -10,11 +10,12 @@ import torch
 
 from hexq.algos.quant import QuantSpec
 from hexq.calib.routing import capture_router_counts
-from hexq.calib.rtn import rtn_quantize_model
 from hexq.data import TRAIN_CORPORA, eval_text, tokenize
 from hexq.eval.perplexity import make_windows, perplexity
 from hexq.models import load_model
 from tests.conftest import REFERENCE_MODELS
+
+from rtn import rtn_quantize_model
 
 EXPECTED = {
     "mixtral": dict(model_type="mixtral", experts=8, top_k=2),

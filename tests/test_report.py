@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from hexq.report import calibrate_points, heldout_hit_rates, pack_quality_points, write_report
+from hexq.report.numbers import calibrate_points, heldout_hit_rates, pack_quality_points
+from hexq.report.page import write_report
 from hexq_cli.main import app
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -13,9 +13,9 @@ from typer.testing import CliRunner
 
 from hexq.errors import HexqError
 from hexq.eval.run import runtime_perplexity
+from hexq.layer_pass import stream_logits, stream_nll
 from hexq.runtime.engine import Runtime
 from hexq.runtime.model import artifact_model
-from hexq.streaming import stream_logits, stream_nll
 from hexq_cli.main import app
 
 runner = CliRunner()
@@ -173,7 +173,8 @@ def test_memory_is_one_budget_for_dense_scratch_and_experts(mixed_artifact):
 @pytest.mark.parametrize("scheme", ["1", "2", "3"])
 def test_warm_start_loads_the_placement(mixed_artifact, scheme):
     from hexq.algos.placement import frequency_placement, path_placement, two_stage_placement
-    from hexq.artifact.format import STATS_SHARD, Artifact
+    from hexq.artifact.format import STATS_SHARD
+    from hexq.artifact.reader import Artifact
 
     artifact = Artifact(mixed_artifact)
     counts = artifact.tensor(STATS_SHARD, "router.counts").long()
@@ -195,7 +196,7 @@ def test_warm_start_loads_the_placement(mixed_artifact, scheme):
 
 def test_warm_start_3_uses_the_placement_pack_stored(mixed_artifact):
     """With room for exactly pack's hot set, scheme 3 loads the manifest's placement as stored (not a recomputation)."""
-    from hexq.artifact.format import Artifact
+    from hexq.artifact.reader import Artifact
 
     artifact = Artifact(mixed_artifact)
     placement = artifact.manifest["placement"]

@@ -11,12 +11,12 @@ import torch
 from hexq.errors import HexqError
 from hexq.eval.perplexity import make_windows
 from hexq.eval.run import runtime_perplexity
+from hexq.layer_pass import stream_nll
 from hexq.packed import triton as gpu
 from hexq.packed.cpu import available_paths, load_cpu_kernels
 from hexq.runtime.compute import Compute, Profiles
 from hexq.runtime.engine import Runtime
 from hexq.runtime.model import artifact_model
-from hexq.streaming import stream_nll
 from tests.conftest import DEVICES
 
 KERNELS = load_cpu_kernels()

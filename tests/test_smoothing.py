@@ -14,7 +14,7 @@ from hexq.algos.smoothing import (
     smoothquant_scales,
     weight_channel_max,
 )
-from hexq.calib.smooth import ATTN_IN, MOE_IN, fold_scales, smoothing_groups
+from hexq.calib.fold import ATTN_IN, MOE_IN, fold_scales, smoothing_groups
 from tests.conftest import TINY_CONFIGS, HexqFactoriesOnMeta, build_tiny_model
 
 W8 = QuantSpec(bits=8)

@@ -139,6 +139,23 @@ def two_stage_placement(topk: torch.Tensor, num_experts: int, K: int, path_k: in
     return first_k_mask(ranked(stage1.long(), counts), K)
 
 
+SCHEMES = {"1": "paths", "2": "frequency", "3": "two_stage"}  # 003 Table IV's numbers -> the names recipes use
+
+
+def place(scheme: str, topk: torch.Tensor, counts: torch.Tensor, K: int) -> torch.Tensor:
+    """[L, E] bool: each layer's K fast-tier experts by `scheme`, a name (paths, frequency, two_stage) or its 003
+    number (1, 2, 3); topk [L, T, k] is the router trace, counts [L, E] the routed counts frequency ranks by."""
+    name = SCHEMES.get(scheme, scheme)
+    if name == "paths":
+        return path_placement(topk, counts.shape[1], K)
+    if name == "frequency":
+        return frequency_placement(counts, K)
+    if name == "two_stage":
+        return two_stage_placement(topk, counts.shape[1], K)
+    raise ValueError(f"unknown placement scheme {scheme!r}; choose one of {', '.join(SCHEMES.values())} "
+                     f"(or {', '.join(SCHEMES)})")
+
+
 def hit_rates(mask: torch.Tensor, topk: torch.Tensor) -> torch.Tensor:
     """[L] float64: share of each layer's routed (token, slot) pairs whose expert is in the fast set."""
     check_trace(topk, mask.shape[1])

@@ -1,4 +1,4 @@
-"""The packed artifact: one folder, written atomically, every file checksummed, read one layer at a time.
+"""The packed artifact's folder format: file names, the writer and the manifest (hexq.artifact.reader reads it).
 
     NAME.hexq/
       manifest.json                 format + version, model summary, provenance, recipe, allocation, placement,
@@ -14,44 +14,37 @@
                                     "eEEEE.bB.gate_up.codes" (densely bit-packed, ceil(b*numel/8) bytes), ".scale"
                                     and ".zero" (float16, one per group), same for "down"; static expert activation
                                     ranges if any. Every expert keeps its allocated width plus the `bank` widths
+      export/layer_NNN.safetensors  the export replicas of a MoE layer's experts, when pack kept them (same keys)
 
 Layer numbers in file names are the model's; the allocation, placement and statistics have one row per MoE layer
 (`model.moe_layers` gives their model indices), so dense layers (e.g. DeepSeek's first layers) take no row.
 
 Why per-layer shards: a file's SHA-256 is checked the first time it is opened, so reading one layer checks one
 layer's shards, not the whole artifact; inside a shard safetensors reads only the requested tensors (mmap), and
-`Artifact.read_expert` reads one replica with pread into a caller's buffer (a server keeps nothing mapped). Scales
-and zeros are stored as float16: the weights computed by every consumer of the artifact are `dequantize_packed` of
-these bytes, which is the model's definition from here on.
+`Artifact.read_expert` reads one replica with pread into a caller's buffer (a server keeps nothing mapped). Replicas
+and quantized linears are hexq.packed PackedWeights, as calibration stored them.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import shutil
-import struct
-import threading
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from hexq import __version__
-from hexq.algos.quant import QuantMeta
-from hexq.artifact.bitpack import OUT_DTYPES, DequantScratch, dequantize_into, pack_bits, packed_nbytes
 from hexq.errors import HexqError
-from hexq.io import read_sealed_json, save_tensors, write_sealed_json
+from hexq.io import file_record, read_sealed_json, save_tensors, write_sealed_json
+from hexq.packed.weight import PROJECTIONS
 
 FORMAT = "hexq-artifact"
 FORMAT_VERSION = 2  # 2: per-layer dense shards, MoE-layer rows, only the allocated + bank widths stored
 MANIFEST = "manifest.json"
 TOP_SHARD = "dense/top.safetensors"
 STATS_SHARD = "stats.safetensors"
-SCALE_DTYPE = torch.float16
-PROJECTIONS = ("gate_up", "down")
+# Files of the source model folder copied into the artifact (config and tokenizer; weights are re-packed).
+MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+               "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model")
 
 
 def expert_shard(layer: int) -> str:
@@ -73,158 +66,12 @@ def replica_key(expert: int, bits: int, projection: str) -> str:
     return f"e{expert:04d}.b{bits}.{projection}"
 
 
-# ------------------------------------------------------------------------------------------ one replica
+def export_shard(layer: int) -> str:
+    """The artifact file holding a MoE layer's export replicas."""
+    return f"export/layer_{layer:03d}.safetensors"
 
 
-@dataclass(frozen=True)
-class PackedWeight:
-    """One quantized matrix as stored: packed codes [ceil(bits*numel/8)] uint8, scale and zero [out, groups]."""
-
-    codes: torch.Tensor
-    scale: torch.Tensor
-    zero: torch.Tensor
-    bits: int
-    shape: tuple[int, int]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero))
-
-    def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
-        return {f"{prefix}.codes": self.codes, f"{prefix}.scale": self.scale, f"{prefix}.zero": self.zero}
-
-
-def pack_weight(codes: torch.Tensor, meta: QuantMeta) -> PackedWeight:
-    """Codes [out, in] (integers on meta's grid) and their meta as stored bytes."""
-    return PackedWeight(pack_bits(codes, meta.bits), meta.scale.to(SCALE_DTYPE).contiguous(),
-                        meta.zero.to(SCALE_DTYPE).contiguous(), meta.bits, tuple(codes.shape))
-
-
-def dequantize_packed(weight: PackedWeight, dtype: torch.dtype = torch.float32,
-                      scratch: DequantScratch | None = None) -> torch.Tensor:
-    """The float matrix [out, in] a PackedWeight stands for, in `dtype`, on the device of its codes.
-
-    bfloat16, float16 and float32 are produced directly (bitpack.dequantize_into); other dtypes are the float32
-    result converted.
-    """
-    direct = dtype if dtype in OUT_DTYPES else torch.float32
-    out = torch.empty(weight.shape, dtype=direct, device=weight.codes.device)
-    return dequantize_packed_into(out, weight, scratch).to(dtype)
-
-
-def dequantize_packed_into(out: torch.Tensor, weight: PackedWeight,
-                           scratch: DequantScratch | None = None) -> torch.Tensor:
-    """Write the matrix a PackedWeight stands for into `out` (preallocated [out, in], bfloat16, float16 or float32,
-    on the codes' device) and return it; `scratch` is the reusable code buffer (see bitpack.DequantScratch)."""
-    if tuple(out.shape) != tuple(weight.shape):
-        raise ValueError(f"out has shape {list(out.shape)}, the packed weight is {list(weight.shape)}")
-    rows, cols = weight.shape
-    groups = weight.scale.shape[-1] if weight.scale.ndim == 2 else 0
-    if not groups or cols % groups:
-        raise ValueError(f"packed weight scale has shape {list(weight.scale.shape)}: expected [{rows}, groups] with "
-                         f"groups dividing {cols}")
-    return dequantize_into(out, weight.codes, weight.bits, weight.scale, weight.zero, cols // groups, scratch)
-
-
-def packed_weight_nbytes(shape: tuple[int, int], bits: int, group_size: int) -> int:
-    """Bytes of a PackedWeight: ceil(bits*numel/8) of codes plus a float16 scale and zero per group."""
-    rows, cols = shape
-    groups = rows * (cols // group_size)
-    return packed_nbytes(rows * cols, bits) + 2 * groups * torch.finfo(SCALE_DTYPE).bits // 8
-
-
-# ------------------------------------------------------------------------------------------ files and hashes
-
-
-@dataclass(frozen=True)
-class TensorSpan:
-    """Where one tensor's bytes lie in a safetensors file: [start, end) in absolute file offsets."""
-
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    start: int
-    end: int
-
-
-def safetensors_spans(path: Path) -> dict[str, TensorSpan]:
-    """Every tensor of a safetensors file with its absolute byte range, read from the header alone (no mapping)."""
-    from hexq.checkpoint import safetensors_dtype
-
-    size = path.stat().st_size
-    with path.open("rb") as handle:
-        head = handle.read(8)
-        length = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
-        if not 0 < length <= size - 8:
-            raise HexqError(f"{path} is not a safetensors file (header length {length}, file size {size})")
-        try:
-            header = json.loads(handle.read(length))
-        except ValueError as err:
-            raise HexqError(f"{path}: unreadable safetensors header ({err})") from None
-    spans, base = {}, 8 + length
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, (begin, end) = safetensors_dtype(entry["dtype"]), tuple(entry["shape"]), entry["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise HexqError(f"{path}: tensor {name} has a malformed header entry") from None
-        numel = 1
-        for dim in shape:
-            numel *= dim
-        if dtype is None or not 0 <= begin <= end <= size - base or end - begin != numel * dtype.itemsize:
-            raise HexqError(f"{path}: tensor {name} has an inconsistent header entry {entry}")
-        spans[name] = TensorSpan(dtype, shape, base + begin, base + end)
-    return spans
-
-
-def read_spans_into(fd: int, spans: list[TensorSpan], buffer: torch.Tensor) -> list[torch.Tensor]:
-    """pread the tensors `spans` of an open file into `buffer` (1-D uint8 CPU tensor, pinned or not) and return
-    views of them: no memory map, so nothing of the file stays in the process's memory but `buffer`. Spans adjacent
-    in the file are read with one call; each tensor keeps its file offset modulo 8 in the buffer, so a tensor
-    aligned to its element size in the file (safetensors' layout) stays aligned in the buffer."""
-
-    order = sorted(range(len(spans)), key=lambda i: spans[i].start)
-    runs: list[list[int]] = []
-    for i in order:
-        if runs and spans[runs[-1][-1]].end == spans[i].start:
-            runs[-1].append(i)
-        else:
-            runs.append([i])
-    view = buffer.numpy() if buffer.device.type == "cpu" else None
-    if view is None or buffer.dtype != torch.uint8 or buffer.ndim != 1:
-        raise ValueError("read_spans_into needs a 1-D uint8 CPU buffer")
-    out: list[torch.Tensor | None] = [None] * len(spans)
-    offset = 0
-    for run in runs:
-        first, last = spans[run[0]].start, spans[run[-1]].end
-        offset += (first - offset) % 8
-        if offset + last - first > buffer.numel():
-            raise ValueError(f"read buffer of {buffer.numel()} bytes is too small for {last - first} more bytes")
-        target, done = memoryview(view[offset:offset + last - first]), 0
-        while done < last - first:
-            got = os.preadv(fd, [target[done:]], first + done)
-            if got <= 0:
-                raise HexqError(f"short read at byte {first + done} of an artifact file (truncated while open?)")
-            done += got
-        for i in run:
-            span = spans[i]
-            begin = offset + span.start - first
-            out[i] = buffer[begin:begin + span.end - span.start].view(span.dtype).view(span.shape)
-        offset += last - first
-    return out
-
-
-def spans_buffer_nbytes(spans: list[TensorSpan]) -> int:
-    """Bytes `read_spans_into` needs for these spans in the worst case (7 alignment bytes per read)."""
-    return sum(s.end - s.start for s in spans) + 8 * len(spans)
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+# ------------------------------------------------------------------------------------------ writing
 
 
 class ArtifactWriter:
@@ -237,8 +84,7 @@ class ArtifactWriter:
         self.files: dict[str, dict] = {}
 
     def _record(self, name: str) -> None:
-        path = self.folder / name
-        self.files[name] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+        self.files[name] = file_record(self.folder / name)
 
     def add_tensors(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
         save_tensors(self.folder / name, tensors)
@@ -339,287 +185,3 @@ def validate_manifest(manifest: dict, where: Path) -> None:
         if not (isinstance(entry, dict) and isinstance(entry.get("sha256"), str)
                 and isinstance(entry.get("bytes"), int)) or ".." in Path(name).parts or Path(name).is_absolute():
             raise HexqError(f"{where}: files entry {name!r} is malformed")
-
-
-class Artifact:
-    """Read access to a packed artifact. Each file's size and SHA-256 are checked against the manifest the first
-    time the file is used (thread-safe); tensors are then read one at a time through safetensors' mmap."""
-
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self.manifest = read_artifact_manifest(self.path)
-        self.files: dict[str, dict] = self.manifest["files"]
-        self._verified: set[str] = set()
-        self._lock = threading.Lock()
-        self._handles: dict[str, object] = {}
-        self._keys: dict[str, set[str]] = {}
-        self._fds: dict[str, int] = {}  # expert shards opened for pread (no mapping)
-        self._spans: dict[str, dict[str, TensorSpan]] = {}
-        self.bytes_read = 0  # bytes of expert replicas read through read_expert
-
-    # --- integrity
-
-    def verify(self, name: str) -> Path:
-        """The path of file `name`, after checking its size and SHA-256 against the manifest (once)."""
-        if name in self._verified:
-            return self.path / name
-        with self._lock:
-            if name not in self._verified:
-                self._check(name)
-                self._verified.add(name)
-        return self.path / name
-
-    def _check(self, name: str) -> None:
-        entry = self.files.get(name)
-        if entry is None:
-            raise HexqError(f"{self.path} has no file {name} in its manifest")
-        file = self.path / name
-        if not file.is_file():
-            raise HexqError(f"artifact file {file} is missing")
-        size = file.stat().st_size
-        if size != entry["bytes"]:
-            raise HexqError(f"artifact file {file} is truncated or altered: {size} bytes, manifest says "
-                            f"{entry['bytes']}")
-        actual = sha256_file(file)
-        if actual != entry["sha256"]:
-            raise HexqError(f"artifact file {file} is corrupt: sha256 {actual[:16]}..., manifest says "
-                            f"{entry['sha256'][:16]}...")
-
-    def verify_all(self) -> dict[str, bool]:
-        """{file: ok} for every file, without stopping at the first bad one."""
-        result = {}
-        for name in self.files:
-            try:
-                self.verify(name)
-                result[name] = True
-            except HexqError:
-                result[name] = False
-        return result
-
-    # --- tensors
-
-    def _handle(self, name: str):
-        handle = self._handles.get(name)
-        if handle is None:
-            path = self.verify(name)
-            with self._lock:
-                handle = self._handles.get(name)
-                if handle is None:
-                    handle = safe_open(str(path), framework="pt")
-                    self._handles[name] = handle
-        return handle
-
-    def tensor(self, shard: str, key: str) -> torch.Tensor:
-        return self._handle(shard).get_tensor(key)
-
-    def keys(self, shard: str) -> set[str]:
-        keys = self._keys.get(shard)
-        if keys is None:
-            keys = self._keys[shard] = set(self._handle(shard).keys())
-        return keys
-
-    def shard_tensors(self, shard: str) -> dict[str, torch.Tensor]:
-        handle = self._handle(shard)
-        return {key: handle.get_tensor(key) for key in sorted(handle.keys())}
-
-    # --- model facts
-
-    @property
-    def num_layers(self) -> int:
-        """Decoder layers of the model (dense ones included)."""
-        return self.manifest["model"]["num_layers"]
-
-    @property
-    def moe_layers(self) -> list[int]:
-        """Model indices of the MoE layers, in order: row r of the allocation, placement and stats is layer
-        moe_layers[r]."""
-        return self.manifest["model"]["moe_layers"]
-
-    @property
-    def num_experts(self) -> int:
-        return self.manifest["model"]["num_experts"]
-
-    @property
-    def replica_bits(self) -> list[int]:
-        """Widths the calibration made (the loss table's columns)."""
-        return self.manifest["experts"]["replica_bits"]
-
-    @property
-    def bank_bits(self) -> list[int]:
-        """Widths stored for every expert besides its allocated one."""
-        return self.manifest["experts"]["bank_bits"]
-
-    @property
-    def allocation(self) -> list[list[int]]:
-        """[MoE layer row][expert] allocated widths (0: skipped)."""
-        return self.manifest["allocation"]["bits"]
-
-    def stored_bits(self, row: int, expert: int) -> list[int]:
-        """Widths stored for one expert of MoE layer row `row`."""
-        own = self.allocation[row][expert]
-        return sorted({b for b in (own, *self.bank_bits) if b})
-
-    def expert_shape(self, projection: str) -> tuple[int, int]:
-        return tuple(self.manifest["experts"]["shapes"][projection])
-
-    def packed_expert(self, row: int, expert: int, bits: int, projection: str) -> PackedWeight:
-        """One stored replica matrix of MoE layer row `row`, read from its layer's shard only."""
-        if bits not in self.stored_bits(row, expert):
-            raise HexqError(f"{self.path} stores expert {expert} of layer {self.moe_layers[row]} at "
-                            f"{self.stored_bits(row, expert)} bits, not {bits}; pack with --bank {bits} to keep it")
-        shard, prefix = expert_shard(self.moe_layers[row]), replica_key(expert, bits, projection)
-        return PackedWeight(self.tensor(shard, f"{prefix}.codes"), self.tensor(shard, f"{prefix}.scale"),
-                            self.tensor(shard, f"{prefix}.zero"), bits, self.expert_shape(projection))
-
-    def expert_spans(self, row: int, expert: int, bits: int) -> list[TensorSpan]:
-        """Byte ranges of one stored replica in its layer's shard: codes, scale and zero of gate_up then down."""
-        if bits not in self.stored_bits(row, expert):
-            raise HexqError(f"{self.path} stores expert {expert} of layer {self.moe_layers[row]} at "
-                            f"{self.stored_bits(row, expert)} bits, not {bits}; pack with --bank {bits} to keep it")
-        shard = expert_shard(self.moe_layers[row])
-        spans = self._spans.get(shard)
-        if spans is None:
-            spans = self._spans.setdefault(shard, safetensors_spans(self.verify(shard)))
-        try:
-            return [spans[f"{replica_key(expert, bits, p)}.{part}"] for p in PROJECTIONS
-                    for part in ("codes", "scale", "zero")]
-        except KeyError as err:
-            raise HexqError(f"{self.path / shard} has no tensor {err.args[0]}") from None
-
-    def read_expert(self, row: int, expert: int, bits: int, buffer: torch.Tensor) -> tuple[PackedWeight, ...]:
-        """(gate_up, down) of one stored replica read with pread into `buffer` (1-D uint8 CPU tensor of at least
-        spans_buffer_nbytes(expert_spans(...)) bytes; the PackedWeights are views of it, valid until it is reused).
-        Nothing is memory-mapped: the process keeps only `buffer`, whatever the artifact's size."""
-        spans = self.expert_spans(row, expert, bits)
-        shard = expert_shard(self.moe_layers[row])
-        fd = self._fds.get(shard)
-        if fd is None:
-            with self._lock:
-                fd = self._fds.get(shard)
-                if fd is None:
-                    fd = self._fds[shard] = os.open(self.path / shard, os.O_RDONLY)
-        tensors = read_spans_into(fd, spans, buffer)
-        with self._lock:
-            self.bytes_read += sum(span.end - span.start for span in spans)
-        return tuple(PackedWeight(*tensors[3 * i:3 * i + 3], bits, self.expert_shape(p))
-                     for i, p in enumerate(PROJECTIONS))
-
-    def expert_weights(self, row: int, expert: int, bits: int,
-                       dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate_up [2I, H], down [H, I]) of one expert at `bits`, dequantized; bits 0 gives zeros (skipped)."""
-        if bits == 0:
-            return tuple(torch.zeros(self.expert_shape(p), dtype=dtype, device="cpu") for p in PROJECTIONS)
-        return tuple(dequantize_packed(self.packed_expert(row, expert, bits, p), dtype) for p in PROJECTIONS)
-
-    # --- dense weights (hexq.streaming.LayerSource)
-
-    def _dense_file(self, name: str) -> str:
-        layer = layer_of(name)
-        return TOP_SHARD if layer is None else dense_shard(layer)
-
-    def has_param(self, name: str) -> bool:
-        name = self.manifest["dense"]["aliases"].get(name, name)
-        shard = self._dense_file(name)
-        return shard in self.files and (name in self.keys(shard) or f"{name}.codes" in self.keys(shard))
-
-    def read_param(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """A non-expert parameter by its model name: stored tensors as they are, quantized linears dequantized
-        (float32), tied parameters through their alias."""
-        name = self.manifest["dense"]["aliases"].get(name, name)
-        shard = self._dense_file(name)
-        bits = self.manifest["dense"]["quantized_linears"].get(name)
-        if bits is not None:
-            weight = PackedWeight(self.tensor(shard, f"{name}.codes"), self.tensor(shard, f"{name}.scale"),
-                                  self.tensor(shard, f"{name}.zero"), bits, tuple(shape))
-            return dequantize_packed(weight)
-        if shard not in self.files or name not in self.keys(shard):
-            raise HexqError(f"{self.path}: tensor {name} is not in {shard}")
-        tensor = self.tensor(shard, name)
-        if tuple(tensor.shape) != tuple(shape):
-            raise HexqError(f"{self.path / shard}: tensor {name} has shape {list(tensor.shape)}, the model's config "
-                            f"needs {list(shape)}")
-        return tensor
-
-    def read_param_copy(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """read_param into memory of its own, read with pread: nothing of the file is mapped, so a server that keeps
-        the tensor holds it once (not its file pages as well) and never reads it from disk again."""
-        alias = self.manifest["dense"]["aliases"].get(name, name)
-        if alias in self.manifest["dense"]["quantized_linears"]:
-            return self.read_param(name, shape)  # dequantized into a new tensor already
-        return self._read_copy(self._dense_file(alias), alias, tuple(shape))
-
-    def read_packed_copy(self, name: str, shape: tuple[int, int]) -> PackedWeight:
-        """A quantized dense linear's weight as stored (codes, scale, zero), each read with pread into memory of its
-        own (see read_param_copy): what a server computes from."""
-        alias = self.manifest["dense"]["aliases"].get(name, name)
-        bits = self.manifest["dense"]["quantized_linears"].get(alias)
-        if bits is None:
-            raise HexqError(f"{self.path}: {alias} is not a quantized linear")
-        shard = self._dense_file(alias)
-        return PackedWeight(*(self._read_copy(shard, f"{alias}.{part}") for part in ("codes", "scale", "zero")), bits,
-                            tuple(shape))
-
-    def packed_param_nbytes(self, name: str) -> int:
-        """Bytes of a quantized dense linear's stored codes, scale and zero (from its shard's header)."""
-        alias = self.manifest["dense"]["aliases"].get(name, name)
-        spans = self._shard_spans(self._dense_file(alias))
-        return sum(spans[f"{alias}.{part}"].end - spans[f"{alias}.{part}"].start for part in ("codes", "scale", "zero"))
-
-    def _shard_spans(self, shard: str) -> dict[str, TensorSpan]:
-        if shard not in self.files:
-            raise HexqError(f"{self.path} has no file {shard} in its manifest")
-        spans = self._spans.get(shard)
-        if spans is None:
-            spans = self._spans.setdefault(shard, safetensors_spans(self.verify(shard)))
-        return spans
-
-    def _read_copy(self, shard: str, key: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
-        """One tensor of a shard read with pread into a new CPU tensor (its shape checked against `shape`)."""
-        span = self._shard_spans(shard).get(key)
-        if span is None:
-            raise HexqError(f"{self.path}: tensor {key} is not in {shard}")
-        if shape is not None and tuple(span.shape) != tuple(shape):
-            raise HexqError(f"{self.path / shard}: tensor {key} has shape {list(span.shape)}, the model's config "
-                            f"needs {list(shape)}")
-        out = torch.empty(span.shape, dtype=span.dtype, device="cpu")
-        target = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
-        fd = os.open(self.path / shard, os.O_RDONLY)
-        try:
-            done = 0
-            while done < span.end - span.start:
-                got = os.preadv(fd, [target[done:]], span.start + done)
-                if got <= 0:
-                    raise HexqError(f"short read of {key} in {self.path / shard}")
-                done += got
-        finally:
-            os.close(fd)
-        return out
-
-    def param_dtype(self, name: str) -> torch.dtype:
-        """The stored dtype of a non-expert parameter (a quantized linear dequantizes to float32)."""
-        from hexq.checkpoint import safetensors_dtype
-
-        name = self.manifest["dense"]["aliases"].get(name, name)
-        if name in self.manifest["dense"]["quantized_linears"]:
-            return torch.float32
-        shard = self._dense_file(name)
-        return safetensors_dtype(self._handle(shard).get_slice(name).get_dtype())
-
-    def release(self) -> None:
-        """Close the shards' memory maps (pages read so far stop counting in the process's memory)."""
-        with self._lock:
-            self._handles.clear()
-
-    def close(self) -> None:
-        """Close the memory maps and the files opened for read_expert."""
-        self.release()
-        with self._lock:
-            fds, self._fds = list(self._fds.values()), {}
-        for fd in fds:
-            os.close(fd)
-
-    def act_range(self, linear: str) -> torch.Tensor | None:
-        """Static input range of a quantized linear (name without .weight), if the artifact stores one."""
-        shard = self._dense_file(linear)
-        key = f"{linear}.act_range"
-        return self.tensor(shard, key) if key in self.keys(shard) else None

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from hexq.artifact.format import MANIFEST, Artifact
+from hexq.artifact.format import MANIFEST
+from hexq.artifact.reader import Artifact
 
 
 def part_of(name: str) -> str:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hexq.adapters import MoEAdapter
+from hexq.calib.routing import add_routing
 from hexq.simulate import RoutedTokens, expert_intermediate
 
 # Routed rows multiplied at once when accumulating one expert's Hessians (bounds the [rows, I] intermediate).
@@ -135,6 +136,8 @@ def expert_statistics(routed: RoutedTokens, experts: list[int], gate_up: torch.T
         [routed.count(e) for e in experts],
         torch.zeros(n, hidden, dtype=torch.float32, device=device),
         torch.zeros(n, inner, dtype=torch.float32, device=device))
+    low = torch.full((), float("inf"), dtype=torch.float32, device=device)  # kept on the device: no host
+    high = torch.full((), float("-inf"), dtype=torch.float32, device=device)  # synchronisation per expert
     for j, expert in enumerate(experts):
         token, _slot = routed.rows(expert)
         if not len(token):  # never routed: zero statistics (split would still yield one empty chunk)
@@ -146,8 +149,8 @@ def expert_statistics(routed: RoutedTokens, experts: list[int], gate_up: torch.T
             mid = expert_intermediate(x, gate_up[j], act_fn).float()
             stats.down[j].addmm_(mid.T, mid, alpha=2.0)
             stats.mid_abs_max[j] = torch.maximum(stats.mid_abs_max[j], mid.abs().amax(dim=0))
-            stats.mid_low, stats.mid_high = min(stats.mid_low, float(mid.min())), max(stats.mid_high,
-                                                                                      float(mid.max()))
+            low, high = torch.minimum(low, mid.min()), torch.maximum(high, mid.max())
+    stats.mid_low, stats.mid_high = float(low), float(high)
     return stats
 
 
@@ -163,8 +166,6 @@ class RoutingStats:
 
     @classmethod
     def of(cls, routed: RoutedTokens) -> RoutingStats:
-        from hexq.calib.routing import add_routing
-
         num_experts = routed.num_experts
         counts = torch.zeros(num_experts, dtype=torch.long, device="cpu")
         score_sums = torch.zeros(num_experts, dtype=torch.float64, device="cpu")

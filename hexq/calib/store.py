@@ -5,11 +5,12 @@ manifest written last (its presence means the run is complete).
       manifest.json          recipe, source model + data fingerprints, per-layer summary (written last)
       progress.json          fingerprint and the number of finished layers (drives resume)
       layer_000.safetensors  smoothing scales, quantized codes/scales/zeros, replica banks, loss table, router stats
-                             (codes bit-packed exactly as in the artifact: hexq.artifact.format.pack_weight; a bank
+                             (codes bit-packed exactly as in the artifact: hexq.packed.weight.pack_weight; a bank
                              holds experts.<proj>.b<bits>.codes [E, bytes per expert] and .scale/.zero
                              [E, rows, groups] float16)
       layer_000.json         smoothing exponents and errors, cold-expert fallbacks, damping, token counts
-      timings.json           wall time per layer (the one file that differs between identical runs)
+      timings.json           wall time per layer and per stage (the one file that differs between identical
+                             runs)
 
 Every file is written atomically (temporary file, then rename).
 """
@@ -25,7 +26,10 @@ import torch
 from safetensors.torch import load_file
 
 from hexq.errors import HexqError
-from hexq.io import SafetensorsWriter, read_sealed_json, save_tensors, write_json_atomic
+from hexq.io import SafetensorsWriter, file_record, file_sha256, read_sealed_json, save_tensors, write_json_atomic
+from hexq.models import source_state
+from hexq.packed.bitpack import pack_bits, packed_nbytes
+from hexq.packed.weight import SCALE_DTYPE, PackedWeight, dequantize_packed, pack_weight
 
 FORMAT = "hexq-calibration"
 FORMAT_VERSION = 2  # 2: bit-packed codes and float16 scales (1 stored one byte per code)
@@ -74,15 +78,15 @@ def open_layer(out: Path, index: int):
         yield handle
 
 
-def model_fingerprint(folder: Path) -> str:
-    """SHA-256 over the names and SHA-256s of the model's weight shards and config (not its tokenizer or card);
-    each file's hash comes from hexq's stat-keyed cache (hexq.io.file_sha256) when the file has not changed."""
-    from hexq.io import file_sha256
-
-    digest = hashlib.sha256()
-    for path in sorted([*Path(folder).glob("*.safetensors"), Path(folder) / "config.json"]):
-        digest.update(f"{path.name}:{file_sha256(path)}\n".encode())
-    return digest.hexdigest()
+def calibration_source(calib_dir: Path, manifest: dict) -> Path:
+    """The model folder a finished calibration was made from, after checking it is still there and unchanged."""
+    model_path = Path(manifest["model"]["path"])
+    state = source_state(model_path, manifest["fingerprint"]["model"])
+    if state == "gone":
+        raise HexqError(f"the source model of {calib_dir} is gone: {model_path}")
+    if state == "changed":
+        raise HexqError(f"the model at {model_path} changed since {calib_dir} was calibrated (weights hash differs)")
+    return model_path
 
 
 def tensor_fingerprint(tensor: torch.Tensor) -> str:
@@ -147,14 +151,6 @@ def layer_file_records(out: Path, index: int) -> dict[str, dict]:
     return {name: file_record(Path(out) / name) for name in names if (Path(out) / name).is_file()}
 
 
-def file_record(path: Path) -> dict:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 24), b""):
-            digest.update(chunk)
-    return {"sha256": digest.hexdigest(), "bytes": path.stat().st_size}
-
-
 _checked: set[tuple[str, int, int]] = set()  # (path, size, mtime) of calibration files verified by this process
 
 
@@ -181,7 +177,7 @@ def checked(out: Path, name: str) -> Path:
     if stat.st_size != expected.get("bytes"):
         raise HexqError(f"calibration file {path} is truncated or altered: {stat.st_size} bytes, the record says "
                         f"{expected.get('bytes')}")
-    actual = file_record(path)["sha256"]
+    actual = file_sha256(path)
     if actual != expected.get("sha256"):
         raise HexqError(f"calibration file {path} is corrupt: sha256 {actual[:16]}..., the record says "
                         f"{str(expected.get('sha256'))[:16]}...")
@@ -211,15 +207,11 @@ def read_manifest(out: Path) -> dict:
 
 def put_packed(tensors: dict, prefix: str, codes: torch.Tensor, meta) -> None:
     """One quantized matrix [out, in] under `prefix`: bit-packed codes and float16 scale/zero."""
-    from hexq.artifact.format import pack_weight
-
     tensors.update(pack_weight(codes, meta).tensors(prefix))
 
 
 def packed_matrix(tensors: dict, prefix: str, shape: tuple[int, int], bits: int):
     """The PackedWeight stored under `prefix` by put_packed."""
-    from hexq.artifact.format import PackedWeight
-
     return PackedWeight(tensors[f"{prefix}.codes"], tensors[f"{prefix}.scale"], tensors[f"{prefix}.zero"], bits,
                         tuple(shape))
 
@@ -232,11 +224,8 @@ class ExpertBank:
 
     def __init__(self, path: Path, num_experts: int, shapes: dict[str, tuple[int, int]], bits_list: tuple[int, ...],
                  group_sizes: dict[str, int], export: tuple[int, int] | None = None) -> None:
-        """export: (bits, group size) of the export-target replica (hexq.calib.pipeline.export_spec) stored beside
+        """export: (bits, group size) of the export-target replica (hexq.calib.quantize.export_spec) stored beside
         the bank under export.<proj>.b<bits>, if the recipe asks for one."""
-        from hexq.artifact.bitpack import packed_nbytes
-        from hexq.artifact.format import SCALE_DTYPE
-
         entries = [(bank_prefix(p, bits), p, bits, group_sizes[p]) for p in shapes for bits in bits_list]
         if export is not None:
             entries += [(bank_prefix(p, export[0], export=True), p, export[0], export[1]) for p in shapes]
@@ -252,9 +241,6 @@ class ExpertBank:
             zero: torch.Tensor, export: bool = False) -> None:
         """codes [n, rows, cols] (uint8 on the grid), scale/zero [n, rows, groups] of the consecutive experts
         `experts` (export: the export-target replica)."""
-        from hexq.artifact.bitpack import pack_bits
-        from hexq.artifact.format import SCALE_DTYPE
-
         prefix, first = bank_prefix(projection, bits, export), experts[0]
         if experts != list(range(first, first + len(experts))):
             raise ValueError(f"a bank chunk must hold consecutive experts, got {experts}")
@@ -313,9 +299,10 @@ def bank_weights(bank, projection: str, bits: int, experts: list[int], shape: tu
                  dtype: torch.dtype = torch.float32, device: torch.device | None = None) -> torch.Tensor:
     """The experts' replica at `bits`, dequantized [n, rows, cols] in `dtype` on `device`; `bank` is an open bank
     (open_bank) or a dict of its tensors."""
-    from hexq.artifact.format import PackedWeight, dequantize_packed
-
     prefix = bank_prefix(projection, bits)
-    codes, scale, zero = (bank_rows(bank, f"{prefix}.{part}", experts) for part in ("codes", "scale", "zero"))
+    # the packed bytes go to the device and are dequantized there (a GPU calibration dequantized five widths of
+    # every expert on the CPU before)
+    codes, scale, zero = (bank_rows(bank, f"{prefix}.{part}", experts).to(device)
+                          for part in ("codes", "scale", "zero"))
     return torch.stack([dequantize_packed(PackedWeight(codes[j], scale[j], zero[j], bits, tuple(shape)), dtype)
-                        for j in range(len(experts))]).to(device)
+                        for j in range(len(experts))])

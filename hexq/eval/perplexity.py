@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from hexq.errors import HexqError
+from hexq.models import context_length
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ def window_nll_sums(model, windows: torch.Tensor) -> torch.Tensor:
 def perplexity(model, token_ids: torch.Tensor, seqlen: int, max_windows: int | None = None, batch_size: int = 8,
                progress: Callable[[int, int], None] | None = None) -> PerplexityResult:
     """Perplexity of `model` on a token stream; `progress(done, total)` is called after each batch."""
-    limit = int(getattr(model.config, "max_position_embeddings", 0) or 0)
+    limit = context_length(model.config)
     if limit and seqlen > limit:
         raise HexqError(f"window length {seqlen} exceeds the model's context of {limit} tokens")
     windows = make_windows(token_ids, seqlen, max_windows)

@@ -15,9 +15,15 @@ from pathlib import Path
 
 import torch
 
+from hexq.calib.calibrated import calibrated_model
 from hexq.data import eval_text, tokenize
+from hexq.devices import resolve_device
 from hexq.errors import HexqError
 from hexq.eval.perplexity import PerplexityResult, make_windows
+from hexq.layer_pass import full_precision_plan, stream_nll
+from hexq.models import context_length
+from hexq.runtime.model import artifact_model
+from hexq.streaming import open_model
 
 
 @dataclass(frozen=True)
@@ -38,19 +44,13 @@ def open_target(path: Path, device: torch.device, expert_bits: int | None):
     """(streamed model, tokenizer, prepare) for a HuggingFace model folder, a hexq calibration folder or a packed
     artifact (its static allocation)."""
     if is_artifact(path):
-        from hexq.runtime.model import artifact_model
-
         if expert_bits is not None:
             raise HexqError("--expert-bits applies to a calibration folder; an artifact runs at its allocation")
         return artifact_model(path, device)
     if (path / "manifest.json").exists():
-        from hexq.calib.pipeline import calibrated_model
-
         return calibrated_model(path, device, expert_bits)
     if expert_bits is not None:
         raise HexqError("--expert-bits applies to a calibration folder, not to a model folder")
-    from hexq.calib.pipeline import open_model
-    from hexq.streaming import full_precision_plan
 
     streamed, tokenizer = open_model(path, device)
     return streamed, tokenizer, full_precision_plan(streamed)
@@ -68,14 +68,11 @@ def evaluate_model(model_path: str | Path, data: list[str], seqlen: int, max_win
                    expert_bits: int | None = None, activation_limit: int | None = None) -> list[EvalRow]:
     """Perplexity of a model folder, a calibration folder's quantized model, or an artifact, on each data source
     (corpus name or file), same protocol for all."""
-    from hexq.devices import resolve_device
-
     device = device if isinstance(device, torch.device) else resolve_device(device)
     streamed, tokenizer, prepare = open_target(Path(model_path), device, expert_bits)
     streams = {source: tokenize(tokenizer, eval_text(source)) for source in data}
-    check_window_length(seqlen, int(getattr(streamed.config, "max_position_embeddings", 0) or 0))
+    check_window_length(seqlen, context_length(streamed.config))
     windows = {source: make_windows(ids, seqlen, max_windows) for source, ids in streams.items()}
-    from hexq.streaming import stream_nll
 
     nll = stream_nll(streamed, torch.cat(list(windows.values())), batch_size, prepare, activation_limit,
                      progress=progress)

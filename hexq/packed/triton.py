@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from hexq.packed.weight import CODE_PAD
+
 try:
     import triton
     import triton.language as tl
@@ -26,7 +28,6 @@ except ImportError:  # triton is optional: CUDA serving then expands matrices wi
 
 BLOCK_N = 32  # rows per program
 BLOCK_K = 64  # columns per step
-PAD = 8  # bytes after the last code of an arena: the second byte load of the last code stays inside
 
 
 def available() -> bool:
@@ -88,7 +89,7 @@ class PackedArena:
     each matrix starts. `add` appends one and returns (code offset, param offset)."""
 
     def __init__(self, code_bytes: int, params: int, device: torch.device) -> None:
-        self.codes = torch.zeros(code_bytes + PAD, dtype=torch.uint8, device=device)
+        self.codes = torch.zeros(code_bytes + CODE_PAD, dtype=torch.uint8, device=device)
         self.scale = torch.empty(params, dtype=torch.float16, device=device)
         self.zero = torch.empty(params, dtype=torch.float16, device=device)
         self._code_end = self._param_end = 0

@@ -18,13 +18,16 @@ expert's tokens are one contiguous block of rows.
 from __future__ import annotations
 
 import hashlib
+import json
 import threading
 from dataclasses import asdict, dataclass
 
 import torch
 
-from hexq.artifact.bitpack import DequantScratch
-from hexq.artifact.format import PackedWeight, dequantize_packed_into
+from hexq.io import cache_dir, write_json_atomic
+from hexq.packed.bitpack import DequantScratch
+from hexq.packed.cpu import SOURCE, GemvJob, gemv_takes
+from hexq.packed.weight import PackedWeight, dequantize_packed_into
 from hexq.runtime.cache import ExpertWeights
 from hexq.runtime.cost import LatencyProfile, measure_latency, should_fill
 from hexq.simulate import quantized_expert_output
@@ -127,8 +130,6 @@ class Compute:
     def _from_codes(self, weights: tuple[PackedWeight, ...], tokens: int, profile: LatencyProfile | None) -> bool:
         if self.kernels is None:
             return False
-        from hexq.packed.cpu import gemv_takes
-
         if not all(gemv_takes(w.shape, w.bits, w.scale.shape[-1], self.kernels.path) for w in weights):
             return False
         return profile is None or not should_fill(tokens, profile)
@@ -138,7 +139,7 @@ class Compute:
     def linear(self, x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
         """x [n, in] @ W^T for a packed W [out, in], in x's dtype."""
         if self.triton:  # every row of x a pair on the one matrix (its codes padded: hexq.runtime.model)
-            from hexq.packed import triton as gpu
+            from hexq.packed import triton as gpu  # imported only where Triton computes: its import takes ~1 s
 
             zero = torch.zeros(1, dtype=torch.int64, device=x.device)
             bits = torch.full((1,), weight.bits, dtype=torch.int32, device=x.device)
@@ -146,8 +147,6 @@ class Compute:
             return gpu.pair_gemv(x, weight, zero, zero, bits, weight.shape,
                                  weight.shape[1] // weight.scale.shape[-1]).to(x.dtype)
         if self._from_codes((weight,), x.shape[0], self.profiles.dense):
-            from hexq.packed.cpu import GemvJob
-
             y = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
             self.kernels.gemv([GemvJob(weight.codes, weight.scale, weight.zero, weight.bits, weight.shape,
                                        x.float().contiguous(), y)])
@@ -187,8 +186,6 @@ class Compute:
             self._experts_from_codes(x, from_codes, y, act_fn, input_quant, mid_quant)
 
     def _experts_from_codes(self, x, batch, y, act_fn, input_quant, mid_quant) -> None:
-        from hexq.packed.cpu import GemvJob
-
         x32 = x.float()
         if input_quant is not None:
             x32 = input_quant(x32)
@@ -224,8 +221,6 @@ class Compute:
         self.counters = Counters()
 
     def _profile_key(self, kind: str, *weights: PackedWeight) -> str:
-        from hexq.packed.cpu import SOURCE
-
         shapes = ",".join(f"{w.shape[0]}x{w.shape[1]}b{w.bits}g{w.scale.shape[-1]}" for w in weights)
         return (f"{kind}-{shapes}-{str(self.dtype).removeprefix('torch.')}-{self.kernels.path}-t{self.kernels.threads}"
                 f"-{hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:8]}")
@@ -263,10 +258,6 @@ class Compute:
 
 def cached_profile(key: str, measure) -> LatencyProfile:
     """The LatencyProfile stored under `key` in hexq's cache folder, or measure() written there (atomically)."""
-    import json
-
-    from hexq.io import cache_dir, write_json_atomic
-
     path = cache_dir() / "profiles" / f"{key}.json"
     try:
         return LatencyProfile(**json.loads(path.read_text()))

@@ -33,6 +33,7 @@ cost model's choices come from latencies measured once per machine and kept: hex
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -42,9 +43,14 @@ from pathlib import Path
 import torch
 
 from hexq.adapters import adapter_for
-from hexq.artifact.format import STATS_SHARD, Artifact, dequantize_packed
+from hexq.algos.placement import place, ranked
+from hexq.artifact.format import STATS_SHARD
+from hexq.artifact.reader import Artifact
 from hexq.devices import resolve_device
 from hexq.errors import HexqError
+from hexq.packed.bitpack import packed_nbytes
+from hexq.packed.cpu import load_cpu_kernels
+from hexq.packed.weight import dequantize_packed
 from hexq.runtime.cache import ExpertCache
 from hexq.runtime.compute import Compute, PackedLinear
 from hexq.runtime.cost import admit_fill, calibration_usage, usage_update
@@ -54,6 +60,7 @@ from hexq.runtime.policy import PolicyContext, make_policy
 from hexq.runtime.source import CACHE_FORMATS, ArtifactSource
 from hexq.runtime.stats import RunStats, peak_rss_bytes
 from hexq.simulate import quantized_expert_output
+from hexq.streaming import blocked_nll
 
 MODES = ("cache", "ondemand")  # ondemand: no fast tier, every expert loaded from the slow tier at each use
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -141,8 +148,6 @@ def warm_order(artifact: Artifact, scheme: str, slots: int) -> list[tuple[int, i
     layers per layer by 003 Algorithm 2 scheme `scheme` (3: the manifest's two-stage placement when pack computed it
     for the same K, else recomputed from the router traces; 1: paths; 2: frequency), then the remaining slots to the
     most frequently routed experts left (calibration counts). Skipped experts (allocation 0) are never loaded."""
-    from hexq.algos.placement import frequency_placement, path_placement, ranked, two_stage_placement
-
     if scheme == "none" or slots <= 0:
         return []
     L, E = len(artifact.moe_layers), artifact.num_experts
@@ -155,8 +160,7 @@ def warm_order(artifact: Artifact, scheme: str, slots: int) -> list[tuple[int, i
             mask[row, hot] = True
     else:
         topk = artifact.tensor(STATS_SHARD, "router.topk").long()
-        mask = {"1": lambda: path_placement(topk, E, K), "2": lambda: frequency_placement(counts, K),
-                "3": lambda: two_stage_placement(topk, E, K)}[scheme]()
+        mask = place(scheme, topk, counts, K)
     artifact.release()
     allowed = torch.tensor(artifact.allocation, dtype=torch.long, device=counts.device) > 0
     chosen = mask & allowed
@@ -247,7 +251,7 @@ class Runtime:
         routers = [getattr(getattr(layer, adapter.moe), adapter.router) for layer in layers]
         norms = [getattr(layer, adapter.post_attention_norm).weight.detach() for layer in layers]
         if resident:
-            from hexq.runtime.resident import ResidentExperts
+            from hexq.runtime.resident import ResidentExperts  # it imports triton (~1 s), used on CUDA only
 
             buffer = torch.empty(source.read_nbytes, dtype=torch.uint8, device="cpu")
             for layer, module in modules.items():
@@ -368,8 +372,6 @@ class Runtime:
     def window_nll(self, window: torch.Tensor) -> torch.Tensor:
         """Summed next-token NLL of one window scored as a prefill (a new sequence for the policy). The head is
         applied in vocabulary blocks (hexq.streaming.blocked_nll): no [positions, vocab] logits exist at once."""
-        from hexq.streaming import blocked_nll
-
         self.policy.begin_sequence()
         self.state.prefill = True
         hidden = self.model.model(window[None].to(self.device)).last_hidden_state[0, :-1]
@@ -447,10 +449,7 @@ def compute_scratch_nbytes(artifact: Artifact, streamed, dtype: torch.dtype, tor
 
 def compute_backend(kernels: str, device: torch.device, threads: int | None):
     """(CPU kernels or None, whether Triton computes) for --kernels on `device` (see RuntimeConfig)."""
-    import os
-
-    from hexq.packed import triton as gpu
-    from hexq.packed.cpu import load_cpu_kernels
+    from hexq.packed import triton as gpu  # here, not at the top: importing triton takes about a second
 
     if kernels == "torch":
         return None, False
@@ -471,8 +470,6 @@ def compute_backend(kernels: str, device: torch.device, threads: int | None):
 
 def _unpadded(weight):
     """A packed weight whose codes may sit in a padded buffer (Triton's second byte load), cut to its own bytes."""
-    from hexq.artifact.bitpack import packed_nbytes
-
     rows, cols = weight.shape
     return type(weight)(weight.codes[:packed_nbytes(rows * cols, weight.bits)], weight.scale, weight.zero,
                         weight.bits, weight.shape)

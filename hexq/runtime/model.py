@@ -3,9 +3,10 @@ does not ask for.
 
 Two ways to run it:
 - `build_model` (`hexq run`): the dense part (attention, norms, routers, shared experts, dense layers, embeddings,
-  head) materialized for good from the artifact's dense shards in the serving dtype, quantized linears dequantized
-  with their activation quantization attached; each MoE layer's routed experts replaced, in one place, by a module
-  the caller chooses (the budgeted cache). The experts exist nowhere else.
+  head) materialized for good from the artifact's dense shards in the serving dtype, quantized linears kept as their
+  packed codes (hexq.runtime.compute.PackedLinear, with their activation quantization); each MoE layer's routed
+  experts replaced, in one place, by a module the caller chooses (the budgeted cache). The experts exist nowhere
+  else.
 - `artifact_model` (`hexq eval ARTIFACT`): streamed like any other target (hexq.streaming.stream_nll), one layer's
   dense part and its experts at the artifact's allocation at a time.
 """
@@ -16,10 +17,14 @@ from collections.abc import Callable
 
 import torch
 
-from hexq.artifact.format import Artifact, PackedWeight, expert_shard
+from hexq.artifact.format import expert_shard
+from hexq.artifact.reader import Artifact
+from hexq.layer_pass import ExpertCompute, expert_chunk
+from hexq.packed.weight import CODE_PAD, PackedWeight
 from hexq.recipe import recipe_from_dict
+from hexq.runtime.compute import PackedLinear
 from hexq.simulate import ActQuantizer, act_quantizer, attach_input_quant
-from hexq.streaming import ExpertCompute, LoadedLayer, StreamedModel, expert_chunk
+from hexq.streaming import LoadedLayer, StreamedModel, _tensor_slots
 
 ExpertsFactory = Callable[[int, torch.nn.Module], torch.nn.Module]  # (MoE row, the family's module) -> replacement
 
@@ -103,8 +108,6 @@ def dense_plan_bytes(streamed: StreamedModel, artifact: Artifact) -> int:
     experts in the compute dtype (integer tensors in their own), quantized linears as their stored packed bytes,
     tied embeddings once, plus the buffers the skeleton holds already (rotary frequencies). Read from the meta
     skeleton and the shards' headers, so a memory budget can be checked before anything is allocated."""
-    from hexq.streaming import _tensor_slots
-
     skip = streamed.experts_path
     quantized = artifact.manifest["dense"]["quantized_linears"]
     tied = bool(getattr(streamed.config, "tie_word_embeddings", False))
@@ -133,8 +136,6 @@ def build_model(artifact: Artifact, experts: ExpertsFactory, device: torch.devic
     linears, which become PackedLinears on their stored codes (hexq.runtime.compute, with the recipe's activation
     quantization); each MoE layer's routed experts replaced by experts(row, family_module) (see the module
     docstring). `streamed` is the skeleton (made first, to size a memory budget with dense_plan_bytes)."""
-    from hexq.runtime.compute import PackedLinear
-
     quantized = artifact.manifest["dense"]["quantized_linears"]
     streamed.materialize_dense(leave=frozenset(quantized))
     setting = recipe_from_dict(artifact.manifest["recipe"]).activations
@@ -145,9 +146,7 @@ def build_model(artifact: Artifact, experts: ExpertsFactory, device: torch.devic
         packed = artifact.read_packed_copy(weight_name, tuple(linear.weight.shape))
         codes = packed.codes
         if compute.triton:  # the pair GEMV's second byte load reads one byte past a code: pad the buffer
-            from hexq.packed.triton import PAD
-
-            codes = torch.cat([codes, torch.zeros(PAD, dtype=codes.dtype, device=codes.device)])
+            codes = torch.cat([codes, torch.zeros(CODE_PAD, dtype=codes.dtype, device=codes.device)])
         packed = PackedWeight(codes.to(device), packed.scale.to(device), packed.zero.to(device), packed.bits,
                               packed.shape)
         bias = linear.bias.detach() if getattr(linear, "bias", None) is not None else None

@@ -52,6 +52,7 @@ import torch
 
 from hexq.algos.allocation import allocate, avg_bit_budget, cosine_retention, loss_columns
 from hexq.algos.importance import importance
+from hexq.algos.policy_widths import DEPTH_LOW_BITS, context_bits, depth_high_bits, online_widths, used_widths
 
 Transition = tuple[int, int, int]  # (layer, expert, bits)
 
@@ -103,7 +104,7 @@ class PolicyContext:
     @property
     def used_bits(self) -> list[int]:
         """Widths the allocation uses, ascending (0 if it skips experts)."""
-        return sorted({b for row in self.allocation for b in row})
+        return used_widths(self.allocation)
 
     def loss_columns(self, layer: int, bits: list[int]) -> torch.Tensor:
         """[E, len(bits)] losses of one layer restricted to `bits` (0 = the loss of skipping), float64."""
@@ -229,8 +230,7 @@ class ContextPolicy(_Policy):
         self.begin_sequence()
 
     def _allowed_bits(self) -> list[int]:
-        used = self.context.used_bits
-        return sorted(set(used) | {b for b in self.context.table_bits if b <= used[-1]})
+        return context_bits(self.context.used_bits, self.context.table_bits)
 
     def begin_sequence(self) -> None:
         shape = (self.context.num_layers, self.context.num_experts)
@@ -287,9 +287,9 @@ class OnlinePolicy(_Policy):
             raise ValueError(f"beta must be in [0, 1), got {beta}")
         if margin < 0:
             raise ValueError(f"margin must be >= 0 (relative hysteresis), got {margin}")
-        nonzero = [b for b in context.used_bits if b > 0] or [context.table_bits[0]]
-        self.high_bits = self._width(high_bits, nonzero[-1], "high_bits")
-        self.low_bits = self._width(low_bits, nonzero[0], "low_bits", allow_skip=True)
+        high, low = online_widths(context.used_bits, context.table_bits)
+        self.high_bits = self._width(high_bits, high, "high_bits")
+        self.low_bits = self._width(low_bits, low, "low_bits", allow_skip=True)
         if self.low_bits > self.high_bits:
             raise ValueError(f"low_bits={self.low_bits} is above high_bits={self.high_bits}")
         self.interval, self.beta, self.margin = interval, beta, margin
@@ -362,10 +362,10 @@ class DepthPolicy(_Policy):
 
     name = "depth"
 
-    def __init__(self, context: PolicyContext, lam: float = 0.5, high_bits: int | None = None, low_bits: int = 2):
+    def __init__(self, context: PolicyContext, lam: float = 0.5, high_bits: int | None = None,
+                 low_bits: int = DEPTH_LOW_BITS):
         super().__init__(context)
-        nonzero = [b for b in context.used_bits if b > 0] or [context.table_bits[-1]]
-        self.high_bits = self._width(high_bits, nonzero[-1], "high_bits")
+        self.high_bits = self._width(high_bits, depth_high_bits(context.used_bits, context.table_bits), "high_bits")
         self.low_bits = self._width(low_bits, low_bits, "low_bits", allow_skip=True)
         if self.low_bits > self.high_bits:
             raise ValueError(f"low_bits={self.low_bits} is above high_bits={self.high_bits}")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from hexq.artifact.format import Artifact
+from hexq.artifact.reader import Artifact
 from hexq.packed import triton as gpu
 
 

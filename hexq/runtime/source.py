@@ -26,8 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
-from hexq.artifact.bitpack import DequantScratch
-from hexq.artifact.format import Artifact, PackedWeight, dequantize_packed_into, packed_weight_nbytes
+from hexq.artifact.reader import Artifact
+from hexq.packed.bitpack import DequantScratch
+from hexq.packed.weight import PackedWeight, dequantize_packed_into, packed_weight_nbytes
 from hexq.runtime.cache import ExpertWeights
 
 LOADERS = 2  # threads that load experts: the forward pass and the prefetch worker

@@ -273,10 +273,10 @@ def peer_cost(model_folder: str | Path, scheme: str | PeerScheme, calib_ids: tor
         torch.save(calib_ids.to(torch.long).cpu(), tmp_path / "calib.pt")
         job = {"model": str(Path(model_folder).resolve()), "scheme": asdict(spec), "pipeline": pipeline}
         (tmp_path / "job.json").write_text(json.dumps(job))
-        code = "import sys; from hexq.eval.llmcompressor_peer import _cost_child; _cost_child(sys.argv[1])"
+        code = "import sys; from llmcompressor_peer import _cost_child; _cost_child(sys.argv[1])"
         env = dict(os.environ)
-        project_root = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (project_root, env.get("PYTHONPATH")) if p)
+        here = Path(__file__).resolve().parent  # benchmarks/, and the project root above it
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(here), str(here.parent), env.get("PYTHONPATH")) if p)
         with open(tmp_path / "child.log", "wb") as log:
             start = time.perf_counter()
             process = subprocess.Popen([sys.executable, "-c", code, tmp], stdout=log, stderr=subprocess.STDOUT,

@@ -33,27 +33,29 @@ from hexq.algos.allocation import (
     loss_columns,
 )
 from hexq.algos.importance import importance, importance_order
-from hexq.algos.placement import frequency_placement, path_placement, two_stage_placement
+from hexq.algos.placement import place
+from hexq.algos.policy_widths import POLICIES, policy_widths
 from hexq.artifact.format import (
-    PROJECTIONS,
+    MODEL_FILES,
     STATS_SHARD,
     TOP_SHARD,
     ArtifactWriter,
     dense_shard,
     expert_shard,
-    packed_weight_nbytes,
+    export_shard,
     replica_key,
 )
 from hexq.calib.capture import quantized_linears
-from hexq.calib.store import bank_prefix, load_layer, model_fingerprint, open_bank, open_layer, read_manifest
+from hexq.calib.fold import fold_calibrated
+from hexq.calib.store import bank_prefix, calibration_source, load_layer, open_bank, open_layer, read_manifest
 from hexq.errors import HexqError
+from hexq.outputs import output_folder
+from hexq.packed.grids import EXPORT_BITS, scheme_fits
+from hexq.packed.weight import PROJECTIONS, packed_weight_nbytes
 from hexq.recipe import Pack, recipe_from_dict, recipe_to_dict
+from hexq.streaming import open_model
 
 Progress = Callable[[str, int, int], None]
-# Files of the source model folder copied into the artifact (config and tokenizer; weights are re-packed).
-MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-               "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model")
-
 
 @dataclass(frozen=True)
 class Budget:
@@ -104,15 +106,6 @@ def allocate_layers(losses: list[torch.Tensor], orders: list[list[int]], setting
     shares = layer_budgets(budget.total_bytes, weights, [num_experts * costs[0]] * num_layers)
     return [allocate(loss, bits, order, costs, share)
             for loss, order, share in zip(losses, orders, shares, strict=True)]
-
-
-def place_hot_experts(scheme: str, topk: torch.Tensor, counts: torch.Tensor, hot: int) -> torch.Tensor:
-    """[L, E] bool: the `hot` fast-tier experts of each layer by 003 Algorithm 2 scheme 1, 2 or 3."""
-    if scheme == "paths":
-        return path_placement(topk, counts.shape[1], hot)
-    if scheme == "frequency":
-        return frequency_placement(counts, hot)
-    return two_stage_placement(topk, counts.shape[1], hot)
 
 
 # ------------------------------------------------------------------------------------------ tensors
@@ -169,15 +162,13 @@ def layer_expert_tensors(bank, layer, widths_of: list[set[int]]) -> tuple[dict, 
 def export_replica_experts(row: list[int], symmetric: bool) -> list[int]:
     """Experts of one MoE layer whose allocated width has no exact EXPORT_BITS-bit form: `hexq export` writes their
     EXPORT_BITS-bit GPTQ replica in their place in a 4-bit layer."""
-    from hexq.artifact.export import EXPORT_BITS, scheme_fits
-
     return [e for e, bits in enumerate(row) if not scheme_fits(bits, symmetric, EXPORT_BITS)]
 
 
 def layer_export_tensors(bank, experts: list[int], bits: int, own_grid: bool) -> dict[str, torch.Tensor]:
-    """The `bits` replicas of `experts` (hexq.artifact.export's export_shard layout: the keys of
+    """The `bits` replicas of `experts` (hexq.artifact.format.export_shard's layout: the keys of
     layer_expert_tensors), sliced from the calibration's packed bank (own_grid) or from its export-target bank
-    (`export.<proj>.b<bits>`, hexq.calib.pipeline.export_spec)."""
+    (`export.<proj>.b<bits>`, hexq.calib.quantize.export_spec)."""
     out: dict[str, torch.Tensor] = {}
     for expert in experts:
         for projection in PROJECTIONS:
@@ -190,10 +181,8 @@ def layer_export_tensors(bank, experts: list[int], bits: int, own_grid: bool) ->
 def export_grid(calib_dir: Path, layer: int, cols: int, group_size: int | None,
                 symmetric: bool) -> tuple[int | None, bool, bool]:
     """(group size, symmetric, own grid) of a calibration's export replicas: its export-target bank's grid (vLLM's:
-    symmetric, hexq.calib.pipeline.export_spec) when it has one, else its own replica grid. cols: gate_up's input
+    symmetric, hexq.calib.quantize.export_spec) when it has one, else its own replica grid. cols: gate_up's input
     width."""
-    from hexq.artifact.export import EXPORT_BITS
-
     with open_bank(calib_dir, layer) as handle:
         key = f"{bank_prefix('gate_up', EXPORT_BITS, export=True)}.scale"
         if key not in handle.keys():
@@ -212,11 +201,7 @@ def allocated_bytes(allocation: list[list[int]], costs_by_bits: dict[int, int]) 
 def check_calibration(manifest: dict, calib_dir: Path, settings: Pack) -> Path:
     """The source model folder, after checking the calibration is complete, has replica banks for the requested
     widths, and the source model has not changed since."""
-    model_path = Path(manifest["model"]["path"])
-    if not model_path.is_dir():
-        raise HexqError(f"the source model of {calib_dir} is gone: {model_path}")
-    if model_fingerprint(model_path) != manifest["fingerprint"]["model"]:
-        raise HexqError(f"the model at {model_path} changed since {calib_dir} was calibrated (weights hash differs)")
+    model_path = calibration_source(calib_dir, manifest)
     missing = [b for b in settings.bits if b != 0 and b not in manifest["expert_bits"]]
     if missing:
         raise HexqError(f"pack bits {list(settings.bits)} need replicas at {missing} bits; {calib_dir} has "
@@ -266,27 +251,24 @@ def make_plan(stats: dict, table_bits: list[int], settings: Pack, budget: Budget
     costs = expert_costs(shapes, settings.bits, group_size)
     allocation = allocate_layers(losses, orders, settings, budget, costs)
     hot = max(1, round(settings.hot_fraction * scores.shape[1]))
-    placement = place_hot_experts(settings.placement, stats["router.topk"].long(), stats["router.counts"], hot)
+    placement = place(settings.placement, stats["router.topk"].long(), stats["router.counts"], hot)
     return Plan(scores, orders, losses, costs, allocation, hot, placement)
 
 
-def bank_widths(requested: tuple[str, ...], plan: Plan, stats: dict, table_bits: list[int], settings: Pack,
-                top_k: int) -> list[int]:
+def bank_widths(requested: tuple[str, ...], allocation: list[list[int]], table_bits: list[int]) -> list[int]:
     """The widths stored for every expert besides its allocated one: each --bank item is a width, "all" (every
     calibrated width) or a run policy (the widths `hexq run --policy NAME` may ask for with its defaults)."""
-    from hexq.runtime.policy import POLICIES, PolicyContext, make_policy
-
     widths: set[int] = set()
-    context = None
     for item in requested:
         if item == "all":
             widths |= set(table_bits)
         elif item in POLICIES:
-            if context is None:
-                context = PolicyContext(allocation=plan.allocation, loss_table=stats["loss_table"].float(),
-                                        skip_loss=stats["loss_table.skip"].float(), table_bits=tuple(table_bits),
-                                        avg_bits=plan.average_bits, hot_fraction=settings.hot_fraction, top_k=top_k)
-            widths |= make_policy(item, context).widths()
+            wanted = policy_widths(item, allocation, table_bits)
+            missing = sorted(wanted - set(table_bits))
+            if missing:
+                raise HexqError(f"--bank {item}: the policy asks for widths {missing}, the calibration has replicas "
+                                f"at {table_bits} bits only")
+            widths |= wanted
         else:
             try:
                 bits = int(item)
@@ -304,9 +286,6 @@ def pack(calib_dir: str | Path, out: str | Path, settings: Pack | None = None, b
     """Pack the calibration in `calib_dir` into the artifact folder `out` (atomically; see module docstring), one
     layer at a time. settings: the pack section to use (default: the calibration's recipe's); budget: overrides
     settings.avg_bits; bank: widths kept for every expert besides its allocated one (see `bank_widths`)."""
-    from hexq.calib.pipeline import open_model
-    from hexq.calib.smooth import fold_calibrated
-
     started = time.time()
     calib_dir, out = Path(calib_dir), Path(out)
     manifest = read_manifest(calib_dir)
@@ -317,7 +296,6 @@ def pack(calib_dir: str | Path, out: str | Path, settings: Pack | None = None, b
     model_path = check_calibration(manifest, calib_dir, settings)
     keep_export = settings.export_replicas or "export" in bank
     bank = tuple(item for item in bank if item != "export")
-    from hexq.artifact.export import EXPORT_BITS, export_shard
 
     if keep_export and EXPORT_BITS not in manifest["expert_bits"]:
         raise HexqError(f"export replicas need {EXPORT_BITS}-bit replicas; {calib_dir} has {manifest['expert_bits']} "
@@ -339,10 +317,8 @@ def pack(calib_dir: str | Path, out: str | Path, settings: Pack | None = None, b
     plan = make_plan(stats, table_bits, settings, budget, shapes, group_size)
     bytes_by_bits = dict(zip(settings.bits, plan.costs, strict=True))
     used = allocated_bytes(plan.allocation, bytes_by_bits)
-    banked = bank_widths(bank, plan, stats, table_bits, settings, manifest["model"]["top_k"])
+    banked = bank_widths(bank, plan.allocation, table_bits)
     bf16_bytes = len(moe_layers) * num_experts * sum(rows * cols for rows, cols in shapes.values()) * 2
-
-    from hexq.outputs import output_folder
 
     with output_folder(out, kind="artifact", force=overwrite, inputs=[calib_dir, model_path]) as folder:
         writer = ArtifactWriter(folder)

@@ -1,4 +1,5 @@
-"""Smoothing groups of a decoder layer and folding smoothing factors into the model (paper 003 §III.B.1).
+"""Folding smoothing factors into the model: a decoder layer's smoothing groups and the fold (paper 003 §III.B.1;
+the search for the factors is hexq.algos.smoothing).
 
 Smoothing rewrites W X as (W diag(s)) (diag(s)^-1 X) (eq. 1). In a pre-norm transformer the division by s is free:
 it is folded into the affine weight (and bias) of the norm whose output X is, and the multiplication into the input
@@ -15,8 +16,8 @@ on groups, named by the family's adapter (hexq.adapters):
 
 Every weight here has the norm's channels on its last axis ([out, C] or fused [E, 2I, C]), so folding is one
 broadcast multiply. A LayerNorm's bias (PhiMoE) is part of the output s divides, so it is divided too. The router
-and shared_expert_gate stay in full precision in hexq (see calib/rtn.py); they still read the smoothed activations,
-so they are in the group with `quantized=False`.
+and shared_expert_gate stay in full precision in hexq (as in the RTN baseline, benchmarks/rtn.py); they still read
+the smoothed activations, so they are in the group with `quantized=False`.
 
 The other quantized linears (o_proj, every down projection) read no norm's output: there is no norm to fold s^-1
 into, so they are never smoothed; `unsmoothed_linears` says so for the calibration's layer report.

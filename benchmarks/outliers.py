@@ -16,8 +16,9 @@ import math
 import torch
 
 from hexq.adapters import MoEAdapter
-from hexq.calib.rtn import decoder_layers
-from hexq.calib.smooth import fold_scales, smoothing_groups
+from hexq.calib.fold import fold_scales, smoothing_groups
+
+from rtn import decoder_layers
 
 
 @torch.no_grad()

@@ -27,24 +27,22 @@ own decompressor then reproduces hexq's float32 weights bit for bit. A server ca
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from hexq.adapters import MoEAdapter
 from hexq.algos.quant import QuantSpec, quantize
-from hexq.artifact.bitpack import unpack_bits
-from hexq.artifact.format import PackedWeight
-from hexq.errors import HexqError
-from hexq.io import SafetensorsWriter, write_json_atomic
+from hexq.packed.bitpack import unpack_bits
+from hexq.packed.weight import PackedWeight
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-SCALE_DTYPE = torch.float32
+# compressed-tensors computes in its scale's dtype: float32 scales (each one the stored float16 value, exactly) make its
+# decompressor reproduce hexq's float32 weights bit for bit; the artifact's own scales stay hexq.packed's SCALE_DTYPE.
+CT_SCALE_DTYPE = torch.float32
 
 
 # ------------------------------------------------------------------------------------------ schemes
@@ -123,23 +121,6 @@ def vllm_support(scheme: CtScheme, experts: bool) -> str:
     return "yes (W8A8 int8)"
 
 
-EXPORT_BITS = 4  # the width of the export replicas `hexq pack` keeps (vLLM's fused-MoE W4A16)
-
-
-def scheme_fits(bits: int, symmetric: bool, target: int) -> bool:
-    """Whether a b-bit code of a hexq grid has an exact T-bit form (`retarget`); 0 bits (skipped) always does."""
-    if bits == 0:
-        return True
-    if symmetric:
-        return target >= 2 if bits == 1 else bits <= target
-    return bits != 1 and bits <= target
-
-
-def export_shard(layer: int) -> str:
-    """The artifact file holding a MoE layer's export replicas."""
-    return f"export/layer_{layer:03d}.safetensors"
-
-
 # ------------------------------------------------------------------------------------------ one weight
 
 
@@ -177,7 +158,7 @@ def retarget(weight: PackedWeight, symmetric: bool, scheme: CtScheme) -> CtWeigh
         return None
     q = unpacked_codes(weight).to(torch.int16)
     zero = weight.zero.to(torch.float32)
-    scale = weight.scale.to(SCALE_DTYPE)
+    scale = weight.scale.to(CT_SCALE_DTYPE)
     if symmetric:
         if b == 1:  # levels (q - 0.5) s = (2q - 1) (s / 2): codes +-1 need a signed range of 2 bits
             if t < 2 or not bool((zero == 0.5).all()):
@@ -200,7 +181,7 @@ def rtn_weight(w: torch.Tensor, scheme: CtScheme) -> CtWeight:
     offset = 2 ** (scheme.bits - 1)
     codes = (q.to(torch.int16) - offset).to(torch.int8)
     zero = None if scheme.symmetric else (meta.zero - offset).to(torch.int8)
-    return CtWeight(codes, meta.scale.to(SCALE_DTYPE), zero)
+    return CtWeight(codes, meta.scale.to(CT_SCALE_DTYPE), zero)
 
 
 def zero_weight(shape: tuple[int, int], scheme: CtScheme, device: torch.device) -> CtWeight:
@@ -209,7 +190,7 @@ def zero_weight(shape: tuple[int, int], scheme: CtScheme, device: torch.device) 
     groups = scheme.groups(cols)
     zero = None if scheme.symmetric else torch.zeros(rows, groups, dtype=torch.int8, device=device)
     return CtWeight(torch.zeros(rows, cols, dtype=torch.int8, device=device),
-                    torch.ones(rows, groups, dtype=SCALE_DTYPE, device=device), zero)
+                    torch.ones(rows, groups, dtype=CT_SCALE_DTYPE, device=device), zero)
 
 
 def module_specs(module: str, shape: tuple[int, int], scheme: CtScheme) -> dict[str, tuple[torch.dtype, tuple]]:
@@ -218,12 +199,12 @@ def module_specs(module: str, shape: tuple[int, int], scheme: CtScheme) -> dict[
     groups = scheme.groups(cols)
     if scheme.format == "pack-quantized":
         specs = {f"{module}.weight_packed": (torch.int32, (rows, math.ceil(cols * scheme.bits / 32))),
-                 f"{module}.weight_scale": (SCALE_DTYPE, (rows, groups)),
+                 f"{module}.weight_scale": (CT_SCALE_DTYPE, (rows, groups)),
                  f"{module}.weight_shape": (torch.int64, (2,))}
         if not scheme.symmetric:
             specs[f"{module}.weight_zero_point"] = (torch.int32, (math.ceil(rows * scheme.bits / 32), groups))
         return specs
-    specs = {f"{module}.weight": (torch.int8, (rows, cols)), f"{module}.weight_scale": (SCALE_DTYPE, (rows, groups))}
+    specs = {f"{module}.weight": (torch.int8, (rows, cols)), f"{module}.weight_scale": (CT_SCALE_DTYPE, (rows, groups))}
     if not scheme.symmetric:
         specs[f"{module}.weight_zero_point"] = (torch.int8, (rows, groups))
     return specs
@@ -284,184 +265,3 @@ def quantization_config(groups: dict[CtScheme, list[str]]) -> dict:
     config = QuantizationConfig(config_groups=config_groups, quantization_status="compressed", ignore=[],
                                 format=formats.pop() if len(formats) == 1 else "mixed-precision")
     return {"quant_method": "compressed-tensors", **config.model_dump(exclude={"quant_method"}, mode="json")}
-
-
-# ------------------------------------------------------------------------------------------ sharded writing
-
-
-class ShardedWriter:
-    """A checkpoint written tensor by tensor into shards of at most `max_bytes` (a tensor larger than that gets a
-    shard of its own), named as the hub names them, with model.safetensors.index.json; a single shard is
-    model.safetensors without index, as save_pretrained writes it. Every tensor is declared up front (`plan`, in
-    order), so each shard's header is written first and a tensor goes straight to its place in the file; a shard
-    is closed (fsync, rename) as soon as its last tensor is written, so only open files' headers stay in memory."""
-
-    def __init__(self, folder: Path, plan: dict[str, tuple[torch.dtype, tuple]], max_bytes: int) -> None:
-        self.folder = Path(folder)
-        shards: list[dict] = [{}]
-        size = 0
-        for key, (dtype, shape) in plan.items():
-            nbytes = math.prod(shape) * dtype.itemsize
-            if shards[-1] and size + nbytes > max_bytes:
-                shards.append({})
-                size = 0
-            shards[-1][key] = (dtype, shape)
-            size += nbytes
-        count = len(shards)
-        self.names = [SINGLE] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors"
-                                                  for i in range(count)]
-        self.specs = shards
-        self.shard_of = {key: i for i, shard in enumerate(shards) for key in shard}
-        self.total = sum(math.prod(shape) * dtype.itemsize for dtype, shape in plan.values())
-        self._open: dict[int, SafetensorsWriter] = {}
-        self._left = [len(shard) for shard in shards]
-
-    def write(self, key: str, tensor: torch.Tensor) -> None:
-        index = self.shard_of.get(key)
-        if index is None:
-            raise HexqError(f"tensor {key} was not planned for the export (the export plan and its tensors differ)")
-        writer = self._open.get(index)
-        if writer is None:
-            writer = self._open[index] = SafetensorsWriter(self.folder / self.names[index], self.specs[index],
-                                                           {"format": "pt"})
-        writer.write(key, tensor)
-        self._left[index] -= 1
-        if self._left[index] == 0:
-            self._open.pop(index).close()
-
-    def finish(self) -> None:
-        """Fail unless every planned tensor was written; write the index."""
-        left = [i for i, count in enumerate(self._left) if count]
-        if left:
-            pending = next(key for key, i in self.shard_of.items() if i == left[0]
-                           and (i not in self._open or key in self._open[i].pending))
-            self.abort()
-            raise HexqError(f"export tensor {pending} was planned but never written")
-        if len(self.names) > 1:
-            write_json_atomic(self.folder / INDEX, {"metadata": {"total_size": self.total},
-                                                    "weight_map": {key: self.names[i]
-                                                                   for key, i in sorted(self.shard_of.items())}})
-
-    def abort(self) -> None:
-        for writer in self._open.values():
-            writer.abort()
-        self._open.clear()
-
-
-# ------------------------------------------------------------------------------------------ reading back
-
-
-class ExportReader:
-    """A written export read back one tensor at a time, as a streamed model's LayerSource: quantized modules
-    dequantized by compressed-tensors' own registered decompressor for the config group that targets them (matched
-    by compressed-tensors' `match_name`), everything else as stored. Every key read is recorded, so that `unread`
-    names what a loader would have ignored."""
-
-    def __init__(self, folder: str | Path, adapter: MoEAdapter) -> None:
-        from compressed_tensors.compressors import BaseCompressor
-        from compressed_tensors.quantization import QuantizationConfig
-
-        self.folder = Path(folder)
-        self.adapter = adapter
-        config = json.loads((self.folder / "config.json").read_text())
-        try:
-            self.qconfig = QuantizationConfig.model_validate(config["quantization_config"])
-        except Exception as exc:  # pydantic's ValidationError, KeyError
-            raise HexqError(f"{self.folder}/config.json has no valid compressed-tensors quantization_config: "
-                            f"{str(exc).splitlines()[0]}") from None
-        self.schemes = list(self.qconfig.config_groups.values())
-        self.compressors = [BaseCompressor.get_value_from_registry(scheme.format) for scheme in self.schemes]
-        index = self.folder / INDEX
-        if index.is_file():
-            self.weight_map = json.loads(index.read_text())["weight_map"]
-        else:
-            from safetensors import safe_open
-
-            with safe_open(str(self.folder / SINGLE), framework="pt") as handle:
-                self.weight_map = dict.fromkeys(handle.keys(), SINGLE)
-        self.read_keys: set[str] = set()
-        self._handles: dict[str, object] = {}
-
-    def _tensor(self, key: str) -> torch.Tensor:
-        shard = self.weight_map.get(key)
-        if shard is None:
-            raise HexqError(f"{self.folder}: tensor {key} is missing from the export")
-        self.read_keys.add(key)
-        return self._tensor_handle(shard).get_tensor(key)
-
-    def scheme_of(self, module: str):
-        """(index, QuantizationScheme) of the config group targeting `module`, or None."""
-        from compressed_tensors.utils.match import match_name
-
-        if any(match_name(module, ignore) for ignore in self.qconfig.ignore or []):
-            return None
-        for index, scheme in enumerate(self.schemes):
-            if any(match_name(module, target) for target in scheme.targets):
-                return index, scheme
-        return None
-
-    def module_weight(self, module: str) -> torch.Tensor:
-        """The dequantized weight of a quantized module, through compressed-tensors' decompressor."""
-        index, scheme = self.scheme_of(module)
-        compressor = self.compressors[index]
-        state = {name: self._tensor(f"{module}.{name}") for name in compressor.compression_param_names(scheme)}
-        return compressor.decompress(state, scheme)["weight"]
-
-    def activation_args(self, module: str):
-        """The input-activation QuantizationArgs of a module, or None."""
-        found = self.scheme_of(module)
-        return None if found is None else found[1].input_activations
-
-    def has_param(self, name: str) -> bool:
-        key = hub_name(name, self.adapter)
-        if key.endswith(".weight") and self.scheme_of(key.removesuffix(".weight")) is not None:
-            return True
-        return key in self.weight_map
-
-    def read_param(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        key = hub_name(name, self.adapter)
-        module = key.removesuffix(".weight")
-        if key.endswith(".weight") and self.scheme_of(module) is not None:
-            tensor = self.module_weight(module)
-        else:
-            tensor = self._tensor(key)
-        if tuple(tensor.shape) != tuple(shape):
-            raise HexqError(f"{self.folder}: {key} has shape {list(tensor.shape)}, the model needs {list(shape)}")
-        return tensor
-
-    def param_dtype(self, name: str) -> torch.dtype | None:
-        """The stored dtype of a parameter (a quantized module dequantizes to float32), without reading it."""
-        from hexq.checkpoint import safetensors_dtype
-
-        key = hub_name(name, self.adapter)
-        if key.endswith(".weight") and self.scheme_of(key.removesuffix(".weight")) is not None:
-            return torch.float32
-        shard = self.weight_map.get(key)
-        if shard is None:
-            return None
-        self._tensor_handle(shard)
-        return safetensors_dtype(self._handles[shard].get_slice(key).get_dtype())
-
-    def release(self) -> None:
-        """Close the shards' memory maps after a layer (their pages stop counting in the process's memory)."""
-        self._handles.clear()
-
-    def _tensor_handle(self, shard: str):
-        from safetensors import safe_open
-
-        handle = self._handles.get(shard)
-        if handle is None:
-            handle = self._handles[shard] = safe_open(str(self.folder / shard), framework="pt")
-        return handle
-
-    def expert_weights(self, layer: int, experts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate_up [n, 2I, H], down [n, H, I]) of routed experts of a layer, dequantized (float32)."""
-        gate_up, down = [], []
-        for expert in experts:
-            gate, up, down_name = expert_modules(layer, expert, self.adapter)
-            gate_up.append(torch.cat([self.module_weight(gate), self.module_weight(up)]).float())
-            down.append(self.module_weight(down_name).float())
-        return torch.stack(gate_up), torch.stack(down)
-
-    def unread(self) -> list[str]:
-        return sorted(set(self.weight_map) - self.read_keys)

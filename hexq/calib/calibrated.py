@@ -1,0 +1,98 @@
+"""A decoder layer made to compute as calibrated: smoothing folded, dequantized dense weights with activation fake
+quantization, routed experts read from the layer's bank at one width. Used by calibration itself (the next layer's
+inputs, resuming) and by `hexq eval CALIBRATION` (calibrated_model)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from hexq.adapters import MoEAdapter
+from hexq.calib.capture import (
+    quantized_linears,
+)
+from hexq.calib.fold import fold_calibrated
+from hexq.calib.quantize import default_expert_bits
+from hexq.calib.store import (
+    bank_weights,
+    calibration_source,
+    load_layer,
+    open_bank,
+    packed_matrix,
+    read_manifest,
+)
+from hexq.errors import HexqError
+from hexq.layer_pass import ExpertCompute, expert_chunk
+from hexq.packed.weight import PROJECTIONS, dequantize_packed
+from hexq.recipe import Recipe, recipe_from_dict
+from hexq.simulate import (
+    act_quantizer,
+    attach_input_quant,
+)
+from hexq.streaming import LoadedLayer, open_model
+
+# Working memory for one chunk of experts' GPTQ (weights of every width stacked, Hessians and factors, float32).
+
+# ------------------------------------------------------------------------------------------ applying a layer
+
+
+@torch.no_grad()
+def apply_dense_part(loaded: LoadedLayer, adapter: MoEAdapter, tensors: dict, recipe: Recipe, fold: bool) -> None:
+    """Make the materialized layer's dense part compute as quantized: (fold the smoothing factors,) dequantized
+    weights and activation fake quantization on every quantized linear."""
+    layer = loaded.module
+    if fold:
+        fold_calibrated(layer, adapter, tensors)
+    for name, module in quantized_linears(layer, adapter).items():
+        weight = dequantize_packed(packed_matrix(tensors, f"linear.{name}", tuple(module.weight.shape),
+                                                 recipe.weights.bits))
+        module.weight.copy_(weight.to(module.weight.dtype))
+        quantizer = act_quantizer(recipe.activations, tensors.get(f"act.{name}"))
+        if quantizer is not None:
+            loaded.hooks.append(attach_input_quant(module, quantizer))
+
+
+def calibrated_experts(loaded: LoadedLayer, tensors: dict, recipe: Recipe, bits: int, device: torch.device,
+                       folder: Path) -> ExpertCompute:
+    """The layer's routed experts as calibrated: the replica at `bits` read chunk by chunk from the layer's bank file
+    in `folder`, with the recipe's activation quantization."""
+    _num, gate_up_shape, down_shape = loaded.shapes
+    shapes = {"gate_up": gate_up_shape, "down": down_shape}
+
+    def weights_of(experts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        with open_bank(folder, loaded.index) as bank:
+            return tuple(bank_weights(bank, p, bits, experts, shapes[p], torch.float32, device) for p in PROJECTIONS)
+
+    setting = recipe.expert_activations
+    return ExpertCompute(weights_of, act_quantizer(setting, tensors.get("act.experts.input")),
+                         act_quantizer(setting, tensors.get("act.experts.mid")),
+                         expert_chunk(gate_up_shape, down_shape, torch.float32))
+
+
+
+
+def calibration_plan(calib_dir: Path, expert_bits: int | None) -> tuple[dict, Recipe, int]:
+    """(manifest, recipe, expert width) of a finished calibration, after checking the source model is unchanged."""
+    manifest = read_manifest(calib_dir)
+    calibration_source(calib_dir, manifest)
+    recipe = recipe_from_dict(manifest["recipe"])
+    bits = default_expert_bits(recipe) if expert_bits is None else expert_bits
+    if bits not in manifest["expert_bits"]:
+        raise HexqError(f"{calib_dir} has expert replicas at {manifest['expert_bits']} bits, not {bits}")
+    return manifest, recipe, bits
+
+
+def calibrated_model(calib_dir: str | Path, device: torch.device, expert_bits: int | None = None):
+    """(streamed source model, tokenizer, prepare): the calibration's quantized model, layer by layer (smoothing
+    folded, dequantized dense weights with activation quantization, experts at `expert_bits`)."""
+    calib_dir = Path(calib_dir)
+    manifest, recipe, bits = calibration_plan(calib_dir, expert_bits)
+    streamed, tokenizer = open_model(Path(manifest["model"]["path"]), device)
+
+    def prepare(loaded: LoadedLayer) -> ExpertCompute | None:
+        tensors, _ = load_layer(calib_dir, loaded.index)
+        apply_dense_part(loaded, streamed.adapter, tensors, recipe, fold=True)
+        return calibrated_experts(loaded, tensors, recipe, bits, device, calib_dir) if loaded.is_moe else None
+
+    return streamed, tokenizer, prepare

@@ -1,0 +1,94 @@
+"""Pass C of calibration (hexq.calib.pipeline): the quantized layer runs again; what its experts received gives the
+loss table L(l, e, b), the output MSE of each replica against the full-precision expert on the tokens routed to it
+(002 §4.2), and the experts' output at `propagate_bits`, which makes the next layer's inputs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from hexq.calib.store import (
+    bank_weights,
+)
+from hexq.simulate import (
+    RoutedTokens,
+    expert_output,
+    quantized_expert_output,
+)
+
+Progress = Callable[[str, int, int], None]  # (what, done, total)
+# Working memory for one chunk of experts' GPTQ (weights of every width stacked, Hessians and factors, float32).
+
+# Intermediate activations of one expert computed at once for the loss table and the propagated output.
+LOSS_TABLE_BYTES = 256 << 20
+
+
+# ------------------------------------------------------------------------------------------ pass C: loss table
+
+
+def loss_sample(x: torch.Tensor, limit: int) -> torch.Tensor:
+    """At most `limit` rows of x, evenly strided (calibration windows are in order, so a stride spans them all)."""
+    return x[::-(-x.shape[0] // limit)] if x.shape[0] > limit else x
+
+
+@torch.no_grad()
+def loss_table(routed: RoutedTokens, weights_of, tensors: dict, bank, bits_list: tuple[int, ...],
+               propagate_bits: int, quantizers: tuple, moe_sample: torch.Tensor, act_fn, chunk: int,
+               loss_tokens: int, progress: Progress | None) -> torch.Tensor:
+    """Fill tensors["loss_table"] [E, len(bits_list)] with the output MSE of each replica against the
+    full-precision expert on (at most loss_tokens of) the tokens routed to it (002 §4.2), tensors["loss_table.skip"]
+    [E] with the MSE of skipping the expert (output 0); return the experts' combined output [T, H] at the propagated
+    width, computed on every routed token.
+
+    Working set: a chunk of full-precision experts, the same chunk's replicas at one width (read from the bank when
+    needed, so a bank of five widths is never dequantized at once), each expert's reference outputs on its measured
+    rows, and a bounded number of token rows."""
+    num_experts = routed.num_experts
+    device = routed.x.device  # the sums stay on the device until the table is complete: no synchronisation per expert
+    sse = torch.zeros(num_experts, len(bits_list), dtype=torch.float64, device=device)
+    skip_sse = torch.zeros(num_experts, dtype=torch.float64, device=device)
+    tokens = torch.tensor([routed.count(e) for e in range(num_experts)], dtype=torch.long, device="cpu")
+    measured = torch.zeros(num_experts, dtype=torch.long, device="cpu")  # rows each MSE is averaged over
+    out = torch.zeros_like(routed.x)
+    for start in range(0, num_experts, chunk):
+        experts = list(range(start, min(start + chunk, num_experts)))
+        fp_gate_up, fp_down = weights_of(experts)
+        rows = max(1, LOSS_TABLE_BYTES // (4 * max(fp_gate_up.shape[1], fp_down.shape[1])))
+        inputs, references = [], []
+        for j, expert in enumerate(experts):
+            token, slot = routed.rows(expert)
+            x = routed.x[token] if len(token) else moe_sample  # never routed: measure on the layer's sample
+            measure = loss_sample(x, loss_tokens)
+            measured[expert] = measure.shape[0]
+            reference = torch.cat([expert_output(part, fp_gate_up[j], fp_down[j], act_fn)
+                                   for part in measure.split(rows)])
+            skip_sse[expert] = reference.pow(2).sum(dtype=torch.float64)
+            inputs.append((token, slot, x, measure))
+            references.append(reference)
+        for b, bits in enumerate(bits_list):  # one width of the chunk's replicas at a time
+            gate_ups = propagate_bank(bank, "gate_up", bits, experts, fp_gate_up)
+            downs = propagate_bank(bank, "down", bits, experts, fp_down)
+            for j, expert in enumerate(experts):
+                token, slot, x, measure = inputs[j]
+                parts = zip(measure.split(rows), references[j].split(rows), strict=True)
+                sse[expert, b] = sum((expert_output(part, gate_ups[j], downs[j], act_fn) - ref).pow(2).sum(
+                    dtype=torch.float64) for part, ref in parts)
+                if bits == propagate_bits and len(token):
+                    for rows_of, slots, part in zip(token.split(rows), slot.split(rows), x.split(rows), strict=True):
+                        y = quantized_expert_output(part, gate_ups[j], downs[j], act_fn, *quantizers)
+                        out.index_add_(0, rows_of, (y * routed.weights[rows_of, slots, None]).to(out.dtype))
+            del gate_ups, downs
+        del fp_gate_up, fp_down, references
+        if progress:
+            progress("loss table", experts[-1] + 1, num_experts)
+    elements = measured.double() * routed.x.shape[1]
+    tensors["loss_table"] = sse.cpu() / elements[:, None]
+    tensors["loss_table.skip"] = skip_sse.cpu() / elements  # 004's "0 bits": the MSE of dropping the expert
+    tensors["loss_table.tokens"] = tokens
+    tensors["loss_table.bits"] = torch.tensor(bits_list, dtype=torch.int64, device="cpu")
+    return out
+
+
+def propagate_bank(bank, projection: str, bits: int, experts: list[int], like: torch.Tensor) -> torch.Tensor:
+    return bank_weights(bank, projection, bits, experts, tuple(like.shape[1:]), like.dtype, like.device)

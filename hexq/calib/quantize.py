@@ -1,0 +1,259 @@
+"""Pass B of calibration (hexq.calib.pipeline): Hessians captured on the smoothed layer, then GPTQ (003 eq. 4-6) or
+RTN for the dense quantized linears and, chunk by chunk, one replica per width for every routed expert from one
+Hessian and one factorization (002 Alg. 1), written to the layer's bank file as soon as they exist."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from hexq.adapters import MoEAdapter
+from hexq.algos.gptq import gptq_bank, gptq_replicas
+from hexq.algos.hessian import blend_cold_hessian, factorize_hessians
+from hexq.algos.quant import QuantMeta, QuantSpec, quantize
+from hexq.calib.capture import (
+    RoutingStats,
+    SiteStats,
+    capture_linears,
+    expert_statistics,
+    quantized_linears,
+)
+from hexq.calib.store import (
+    ExpertBank,
+    put_packed,
+)
+from hexq.errors import HexqError
+from hexq.layer_pass import run_layer
+from hexq.recipe import Recipe, WeightQuant
+from hexq.simulate import (
+    RoutedTokens,
+    expert_intermediate,
+)
+from hexq.streaming import HiddenStore, LoadedLayer
+
+Progress = Callable[[str, int, int], None]  # (what, done, total)
+# Working memory for one chunk of experts' GPTQ (weights of every width stacked, Hessians and factors, float32).
+
+# Working memory for one chunk of experts' GPTQ (weights of every width stacked, Hessians and factors, float32).
+GPTQ_CHUNK_BYTES = 1 << 30
+MOE_SAMPLE_EVERY = 8  # every 8th MoE-input token: the layer-wide sample for cold experts' fallbacks
+
+
+def expert_bits_list(recipe: Recipe) -> tuple[int, ...]:
+    if recipe.experts.mode == "replicas":
+        return recipe.experts.replica_bits
+    return (recipe.expert_weights.bits,)
+
+
+def default_expert_bits(recipe: Recipe) -> int:
+    return recipe.experts.propagate_bits if recipe.experts.mode == "replicas" else recipe.expert_weights.bits
+
+
+def group_size_of(setting: WeightQuant, cols: int) -> int:
+    return setting.group_size or cols
+
+
+# ------------------------------------------------------------------------------------------ quantizing weights
+
+
+def quantize_bank(weight: torch.Tensor, hessian: torch.Tensor, setting: WeightQuant, bits_list: tuple[int, ...],
+                  channel_max: torch.Tensor | None) -> dict[int, tuple[torch.Tensor, QuantMeta]]:
+    """One weight [out, in] at every width of bits_list: GPTQ from one Cholesky factor, or RTN."""
+    if setting.method == "rtn":
+        return {bits: quantize(weight, setting.spec(bits)) for bits in bits_list}
+    importance = channel_max if setting.act_order == "max_activation" else None
+    results = gptq_replicas(weight.detach().float(), hessian, bits_list, setting.spec(), block_size=setting.block_size,
+                            damp=setting.damp, act_order=setting.act_order, column_importance=importance)
+    return {bits: (r.codes, r.meta) for bits, r in results.items()}
+
+
+def quantize_expert_chunk(weights: torch.Tensor, hessians: torch.Tensor, setting: WeightQuant,
+                          bits_list: tuple[int, ...], channel_max: torch.Tensor, budget: int | None = None,
+                          ) -> tuple[dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]], dict]:
+    """Every width of a chunk of experts' weights [n, rows, cols] -> {bits: (codes [n, rows, cols], scale, zero)} and a
+    report of the factorization (experts that needed more damping or float64).
+
+    GPTQ (003 eq. 4-6): one factorization per expert for every width, every width and expert of the chunk in one
+    column loop (hexq.algos.gptq.gptq_bank). GPTQ's rows are independent once the factor exists, so an expert too
+    large for `budget` bytes of stacked widths is quantized in row blocks that give the same result."""
+    n, rows, cols = weights.shape
+    if setting.method == "rtn":  # per-row grids: the chunk flattened to rows is the same quantization
+        flat = weights.reshape(n * rows, cols)
+        out = {}
+        for bits in bits_list:
+            codes, meta = quantize(flat, setting.spec(bits))
+            out[bits] = (codes.reshape(n, rows, cols), meta.scale.reshape(n, rows, -1), meta.zero.reshape(n, rows, -1))
+        return out, {}
+    importance = channel_max if setting.act_order == "max_activation" else None
+    factor = factorize_hessians(hessians, damp=setting.damp, act_order=setting.act_order, column_importance=importance)
+    budget = GPTQ_CHUNK_BYTES if budget is None else budget
+    row_block = max(1, min(rows, budget // (4 * 3 * len(bits_list) * cols * n)))
+    parts = [gptq_bank(weights[:, start:start + row_block], factor, bits_list, setting.spec(),
+                       block_size=setting.block_size) for start in range(0, rows, row_block)]
+    out = {bits: tuple(torch.cat([getattr(part[bits], name) for part in parts], dim=1)
+                       for name in ("codes", "scale", "zero")) for bits in bits_list}
+    report = {"damp": factor.damp_used.tolist(), "float64": factor.float64_used.tolist()}
+    return out, report
+
+
+def gptq_chunk_bytes(device: torch.device) -> int:
+    """Working memory for one chunk of experts' GPTQ: GPTQ_CHUNK_BYTES on the CPU (it bounds calibration's peak
+    RSS); on a GPU a quarter of its free memory, at least that: the column loop's launches, not its arithmetic, bound
+    a GPU calibration, so a layer's experts should go through it in one or two chunks, not dozens."""
+    if device.type != "cuda":
+        return GPTQ_CHUNK_BYTES
+    free, _total = torch.cuda.mem_get_info(device)
+    return max(GPTQ_CHUNK_BYTES, free // 4)
+
+
+def gptq_chunk_size(shapes: dict[str, tuple[int, int]], widths: int, budget: int = GPTQ_CHUNK_BYTES) -> int:
+    """Experts per chunk so that every width's weights (stacked, gptq_bank keeps ~2 copies alive), the float32
+    weights and the Hessians with their factors fit `budget` bytes for the larger projection; an expert larger than
+    that is split into row blocks by quantize_expert_chunk."""
+    per_expert = max(4 * (3 * widths * rows * cols + 3 * cols * cols) for rows, cols in shapes.values())
+    return max(1, budget // per_expert)
+
+
+def export_spec(recipe: Recipe, shapes: dict[str, tuple[int, int]]) -> QuantSpec | None:
+    """The grid of the extra replica `experts.export_target` asks for, or None (no target, or the recipe's expert grid
+    already is that grid, so its own replica at that width serves). vllm: 4-bit symmetric in groups of 128, the
+    fused-MoE W4A16 layout; 64 or 32 when 128 does not divide every expert input width (vLLM's Marlin MoE kernel
+    takes 32, 64 and 128)."""
+    if recipe.experts.mode != "replicas" or recipe.experts.export_target != "vllm":
+        return None
+    widths = [cols for _rows, cols in shapes.values()]
+    group = next((g for g in (128, 64, 32) if all(w % g == 0 for w in widths)), None)
+    if group is None:
+        raise HexqError(f"experts.export_target vllm needs expert input widths {widths} divisible by 32")
+    setting = recipe.expert_weights
+    if 4 in recipe.experts.replica_bits and setting.symmetric and setting.group_size == group:
+        return None
+    return QuantSpec(bits=4, group_size=group, symmetric=True)
+
+
+# ------------------------------------------------------------------------------------------ pass B: quantization
+
+
+def compute_experts(loaded: LoadedLayer, expert_scale: torch.Tensor | None, device: torch.device):
+    """weights_of for the layer's full-precision experts: a chunk upcast to float32, gate_up's columns multiplied by
+    the MoE group's smoothing factor (eq. 1's W s, in float32 like the dense readers)."""
+
+    def weights_of(experts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        gate_up = loaded.gate_up[experts].to(device=device, dtype=torch.float32)
+        if expert_scale is not None:
+            gate_up = gate_up * expert_scale.to(device)
+        return gate_up, loaded.down[experts].to(device=device, dtype=torch.float32)
+
+    return weights_of
+
+
+def quantize_dense_linears(layer: torch.nn.Module, adapter: MoEAdapter, stats: dict[str, SiteStats],
+                           recipe: Recipe, tensors: dict) -> None:
+    for name, module in quantized_linears(layer, adapter).items():
+        site = stats[name]
+        (result,) = quantize_bank(module.weight, site.hessian, recipe.weights, (recipe.weights.bits,),
+                                  site.abs_max).values()
+        put_packed(tensors, f"linear.{name}", *result)
+        tensors[f"act.{name}"] = torch.tensor([site.low, site.high], device="cpu")
+
+
+def quantize_routed_experts(loaded: LoadedLayer, routed: RoutedTokens, weights_of, recipe: Recipe, tensors: dict,
+                            moe_sample: torch.Tensor, bank_file: Path,
+                            progress: Progress | None) -> tuple[list[int], dict]:
+    """Replica banks for every routed expert, chunk by chunk, written to `bank_file` as they are made; returns the
+    experts that used the cold fallback and the factorizations that needed more damping or float64."""
+    setting, bits_list = recipe.expert_weights, expert_bits_list(recipe)
+    num_experts = loaded.gate_up.shape[0]
+    shapes = {"gate_up": tuple(loaded.gate_up.shape[1:]), "down": tuple(loaded.down.shape[1:])}
+    groups = {p: group_size_of(setting, cols) for p, (_rows, cols) in shapes.items()}
+    extra = export_spec(recipe, shapes)
+    bank = ExpertBank(bank_file, num_experts, shapes, bits_list, groups,
+                      export=None if extra is None else (extra.bits, extra.group_size))
+    try:
+        fallback, escalated, ranges = fill_bank(bank, loaded, routed, weights_of, recipe, moe_sample, shapes,
+                                                progress)
+    except BaseException:
+        bank.abort()
+        raise
+    bank.close()
+    (input_low, input_high), (mid_low, mid_high) = ranges
+    tensors["experts.tokens"] = torch.tensor([routed.count(e) for e in range(num_experts)], dtype=torch.long,
+                                             device="cpu")
+    tensors["act.experts.input"] = torch.tensor([input_low, input_high], device="cpu")
+    tensors["act.experts.mid"] = torch.tensor([mid_low, mid_high], device="cpu")
+    return fallback, escalated
+
+
+def fill_bank(bank: ExpertBank, loaded: LoadedLayer, routed: RoutedTokens, weights_of, recipe: Recipe,
+              moe_sample: torch.Tensor, shapes: dict, progress: Progress | None):
+    """The GPTQ loop of quantize_routed_experts: (cold experts, factorization report, (input range, mid range))."""
+    setting, bits_list = recipe.expert_weights, expert_bits_list(recipe)
+    num_experts = loaded.gate_up.shape[0]
+    moe_input = SiteStats.empty(routed.x.shape[1], routed.x.device)
+    moe_input.add(routed.x)
+    min_tokens, blend = recipe.experts.min_tokens, recipe.experts.fallback_blend
+    fallback: list[int] = []
+    input_low, input_high = float(routed.x.min()), float(routed.x.max())
+    mid_low, mid_high = float("inf"), float("-inf")
+    extra = export_spec(recipe, shapes)
+    budget = gptq_chunk_bytes(routed.x.device)
+    chunk = gptq_chunk_size(shapes, len(bits_list) + (extra is not None), budget)
+    escalated: dict[str, dict] = {}
+    for start in range(0, num_experts, chunk):
+        experts = list(range(start, min(start + chunk, num_experts)))
+        gate_up, down = weights_of(experts)
+        stats = expert_statistics(routed, experts, gate_up, loaded.act_fn)
+        mid_low, mid_high = min(mid_low, stats.mid_low), max(mid_high, stats.mid_high)
+        h_in, h_down = torch.empty_like(stats.gate_up), torch.empty_like(stats.down)
+        for j, expert in enumerate(experts):
+            n = stats.tokens[j]
+            h_in[j], cold = blend_cold_hessian(stats.gate_up[j], n, moe_input.hessian, moe_input.tokens, min_tokens,
+                                               blend)
+            h_down[j] = stats.down[j] / max(n, 1)
+            if cold:
+                fallback.append(expert)
+                sample_mid = expert_intermediate(moe_sample, gate_up[j], loaded.act_fn).float()
+                h_layer_down = 2 * sample_mid.T @ sample_mid
+                h_down[j], _ = blend_cold_hessian(stats.down[j], n, h_layer_down, moe_sample.shape[0], min_tokens,
+                                                  blend)
+        for projection, weight, hessian, channel_max in (("gate_up", gate_up, h_in, stats.input_abs_max),
+                                                         ("down", down, h_down, stats.mid_abs_max)):
+            results, factor = quantize_expert_chunk(weight, hessian, setting, bits_list, channel_max, budget)
+            for bits, (codes, scale, zero) in results.items():
+                bank.put(projection, bits, experts, codes, scale, zero)
+            if extra is not None:  # the same Hessian, factorized the same way (deterministic), on the export grid
+                export_setting = replace(setting, group_size=extra.group_size, symmetric=extra.symmetric)
+                (codes, scale, zero), = quantize_expert_chunk(weight, hessian, export_setting, (extra.bits,),
+                                                              channel_max, budget)[0].values()
+                bank.put(projection, extra.bits, experts, codes, scale, zero, export=True)
+            for j, expert in enumerate(experts):  # record what the Cholesky factorization needed beyond the recipe
+                if factor and (factor["float64"][j] or factor["damp"][j] > setting.damp):
+                    escalated[f"{projection}.{expert}"] = {"damp": factor["damp"][j], "float64": factor["float64"][j]}
+        del gate_up, down, stats, h_in, h_down
+        if progress:
+            progress("experts", experts[-1] + 1, num_experts)
+    return fallback, escalated, ((input_low, input_high), (mid_low, mid_high))
+
+
+def quantize_layer(loaded: LoadedLayer, adapter: MoEAdapter, hidden: HiddenStore, kwargs: list[dict],
+                   recipe: Recipe, weights_of, tensors: dict, bank_file: Path,
+                   progress: Progress | None) -> tuple[dict, torch.Tensor | None]:
+    """Pass B; returns the layer report and a sample of the MoE input (every 8th token; None on a dense layer),
+    the inputs a never-routed expert is measured on."""
+    layer = loaded.module
+    with torch.no_grad(), capture_linears(quantized_linears(layer, adapter)) as stats:
+        routed = run_layer(loaded, hidden, kwargs, None, experts=None)
+    quantize_dense_linears(layer, adapter, stats, recipe, tensors)
+    if routed is None:
+        return {"dense": True}, None
+    routing = RoutingStats.of(routed)
+    tensors["router.counts"], tensors["router.score_sums"] = routing.counts, routing.score_sums
+    tensors["router.topk"] = routing.topk
+    moe_sample = routed.x[::MOE_SAMPLE_EVERY].float()
+    fallback, escalated = quantize_routed_experts(loaded, routed, weights_of, recipe, tensors, moe_sample, bank_file,
+                                                  progress)
+    return {"fallback_experts": fallback, "factorization": escalated,
+            "expert_tokens": tensors["experts.tokens"].tolist(), "tokens": int(routed.x.shape[0])}, moe_sample
