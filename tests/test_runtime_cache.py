@@ -9,7 +9,8 @@ import time
 import pytest
 import torch
 
-from hexq.runtime.cache import BudgetTracker, ExpertCache, ExpertWeights
+from hexq.runtime.cache import ExpertCache
+from hexq.runtime.residency import BudgetTracker, ExpertWeights
 
 
 def expected_value(layer: int, expert: int, bits: int) -> float:
