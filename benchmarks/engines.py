@@ -57,6 +57,7 @@ experts:
   weights: {group_size: 32, symmetric: false, method: rtn}
   activations: {bits: null}
 calibration: {num_samples: 16, seqlen: 256, seed: 0}
+pack: {bits: [2, 3, 4, 8]}
 """
 
 
@@ -177,8 +178,8 @@ def hexq_artifacts(checkpoint: Path, work: Path) -> dict[str, Path]:
     for bits in (3, 4):
         out = work / f"hexq-{bits}.hexq"
         if not (out / "manifest.json").exists():
-            subprocess.run([sys.executable, "-m", "hexq_cli.main", "pack", str(calibration), "--bits", str(bits),
-                            "-o", str(out), "--force"], check=True, cwd=ROOT)
+            subprocess.run([sys.executable, "-m", "hexq_cli.main", "pack", str(calibration), "-r", str(recipe),
+                            "--bits", str(bits), "-o", str(out), "--force"], check=True, cwd=ROOT)
         artifacts[f"hexq {bits}-bit"] = out
     return artifacts
 
@@ -187,9 +188,14 @@ def llama_ggufs(checkpoint: Path, llama: Path, work: Path) -> dict[str, Path]:
     """llama.cpp's own conversion (bf16) and quantizations of the checkpoint."""
     bf16 = work / "model-bf16.gguf"
     if not bf16.exists():
+        # The converter identifies a tokenizer's pre-tokenizer by a hash table that does not know hexq's tokenizer
+        # (a byte-level BPE with GPT-2's pre-tokenizer): told so, it converts the rest as it would.
+        code = ("import sys; sys.path.insert(0, sys.argv[1]); sys.argv = ['convert_hf_to_gguf.py', *sys.argv[2:]]; "
+                "import convert_hf_to_gguf as c; from conversion.base import TextModel; "
+                "TextModel.get_vocab_base_pre = lambda self, tokenizer: 'gpt-2'; c.main()")
         env = dict(os.environ, PYTHONPATH=str(llama / "gguf-py"))
-        subprocess.run([sys.executable, str(llama / "convert_hf_to_gguf.py"), str(checkpoint), "--outtype", "bf16",
-                        "--outfile", str(bf16)], check=True, env=env)
+        subprocess.run([sys.executable, "-c", code, str(llama), str(checkpoint), "--outtype", "bf16", "--outfile",
+                        str(bf16)], check=True, env=env)
     out = {"llama.cpp bf16": bf16}
     for kind in ("Q4_0", "Q3_K_S"):
         path = work / f"model-{kind}.gguf"

@@ -32,11 +32,13 @@ BENCHMARKS = {
     "pack_quality": ("pack_quality.py", "pack_quality.json"),
     "runtime": ("runtime.py", "runtime.json"),
     "runtime_cgroup": ("runtime.py", "runtime_cgroup.json"),
+    "engines": ("engines.py", "engines.json"),
     "scale": ("scale.py", "scale.json"),
 }
 
 # benchmarks that need arguments only the user can give; run_all renders their results but does not run them
 RUN_BY_HAND = {"scale": "python benchmarks/scale.py --work DIR",
+               "engines": "python benchmarks/engines.py --checkpoint CKPT --llama-cpp DIR --cgroup",
                "runtime_cgroup": "python benchmarks/runtime.py --models --real ART --real-checkpoint CKPT "
                                  "--expert-fractions --cgroup -o benchmarks/results/runtime_cgroup.json"}
 
