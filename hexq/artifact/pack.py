@@ -348,6 +348,7 @@ def pack(calib_dir: str | Path, out: str | Path, settings: Pack | None = None, b
         writer = ArtifactWriter(folder)
         quantized: dict[str, int] = {}
         export_kept: dict[str, list[int]] = {}
+        gguf_kept: dict[str, dict[str, list[int]]] = {}  # layer -> {K-quant: experts} (hexq.gguf.pack)
         stored_bytes: dict[int, int] = {}
         dense_bytes = 0
         for index in range(num_layers):
@@ -372,11 +373,20 @@ def pack(calib_dir: str | Path, out: str | Path, settings: Pack | None = None, b
                              if EXPORT_BITS not in widths_of[e]]
                 else:  # another grid: every expert that is not skipped takes its export replica
                     needs = [e for e, bits in enumerate(row) if bits]
-                if needs:
+                extra: dict[str, torch.Tensor] = {}
+                if keep_export:
+                    from hexq.gguf.pack import kquant_export
+
                     with open_bank(calib_dir, index) as bank_file:
-                        writer.add_tensors(export_shard(index),
-                                           layer_export_tensors(bank_file, needs, EXPORT_BITS, own_grid))
-                    export_kept[str(index)] = needs
+                        if needs:
+                            extra = layer_export_tensors(bank_file, needs, EXPORT_BITS, own_grid)
+                            export_kept[str(index)] = needs
+                        kquants, kept = kquant_export(bank_file, row, recipe.expert_weights.symmetric)
+                    extra |= kquants
+                    if kept:
+                        gguf_kept[str(index)] = kept
+                if extra:
+                    writer.add_tensors(export_shard(index), extra)
                 for b, n in nbytes.items():
                     stored_bytes[b] = stored_bytes.get(b, 0) + n
             if progress:
@@ -411,6 +421,7 @@ def pack(calib_dir: str | Path, out: str | Path, settings: Pack | None = None, b
                 "importance_order": plan.orders},
             "export": {"bits": EXPORT_BITS, "group_size": export_group, "symmetric": export_symmetric,
                        "own_grid": own_grid, "replicas": export_kept} if keep_export else None,
+            **({"gguf": {"replicas": gguf_kept}} if gguf_kept else {}),
             "placement": {"scheme": settings.placement, "hot_per_layer": plan.hot,
                           "hot": [torch.where(row)[0].tolist() for row in plan.placement]},
             "accounting": {"dense_bytes": dense_bytes,

@@ -68,6 +68,7 @@ from hexq.calib.store import (
 from hexq.checkpoint import Checkpoint
 from hexq.data import calibration_windows
 from hexq.errors import HexqError
+from hexq.gguf.calibrate import kquant_kinds, kquant_replicas
 from hexq.io import write_json_atomic, write_sealed_json
 from hexq.recipe import Recipe, WeightQuant, calibration_hash, recipe_from_dict, recipe_to_dict, validate_for_model
 from hexq.simulate import (
@@ -135,7 +136,7 @@ def quantize_bank(weight: torch.Tensor, hessian: torch.Tensor, setting: WeightQu
 
 def quantize_expert_chunk(weights: torch.Tensor, hessians: torch.Tensor, setting: WeightQuant,
                           bits_list: tuple[int, ...], channel_max: torch.Tensor, budget: int | None = None,
-                          ) -> tuple[dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]], dict]:
+                          factor=None) -> tuple[dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]], dict]:
     """Every width of a chunk of experts' weights [n, rows, cols] -> {bits: (codes [n, rows, cols], scale, zero)} and a
     report of the factorization (experts that needed more damping or float64).
 
@@ -150,8 +151,7 @@ def quantize_expert_chunk(weights: torch.Tensor, hessians: torch.Tensor, setting
             codes, meta = quantize(flat, setting.spec(bits))
             out[bits] = (codes.reshape(n, rows, cols), meta.scale.reshape(n, rows, -1), meta.zero.reshape(n, rows, -1))
         return out, {}
-    importance = channel_max if setting.act_order == "max_activation" else None
-    factor = factorize_hessians(hessians, damp=setting.damp, act_order=setting.act_order, column_importance=importance)
+    factor = factor or expert_factor(hessians, setting, channel_max)
     budget = GPTQ_CHUNK_BYTES if budget is None else budget
     row_block = max(1, min(rows, budget // (4 * 3 * len(bits_list) * cols * n)))
     parts = [gptq_bank(weights[:, start:start + row_block], factor, bits_list, setting.spec(),
@@ -160,6 +160,12 @@ def quantize_expert_chunk(weights: torch.Tensor, hessians: torch.Tensor, setting
                        for name in ("codes", "scale", "zero")) for bits in bits_list}
     report = {"damp": factor.damp_used.tolist(), "float64": factor.float64_used.tolist()}
     return out, report
+
+
+def expert_factor(hessians: torch.Tensor, setting: WeightQuant, channel_max: torch.Tensor):
+    """The HessianFactor of a chunk of experts (shared by every width and export grid made from it)."""
+    importance = channel_max if setting.act_order == "max_activation" else None
+    return factorize_hessians(hessians, damp=setting.damp, act_order=setting.act_order, column_importance=importance)
 
 
 def gptq_chunk_size(shapes: dict[str, tuple[int, int]], widths: int, budget: int = GPTQ_CHUNK_BYTES) -> int:
@@ -297,7 +303,8 @@ def quantize_routed_experts(loaded: LoadedLayer, routed: RoutedTokens, weights_o
     groups = {p: group_size_of(setting, cols) for p, (_rows, cols) in shapes.items()}
     extra = export_spec(recipe, shapes)
     bank = ExpertBank(bank_file, num_experts, shapes, bits_list, groups,
-                      export=None if extra is None else (extra.bits, extra.group_size))
+                      export=None if extra is None else (extra.bits, extra.group_size),
+                      kquants=kquant_kinds(recipe, shapes))
     try:
         fallback, escalated, ranges = fill_bank(bank, loaded, routed, weights_of, recipe, moe_sample, shapes,
                                                 progress)
@@ -325,7 +332,8 @@ def fill_bank(bank: ExpertBank, loaded: LoadedLayer, routed: RoutedTokens, weigh
     input_low, input_high = float(routed.x.min()), float(routed.x.max())
     mid_low, mid_high = float("inf"), float("-inf")
     extra = export_spec(recipe, shapes)
-    chunk = gptq_chunk_size(shapes, len(bits_list) + (extra is not None))
+    kquants = kquant_kinds(recipe, shapes)
+    chunk = gptq_chunk_size(shapes, len(bits_list) + (extra is not None) + bool(kquants))
     escalated: dict[str, dict] = {}
     for start in range(0, num_experts, chunk):
         experts = list(range(start, min(start + chunk, num_experts)))
@@ -346,9 +354,13 @@ def fill_bank(bank: ExpertBank, loaded: LoadedLayer, routed: RoutedTokens, weigh
                                                   blend)
         for projection, weight, hessian, channel_max in (("gate_up", gate_up, h_in, stats.input_abs_max),
                                                          ("down", down, h_down, stats.mid_abs_max)):
-            results, factor = quantize_expert_chunk(weight, hessian, setting, bits_list, channel_max)
+            kinds = kquants.get(projection, ())
+            shared = expert_factor(hessian, setting, channel_max) if kinds and setting.method == "gptq" else None
+            results, factor = quantize_expert_chunk(weight, hessian, setting, bits_list, channel_max, factor=shared)
             for bits, (codes, scale, zero) in results.items():
                 bank.put(projection, bits, experts, codes, scale, zero)
+            for kind in kinds:  # llama.cpp's K-quant grids, from the same Hessian and factor
+                bank.put_blocks(projection, kind, experts, kquant_replicas(weight, hessian, shared, setting, kind))
             if extra is not None:  # the same Hessian, factorized the same way (deterministic), on the export grid
                 export_setting = replace(setting, group_size=extra.group_size, symmetric=extra.symmetric)
                 (codes, scale, zero), = quantize_expert_chunk(weight, hessian, export_setting, (extra.bits,),

@@ -53,7 +53,8 @@ SUB = 16  # weights per K-quant sub-block
 
 def _half_bytes(values: torch.Tensor) -> torch.Tensor:
     """float16 values [..., n] as their little-endian bytes [..., 2n]."""
-    return values.to(torch.float16).contiguous().view(torch.uint8)
+    flat = values.to(torch.float16).reshape(-1)  # 1-D: strides of size-1 dims cannot get in the way of the view
+    return flat.view(torch.uint8).reshape(*values.shape[:-1], 2 * values.shape[-1])
 
 
 def _half(raw: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,176 @@
+"""Checking a written GGUF file before it is published.
+
+The reference is the model `hexq run` serves at the export's widths: the artifact's dense part as served, each
+routed expert at the replica the file holds (its allocated code, its 4-bit replica, or its K-quant replica decoded
+by hexq.gguf.blocks), computed by hexq's streamed model (hexq.runtime.model.artifact_model).
+
+- With llama-cpp-python (`pip install 'hexq[gguf]'`): llama.cpp loads the file and computes the logits of every
+  held-out window; they are compared with the reference's (relative L2, max |delta|, argmax agreement, perplexity).
+  What may differ: llama.cpp's arithmetic, above all the 8-bit blocks it quantizes activations into before every
+  product with a quantized weight (Q8_0 / Q8_1 / Q8_K), the float16 rounding of Q4_1's m, and Q8_0's re-rounding of
+  asymmetric dense codes. Limit: `LLAMA_LIMIT` (README gives what was measured).
+- Without it: one line says so, and every tensor of the file is read back with gguf-py and dequantized by gguf-py's
+  own block decoders, then compared with the weights hexq serves, element by element, against a bound derived from
+  the arithmetic: 0 for a form that is exact, the float16 rounding of m for Q4_1, half a step for a re-rounded Q8_0
+  block, plus float32 rounding (2^-22 |x|) for the order of operations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hexq.artifact.format import Artifact
+from hexq.errors import HexqError
+from hexq.gguf.blocks import Q4_1, Q8_0
+from hexq.gguf.export import GgufPlan, reference_expert
+
+LLAMA_MISSING = ("llama-cpp-python is not installed (pip install 'hexq[gguf]'): checked every tensor's blocks with "
+                 "gguf-py's dequantization instead of running the file in llama.cpp")
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass(frozen=True)
+class LlamaLimit:
+    rel_l2: float = 0.03  # logits against the reference
+    ppl_change: float = 0.005  # |ppl llama.cpp / ppl reference - 1|
+
+
+LLAMA_LIMIT = LlamaLimit()
+
+
+# ------------------------------------------------------------------------------------------ the reference weights
+
+
+def export_weights(artifact: Artifact, plan: GgufPlan):
+    """expert_weights for hexq.runtime.model.artifact_model: the routed experts at the export's widths."""
+    by_row = {layer.row: layer for layer in plan.layers}
+
+    def weights(row: int, experts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        layer = by_row[row]
+        return tuple(torch.stack([reference_expert(artifact, layer, e, p) for e in experts])
+                     for p in ("gate_up", "down"))
+
+    return weights
+
+
+# ------------------------------------------------------------------------------------------ without llama.cpp
+
+
+@dataclass(frozen=True)
+class BlockCheck:
+    tensors: int
+    worst: float  # largest |gguf-py's weight - hexq's| / bound (<= 1 passes); 0 when every tensor is bit-exact
+    failed: list[str]
+
+    @property
+    def passed(self) -> bool:
+        return not self.failed
+
+
+def _bound(kind_name: str, raw: np.ndarray, reference: torch.Tensor) -> torch.Tensor:
+    """Per-element bound of |decoded - reference| for a tensor of `kind_name` (module docstring)."""
+    slack = reference.abs() * 2.0 ** -22
+    if kind_name not in (Q4_1.name, "Q8_0-rtn"):
+        return slack
+    blocks = torch.from_numpy(np.ascontiguousarray(raw)).reshape(-1, Q4_1.nbytes if kind_name == Q4_1.name
+                                                                  else Q8_0.nbytes)
+    if kind_name == Q4_1.name:
+        m = blocks[:, 2:4].contiguous().view(torch.float16).float().abs()
+        per_block = m * 2.0 ** -11 + m * 2.0 ** -22
+    else:
+        per_block = blocks[:, 0:2].contiguous().view(torch.float16).float() * (0.5 + 2.0 ** -10)
+    return slack + per_block.repeat_interleave(32, 1).reshape(reference.shape)
+
+
+def block_check(artifact: Artifact, plan: GgufPlan, path: Path, progress: Progress | None = None) -> BlockCheck:
+    """Every tensor of the written file dequantized by gguf-py against the weights hexq serves (module docstring)."""
+    import gguf
+    from gguf import quants
+
+    reader = gguf.GGUFReader(path)
+    tensors = {t.name: t for t in reader.tensors}
+    planned = {t.name: t for t in plan.tensors}
+    missing = sorted(set(planned) ^ set(tensors))
+    if missing:
+        raise HexqError(f"{path}: tensor {missing[0]} is {'not written' if missing[0] in planned else 'not planned'}")
+    worst, failed = 0.0, []
+    for done, (name, tensor) in enumerate(tensors.items()):
+        entry = planned[name]
+        written = torch.from_numpy(np.array(quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32))
+        reference = entry.reference_weights()
+        written = written.reshape(reference.shape)
+        kind = entry.type_name if entry.exact else "Q8_0-rtn"
+        excess = float(((written - reference).abs() / _bound(kind, tensor.data, reference).clamp(min=1e-38)).max())
+        exact = torch.equal(written, reference)
+        worst = max(worst, 0.0 if exact else excess)
+        if not exact and excess > 1:
+            failed.append(name)
+        if progress:
+            progress("check blocks", done + 1, len(tensors))
+        artifact.release()
+    return BlockCheck(len(tensors), worst, failed)
+
+
+# ------------------------------------------------------------------------------------------ with llama.cpp
+
+
+def llama_available() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def llama_logits(path: Path, windows: torch.Tensor, threads: int | None = None):
+    """Logits [L, vocab] (float32) of each window [N, L], computed by llama.cpp from the GGUF file, one window at a
+    time from an empty context."""
+    from llama_cpp import Llama
+
+    seqlen = windows.shape[1]
+    model = Llama(model_path=str(path), n_ctx=seqlen, n_batch=seqlen, n_ubatch=seqlen, logits_all=True,
+                  verbose=False, n_threads=threads or torch.get_num_threads())
+    try:
+        for window in windows:
+            model.reset()
+            model.eval(window.tolist())
+            yield torch.from_numpy(np.array(model.scores[:seqlen], dtype=np.float32))
+    finally:
+        model.close()
+
+
+def llama_check(artifact: Artifact, plan: GgufPlan, path: Path, windows: int, seqlen: int, data: str,
+                batch_size: int = 4, progress: Progress | None = None):
+    """llama.cpp's logits of the file against hexq's at the export's widths (hexq.export's Comparison)."""
+    from hexq.data import eval_text, tokenize
+    from hexq.eval.perplexity import make_windows
+    from hexq.export import _Accumulator
+    from hexq.runtime.model import artifact_model
+    from hexq.streaming import stream_layers
+
+    reference, tokenizer, prepare = artifact_model(artifact, torch.device("cpu"),
+                                                   expert_weights=export_weights(artifact, plan))
+    ids = make_windows(tokenize(tokenizer, eval_text(data)), seqlen, windows)
+    hidden = stream_layers(reference, ids, batch_size, prepare,
+                           progress=(lambda what, done, total: progress("check: hexq", done, total)) if progress
+                           else None)
+    accumulator = _Accumulator()
+    try:
+        llama = llama_logits(path, ids)
+        with reference.parts("model.norm", "lm_head"):
+            norm, head = reference.model.model.norm, reference.model.lm_head
+            for index, batch in enumerate(ids.split(batch_size)):
+                logits = head(norm(hidden[index])).float()
+                for row, window in enumerate(batch):
+                    targets = torch.cat([window[1:], torch.tensor([-1])])
+                    accumulator.add(next(llama), logits[row], targets)
+                if progress:
+                    progress("check: llama.cpp", min((index + 1) * batch_size, len(ids)), len(ids))
+    finally:
+        hidden.close()
+    return accumulator.result("llama.cpp", "hexq at the export's widths"), int(ids.shape[0])
