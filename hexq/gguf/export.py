@@ -255,8 +255,9 @@ def reference_expert(artifact: Artifact, layer: LayerPlan, expert: int, projecti
     rows, cols = artifact.expert_shape(projection)
     if source.source == "zero":
         return torch.zeros(rows, cols)
-    if source.source == "kquant":
-        return decode(layer.kind, expert_blocks(artifact, layer, source, projection), cols)
+    if source.source == "kquant":  # read here, not through expert_blocks: the check compares the two paths
+        raw = artifact.tensor(export_shard(layer.layer), kquant_key(source.expert, layer.kind.name, projection))
+        return decode(layer.kind, raw.reshape(rows, -1), cols)
     return dequantize_packed(stored_expert(artifact, layer, source, projection))
 
 
