@@ -143,7 +143,7 @@ def gguf_model(folder, model_type: str, **overrides):
     if model_type in ("qwen3_moe", "qwen2_moe"):
         widths |= dict(moe_intermediate_size=256, head_dim=64)
     if model_type == "qwen3_moe":
-        widths |= dict(norm_topk_prob=True)  # llama.cpp's qwen3moe renormalizes (Qwen3's released configs do)
+        widths |= dict(norm_topk_prob=True, num_experts=4)  # llama.cpp's qwen3moe renormalizes (as Qwen3 does)
     if model_type == "qwen2_moe":
         widths |= dict(shared_expert_intermediate_size=256)
     build_tiny_model(model_type, **(widths | overrides)).save_pretrained(folder)

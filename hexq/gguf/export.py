@@ -57,10 +57,13 @@ class TensorPlan:
     make: Callable[[], torch.Tensor]
     exact: bool = True  # False: re-rounded (an asymmetric code in Q8_0)
     type_name: str = ""
-    reference: Callable[[], torch.Tensor] | None = None  # float32 weights hexq computes with (None: make() is)
+    # float32 weights hexq computes with, of one part: expert e of a 3-D tensor, the whole of a 2-D one (part 0);
+    # None for tensors stored in float, which are written as they are stored
+    reference: Callable[[int], torch.Tensor] | None = None
 
-    def reference_weights(self) -> torch.Tensor:
-        return (self.reference or self.make)().float()
+    @property
+    def parts(self) -> int:
+        return self.shape[0] if len(self.shape) == 3 else 1
 
 
 @dataclass
@@ -114,7 +117,7 @@ def _quantized_tensor(name: str, artifact: Artifact, shard: str, key: str, bits:
         blocks = packed_blocks(packed(), symmetric, kind)
         return blocks if permute is None else blocks[permute]
 
-    def reference() -> torch.Tensor:
+    def reference(_part: int) -> torch.Tensor:
         weights = dequantize_packed(packed())
         return weights if permute is None else weights[permute]
 
@@ -286,8 +289,8 @@ def _expert_tensors(artifact: Artifact, layer: LayerPlan) -> list[TensorPlan]:
     def down() -> torch.Tensor:
         return torch.stack([expert_blocks(artifact, layer, s, "down") for s in layer.experts])
 
-    def reference(projection: str, rows: slice) -> Callable[[], torch.Tensor]:
-        return lambda: torch.stack([reference_expert(artifact, layer, e, projection)[rows] for e in range(num)])
+    def reference(projection: str, rows: slice) -> Callable[[int], torch.Tensor]:
+        return lambda expert: reference_expert(artifact, layer, expert, projection)[rows]
 
     prefix, exact = f"blk.{layer.layer}.", all(s.source != "rtn" for s in layer.experts)
     gate_bytes, down_bytes = num * half * kind.row_bytes(cols), num * rows_down * kind.row_bytes(cols_down)
