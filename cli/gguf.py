@@ -39,8 +39,9 @@ def export_gguf_command(artifact: Path, out: Path, experts: str, windows: int, s
         console.print(f"check ({result.note}): logits rel. L2 {c.rel_l2:.3g}, max |delta| {c.max_abs:.3g}, argmax "
                       f"agreement {c.argmax_agreement:.2%}, perplexity llama.cpp {c.ppl_model:.3f} vs hexq "
                       f"{c.ppl_reference:.3f} ({c.ppl_change:+.3%}); limit {result.limit}")
-    elif result is not None:
-        console.print(result.note, markup=False)
+    if result is not None:
+        if result.llama is None:
+            console.print(result.note, markup=False)
         console.print(f"check (gguf-py): {result.blocks.tensors} tensors decode to the weights hexq serves "
                       f"(worst error {result.blocks.worst:.3g} of its bound)")
     console.print(f"exported {artifact} to {out}: {format_bytes(summary.file_bytes)} in {summary.seconds:.1f}s"

@@ -139,13 +139,16 @@ def gguf_model(folder, model_type: str, **overrides):
 
     from tests.conftest import TOKENIZER_DIR, build_tiny_model
 
-    widths = dict(hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+    widths = dict(hidden_size=256, intermediate_size=256, num_attention_heads=4,
+                  num_key_value_heads=4 if model_type == "olmoe" else 2)
     if model_type in ("qwen3_moe", "qwen2_moe"):
         widths |= dict(moe_intermediate_size=256, head_dim=64)
     if model_type == "qwen3_moe":
         widths |= dict(norm_topk_prob=True, num_experts=4)  # llama.cpp's qwen3moe renormalizes (as Qwen3 does)
     if model_type == "qwen2_moe":
         widths |= dict(shared_expert_intermediate_size=256)
+    # weights large enough that attention is not uniform: rope and head layout then change the output
+    widths |= dict(initializer_range=0.1)
     build_tiny_model(model_type, **(widths | overrides)).save_pretrained(folder)
     AutoTokenizer.from_pretrained(TOKENIZER_DIR).save_pretrained(folder)
     return folder
@@ -250,9 +253,48 @@ def test_cli_gguf_export_refuses_to_overwrite_and_writes_a_report(k_artifact, tm
     assert again.exit_code == 1 and "--force" in again.output
 
 
-@pytest.mark.skipif(not llama_available(), reason="llama-cpp-python is not installed (pip install 'hexq[gguf]')")
+LLAMA = pytest.mark.skipif(not llama_available(), reason="llama-cpp-python is not installed (pip install 'hexq[gguf]')")
+
+
+@LLAMA
 def test_llama_cpp_runs_the_export_as_hexq_does(k_artifact, tmp_path):
     from hexq.gguf.command import export_gguf
 
     summary = export_gguf(k_artifact, tmp_path / "m.gguf", windows=2, seqlen=64)
     assert summary.check.engine == "llama.cpp" and summary.check.passed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "qwen2_moe", "olmoe"])
+def test_every_family_llama_cpp_runs_is_exported_and_checked(family, tmp_path):
+    """calibrate -> pack (4 bits) -> export: checked by llama.cpp where it is installed, by gguf-py otherwise."""
+    from hexq.artifact.pack import Budget, pack
+    from hexq.calib.pipeline import calibrate
+    from hexq.gguf.command import export_gguf
+    from tests.conftest import small_recipe
+
+    model = gguf_model(tmp_path / "model", family)
+    calibrate(model, small_recipe("experts-gguf"), "bundled", tmp_path / "cal")
+    pack(tmp_path / "cal", tmp_path / "a.hexq", budget=Budget(avg_bits=4.0))
+    summary = export_gguf(tmp_path / "a.hexq", tmp_path / "m.gguf", windows=2, seqlen=64)
+    assert summary.check.passed and summary.check.engine == ("llama.cpp" if llama_available() else "gguf-py")
+
+
+@LLAMA
+@pytest.mark.slow
+def test_llama_cpp_check_catches_rows_llama_cpp_reads_otherwise(tmp_path, monkeypatch):
+    """Without the rope permutation a Mixtral GGUF holds every weight hexq serves (the block check passes) and
+    llama.cpp still computes another model: its check must fail."""
+    from hexq.artifact.pack import Budget, pack
+    from hexq.calib.pipeline import calibrate
+    from hexq.gguf.command import export_gguf
+    from tests.conftest import small_recipe
+
+    model = gguf_model(tmp_path / "model", "mixtral")
+    calibrate(model, small_recipe("experts-gguf"), "bundled", tmp_path / "cal")
+    pack(tmp_path / "cal", tmp_path / "a.hexq", budget=Budget(avg_bits=4.0))
+    monkeypatch.setattr("hexq.gguf.arch.FAMILIES", {**__import__("hexq.gguf.arch").gguf.arch.FAMILIES,
+                                                     "mixtral": __import__("hexq.gguf.arch").gguf.arch.Family(
+                                                         "llama", True, False, False)})
+    with pytest.raises(HexqError, match="llama.cpp"):
+        export_gguf(tmp_path / "a.hexq", tmp_path / "m.gguf", windows=2, seqlen=64)

@@ -60,6 +60,10 @@ def family_of(config) -> Family:
         raise HexqError(f"llama.cpp's {family.arch} graph {'always' if family.normalized_topk else 'never'} "
                         f"renormalizes the top-k routing weights, this {config.model_type} config has norm_topk_prob "
                         f"{normalize}: llama.cpp would route it differently (use the compressed-tensors export)")
+    if config.model_type == "olmoe" and config.num_key_value_heads != config.num_attention_heads:
+        raise HexqError("llama.cpp's olmoe loader normalizes k over all heads as the model width (no grouped-query "
+                        f"attention); this config has {config.num_key_value_heads} key-value heads for "
+                        f"{config.num_attention_heads} (use the compressed-tensors export)")
     dense = [i for i in range(config.num_hidden_layers) if i in (getattr(config, "mlp_only_layers", None) or [])]
     if dense or getattr(config, "decoder_sparse_step", 1) != 1:
         raise HexqError(f"llama.cpp's {family.arch} loader takes MoE layers only; this config has dense layers "

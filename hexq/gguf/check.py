@@ -8,11 +8,11 @@ by hexq.gguf.blocks), computed by hexq's streamed model (hexq.runtime.model.arti
   held-out window; they are compared with the reference's (relative L2, max |delta|, argmax agreement, perplexity).
   What may differ: llama.cpp's arithmetic, above all the 8-bit blocks it quantizes activations into before every
   product with a quantized weight (Q8_0 / Q8_1 / Q8_K), the float16 rounding of Q4_1's m, and Q8_0's re-rounding of
-  asymmetric dense codes. Limit: `LLAMA_LIMIT` (README gives what was measured).
-- Without it: one line says so, and every tensor of the file is read back with gguf-py and dequantized by gguf-py's
-  own block decoders, then compared with the weights hexq serves, element by element, against a bound derived from
-  the arithmetic: 0 for a form that is exact, the float16 rounding of m for Q4_1, half a step for a re-rounded Q8_0
-  block, plus float32 rounding (2^-22 |x|) for the order of operations.
+  asymmetric dense codes. Limit: `LLAMA_LIMIT` (with what was measured); the blocks are checked first (below).
+- Always, and alone without llama-cpp-python (one line says so): every tensor of the file is read back with gguf-py
+  and dequantized by gguf-py's own block decoders, then compared with the weights hexq serves, element by element,
+  against a bound derived from the arithmetic: 0 for a form that is exact, the float16 rounding of m for Q4_1, half
+  a step for a re-rounded Q8_0 block, plus float32 rounding (2^-22 |x|) for the order of operations.
 """
 
 from __future__ import annotations
@@ -36,8 +36,14 @@ Progress = Callable[[str, int, int], None]
 
 @dataclass(frozen=True)
 class LlamaLimit:
-    rel_l2: float = 0.03  # logits against the reference
-    ppl_change: float = 0.005  # |ppl llama.cpp / ppl reference - 1|
+    """What llama.cpp's logits may differ from hexq's. Measured (4-8 windows): a trained model 0.011 relative L2
+    (hexq-tiny-qwen3moe, Q4_1 experts, Q8_0 attention; perplexity -0.03%); random 256-wide models of every family
+    with non-uniform attention 0.059-0.089 and argmax agreement 0.86-0.94 (llama.cpp's 8-bit activation blocks, in
+    a model whose outputs amplify them); a real mistake, Mixtral's q/k rows not permuted for llama.cpp's rope, 1.17
+    and 0.035. Perplexity is reported, not limited: on random weights it moves by 1% with the arithmetic alone."""
+
+    rel_l2: float = 0.2  # logits against the reference
+    argmax_agreement: float = 0.8
 
 
 LLAMA_LIMIT = LlamaLimit()

@@ -68,10 +68,10 @@ class GgufCheck:
 
     @property
     def passed(self) -> bool:
-        if self.blocks is not None:
-            return self.blocks.passed
+        if not self.blocks.passed:
+            return False
         c = self.llama
-        return c.rel_l2 <= LLAMA_LIMIT.rel_l2 and abs(c.ppl_change) <= LLAMA_LIMIT.ppl_change
+        return c is None or (c.rel_l2 <= LLAMA_LIMIT.rel_l2 and c.argmax_agreement >= LLAMA_LIMIT.argmax_agreement)
 
 
 @dataclass(frozen=True)
@@ -85,11 +85,14 @@ class GgufSummary:
 
 def check_file(artifact: Artifact, plan: GgufPlan, path: Path, windows: int, seqlen: int, data: str,
                progress: Progress | None) -> GgufCheck:
-    if not llama_available():
-        return GgufCheck("gguf-py", LLAMA_MISSING, blocks=block_check(artifact, plan, path, progress))
+    """Every tensor's blocks against hexq's weights (gguf-py), then, with llama-cpp-python, the file run by
+    llama.cpp against hexq's model (hexq.gguf.check)."""
+    blocks = block_check(artifact, plan, path, progress)
+    if not blocks.passed or not llama_available():
+        return GgufCheck("gguf-py", LLAMA_MISSING if blocks.passed else "blocks differ", blocks=blocks)
     comparison, count = llama_check(artifact, plan, path, windows, seqlen, data, progress=progress)
     return GgufCheck("llama.cpp", f"llama.cpp's logits on {count} windows x {seqlen} of {data}", comparison, count,
-                     seqlen, limit=asdict(LLAMA_LIMIT))
+                     seqlen, blocks, asdict(LLAMA_LIMIT))
 
 
 def export_gguf(path: str | Path, out: str | Path, experts: str = "auto", force: bool = False, windows: int = 8,
@@ -109,12 +112,12 @@ def export_gguf(path: str | Path, out: str | Path, experts: str = "auto", force:
 
 
 def failure(result: GgufCheck) -> str:
-    if result.blocks is not None:
+    if not result.blocks.passed:
         more = f" and {len(result.blocks.failed) - 1} more" if len(result.blocks.failed) > 1 else ""
         return f"tensor {result.blocks.failed[0]}{more} differs from the weights hexq serves beyond its bound"
     c = result.llama
-    return (f"logits vs hexq relative L2 {c.rel_l2:.3g}, perplexity {c.ppl_model:.3f} vs {c.ppl_reference:.3f} "
-            f"(limit {asdict(LLAMA_LIMIT)})")
+    return (f"logits vs hexq relative L2 {c.rel_l2:.3g}, argmax agreement {c.argmax_agreement:.1%} (limit "
+            f"{asdict(LLAMA_LIMIT)}), perplexity {c.ppl_model:.3f} vs {c.ppl_reference:.3f}")
 
 
 def served_by(check: GgufCheck | None) -> dict[str, str]:
