@@ -37,7 +37,6 @@ class KQuantSpec:
 
 
 KQUANTS = {"Q2_K": KQuantSpec("Q2_K", 3, 15, False), "Q3_K": KQuantSpec("Q3_K", 7, 31, True)}
-KQUANT_BITS = {2: "Q2_K", 3: "Q3_K"}  # the K-quant a b-bit export layer takes
 
 
 @dataclass(frozen=True)

@@ -37,10 +37,6 @@ class BlockType:
             raise ValueError(f"{self.name} needs rows that are a multiple of {self.block} weights, got {cols}")
         return cols // self.block * self.nbytes
 
-    @property
-    def bits_per_weight(self) -> float:
-        return 8 * self.nbytes / self.block
-
 
 Q8_0 = BlockType("Q8_0", 8, 32, 34)
 Q4_0 = BlockType("Q4_0", 2, 32, 18)

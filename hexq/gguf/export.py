@@ -76,10 +76,6 @@ class GgufPlan:
     def inexact(self) -> list[str]:
         return [t.name for t in self.tensors if not t.exact]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors)
-
 
 # ------------------------------------------------------------------------------------------ the plan
 
