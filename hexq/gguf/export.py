@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hexq.artifact.bitpack import packed_nbytes
+from hexq.artifact.export import export_shard
 from hexq.artifact.format import (
         TOP_SHARD,
     Artifact,
@@ -23,9 +25,18 @@ from hexq.artifact.format import (
     dense_shard,
     dequantize_packed,
     replica_key,
+    safetensors_spans,
 )
 from hexq.errors import HexqError
-from hexq.gguf.arch import EXPERT_NAMES, Family, add_hyperparameters, add_tokenizer, family_of, gguf_name
+from hexq.gguf.arch import (
+    EXPERT_NAMES,
+    Family,
+    add_hyperparameters,
+    add_tokenizer,
+    family_of,
+    gguf_name,
+    rope_permutation,
+)
 from hexq.gguf.blocks import decode
 from hexq.gguf.codes import packed_blocks, zero_blocks
 from hexq.gguf.plan import ExpertSource, LayerPlan, dense_type, expert_type, fits_blocks, plan_layer
@@ -38,12 +49,6 @@ FLOAT_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}  # GGMLQu
 def kquant_key(expert: int, kind: str, projection: str) -> str:
     """An expert's K-quant replica in its layer's export shard: the blocks of one projection, 1-D uint8."""
     return f"e{expert:04d}.{kind.lower()}.{projection}"
-
-
-def export_shard(layer: int) -> str:
-    from hexq.artifact.export import export_shard as shard
-
-    return shard(layer)
 
 
 @dataclass
@@ -81,8 +86,6 @@ class GgufPlan:
 
 
 def _shard_specs(artifact: Artifact, shard: str) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-    from hexq.artifact.format import safetensors_spans
-
     return {key: (span.dtype, tuple(span.shape)) for key, span in safetensors_spans(artifact.verify(shard)).items()}
 
 
@@ -122,8 +125,6 @@ def _quantized_tensor(name: str, artifact: Artifact, shard: str, key: str, bits:
 
 def _layer_tensors(artifact: Artifact, index: int, family: Family, config) -> list[TensorPlan]:
     """The dense part of decoder layer `index`, in the shard's order."""
-    from hexq.gguf.arch import rope_permutation
-
     shard = dense_shard(index)
     recipe = recipe_from_dict(artifact.manifest["recipe"])
     quantized = artifact.manifest["dense"]["quantized_linears"]
@@ -161,8 +162,6 @@ def _rows_of(artifact: Artifact, shard: str, weight: str) -> int:
 
 def _cols_of(artifact: Artifact, shard: str, weight: str, bits: int) -> int:
     """Input columns of a quantized linear, from its packed codes' length (ceil(bits * numel / 8) bytes)."""
-    from hexq.artifact.bitpack import packed_nbytes
-
     rows, nbytes = _rows_of(artifact, shard, weight), _shard_specs(artifact, shard)[f"{weight}.codes"][1][0]
     cols = nbytes * 8 // bits // rows
     if packed_nbytes(rows * cols, bits) != nbytes:
@@ -178,8 +177,7 @@ def _kquant_experts(artifact: Artifact, layer: int, kind: str) -> set[int]:
 
 def plan_gguf(artifact: Artifact, experts: str = "auto") -> GgufPlan:
     """Every tensor of the GGUF file for `artifact` (module docstring), nothing read but headers."""
-    from hexq.export import export_replicas as ct_export
-    from hexq.runtime.model import artifact_config
+    from hexq.runtime.model import artifact_config  # transformers: imported when a plan is made, not at start-up
 
     config = artifact_config(artifact)
     family = family_of(config)
@@ -190,7 +188,7 @@ def plan_gguf(artifact: Artifact, experts: str = "auto") -> GgufPlan:
     if not all(fits_blocks(group, cols, 32) for _rows, cols in shapes.values()):
         raise HexqError(f"{artifact.path}: experts in groups of {group} columns do not cover whole 32-weight blocks; "
                         "calibrate with expert groups of 32, 64 or 128 (or per channel)")
-    extra = ct_export(artifact)
+    extra = manifest.get("export") or {}  # the compressed-tensors export replicas hexq pack kept
     same_grid = (extra.get("bits"), extra.get("group_size"), extra.get("symmetric")) == (4, group, symmetric)
     layers = []
     for row, layer in enumerate(artifact.moe_layers):
