@@ -3,6 +3,7 @@ commands share; hexq modules are imported inside each command, for start-up time
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -242,6 +243,8 @@ def print_run_stats(stats: dict) -> None:
             ("compute", f"{stats['kernel_path']}, {stats['threads']} thread(s): {stats['gemv_rows']} rows from the "
                         f"codes, {stats['expanded_experts']} experts and {stats['expanded_dense']} dense products "
                         "expanded"),
+            ("expand from (tokens)", ", ".join(f"{kind} {'never' if n is None else n}"
+                                                for kind, n in stats["expand_from"].items())),
             ("peak cached", mb(stats["peak_bytes"])),
             ("hits / misses", f"{cache['hits']} / {cache['misses']} ({cache['hit_rate']:.1%})"),
             ("per-layer hit rate", " ".join(f"{v:.0%}" for v in cache["layer_hit_rate"].values())),
@@ -305,6 +308,10 @@ def run(
     json_out: JsonOpt = None,
 ) -> None:
     """Generate text or measure perplexity with the experts served from a budgeted cache."""
+    # Two thread pools share the cores while serving: torch's (OpenMP) and the packed kernels' own. OpenMP's default
+    # is to spin after each parallel region, which takes the core the kernels' threads need next; passive waiting
+    # keeps them out of each other's way. It must be set before torch loads OpenMP, i.e. here.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from hexq.data import eval_text, tokenize
     from hexq.eval.run import runtime_perplexity
     from hexq.io import write_json_atomic

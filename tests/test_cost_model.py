@@ -62,7 +62,7 @@ class FakeClock:
 def test_measure_latency_with_injected_clock():
     clock = FakeClock()
     calls = {"slow": 0, "fast": 0, "fill": 0}
-    jitter = iter([0.0, 0.5, 0.0, 0.0, 0.0] * 3)  # one slow outlier; the median ignores it
+    jitter = iter([0.0, 0.5, 0.0, 0.0, 0.0] * 3)  # one slow outlier; the fastest run ignores it
 
     def run_slow(n: int) -> None:
         calls["slow"] += 1

@@ -602,7 +602,7 @@ int hexq_dequant(const uint8_t* packed, int bits, const uint16_t* scale, const u
    (its claim fails on the ticket's generation first). Calls from several threads are serialised. */
 
 #define MAX_THREADS 64
-#define SPIN 4000 /* pauses before a worker sleeps: ~0.1-0.5 ms, long enough to catch the next call of a decode step */
+#define SPIN 256 /* pauses before a worker sleeps (~10-40 us): enough to catch a kernel call that follows at once, short enough not to take the core from torch's own threads between calls */
 
 typedef struct {
     void (*run)(void* ctx, int64_t item);

@@ -4,20 +4,7 @@ Papers: 001 §3.2-3.4 (DynaExq: versioned expert residency, a budget tracker wit
 on a separate worker so the forward pass never waits on them) and 004 §4.4 (DyMoE: look-ahead prefetch and the
 mixed-precision LRU rules).
 
-Tiers. The slow tier is an `ExpertSource` (the packed artifact): `load` reads, unpacks and dequantizes one expert
-at one precision into `ExpertWeights`, the compute-ready tensors. The fast tier is this cache: at most
-`capacity_bytes` of ExpertWeights, accounted by a `BudgetTracker`. Every fill reserves its bytes *before* it loads,
-so the accounted bytes never exceed the capacity, not even while a load is in flight. The budget is one pool
-shared by all precisions, because 004's LRU ranks experts of every precision against each other. A source may own
-the memory its weights live in (hexq.runtime.engine.ArtifactSource: fixed slots allocated once): the cache then
-hands every version it stops counting back through `source.recycle(weights)`, and transient loads go through
-`source.load_transient` (a buffer the source reuses, valid until the same thread's next transient load).
-
-Versioned residency (001 §3.2). Each (layer, expert) has one stable `ExpertHandle` that points to its published
-`ExpertVersion` (bits, weights, version number) or to nothing. A version is built only from the object `load`
-returned, i.e. after the load has finished, and the handle is switched in one reference assignment: a reader sees
-the old complete version or the new complete version, never a partial one. Published tensors are never written
-again. Eviction redirects first (the handle is unpublished) and frees the bytes second.
+Tiers and versioned residency: hexq.runtime.residency.
 
 Mixed-precision LRU (004 §4.4.2), for a request of b bits:
   - one copy per expert (no duplication);
@@ -44,7 +31,7 @@ expert without caching it; `get` also takes this path when no room can be made (
 when a fill would have to evict and the `admission` callback (the runtime's per-miss cost model,
 hexq.runtime.cost) declines: admission(key, bits, victims, prefetch) sees the entries the fill would evict, least
 recently used first. A bypass buffer is transient scratch outside the cache budget: whoever sizes the runtime
-reserves one expert of scratch for it (`ExpertCache.check_capacity` gives the size). An expert larger than the whole
+reserves one expert of scratch for it (hexq.runtime.source counts it in its scratch). An expert larger than the whole
 capacity cannot be cached: `get(..., fill=True)` raises a HexqError that states the minimum budget.
 
 Errors of the prefetch worker. A failed background load (a corrupt shard, a read error) is not logged as a
@@ -60,193 +47,23 @@ import queue
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
-from typing import Protocol
-
-import torch
+from dataclasses import replace
 
 from hexq.errors import HexqError
+from hexq.runtime.residency import (
+    Admission,
+    BudgetTracker,
+    CacheStats,
+    ExpertHandle,
+    ExpertSource,
+    ExpertVersion,
+    ExpertWeights,
+    Key,
+)
 
 logger = logging.getLogger(__name__)
-
-Key = tuple[int, int]  # (layer, expert)
-
-
-@dataclass(frozen=True)
-class ExpertWeights:
-    """One expert at one precision as the fast tier holds it: gate_up [2I, H] and down [H, I], either packed
-    (hexq.artifact.format.PackedWeight: codes, scale, zero) or expanded into float tensors. `slot` is the memory
-    they live in (the source's, given back through recycle); `transient` marks a bypass load in the loading
-    thread's reusable buffer, valid until that thread's next bypass load."""
-
-    bits: int
-    gate_up: object
-    down: object
-    slot: torch.Tensor | None = None
-    transient: bool = False
-
-    @property
-    def packed(self) -> bool:
-        return not isinstance(self.gate_up, torch.Tensor)
-
-    @property
-    def nbytes(self) -> int:
-        """The memory they take: their slot's bytes, or the bytes of their tensors without one."""
-        if self.slot is not None:
-            return self.slot.numel() * self.slot.element_size()
-        return sum(p.nbytes if self.packed else p.numel() * p.element_size() for p in (self.gate_up, self.down))
-
-
-class ExpertSource(Protocol):
-    """The slow tier (the packed artifact). `nbytes` must be cheap: the cache calls it under its lock."""
-
-    def nbytes(self, layer: int, expert: int, bits: int) -> int:
-        """Bytes of the compute-ready weights `load` returns for this expert at this precision."""
-        ...
-
-    def load(self, layer: int, expert: int, bits: int) -> ExpertWeights:
-        """Read, unpack and dequantize one expert; may be slow; called without the cache lock held."""
-        ...
-
-
-Admission = Callable[[tuple[int, int], int, list[tuple[tuple[int, int], int]], bool], bool]
-
-
-class BudgetTracker:
-    """Byte budget with admission control (001 §3.3): reserve before allocating, release after freeing.
-
-    `reserve` never lets the reserved bytes exceed the capacity; a failed reservation changes nothing. `peak` is the
-    high-water mark of reserved bytes. All methods are thread-safe.
-    """
-
-    def __init__(self, capacity_bytes: int):
-        if capacity_bytes <= 0:
-            raise HexqError(f"capacity_bytes must be positive, got {capacity_bytes}")
-        self._capacity = int(capacity_bytes)
-        self._used = 0
-        self._peak = 0
-        self._lock = threading.Lock()
-
-    @property
-    def capacity(self) -> int:
-        return self._capacity
-
-    @property
-    def used(self) -> int:
-        return self._used
-
-    @property
-    def peak(self) -> int:
-        return self._peak
-
-    @property
-    def available(self) -> int:
-        with self._lock:
-            return self._capacity - self._used
-
-    def reserve(self, nbytes: int) -> bool:
-        """Reserve `nbytes` if they fit under the capacity; False (and no change) otherwise."""
-        if nbytes < 0:
-            raise ValueError(f"cannot reserve a negative byte count ({nbytes})")
-        with self._lock:
-            if self._used + nbytes > self._capacity:
-                return False
-            self._used += nbytes
-            self._peak = max(self._peak, self._used)
-            return True
-
-    def release(self, nbytes: int) -> None:
-        """Return `nbytes` reserved earlier; releasing more than is reserved is an accounting bug and raises."""
-        if nbytes < 0:
-            raise ValueError(f"cannot release a negative byte count ({nbytes})")
-        with self._lock:
-            if nbytes > self._used:
-                raise ValueError(f"release of {nbytes} bytes exceeds the {self._used} bytes reserved")
-            self._used -= nbytes
-
-
-@dataclass(frozen=True)
-class ExpertVersion:
-    """One fully materialised version of an expert. `version` increases with every publish of the same handle."""
-
-    bits: int
-    weights: ExpertWeights
-    version: int
-    nbytes: int
-
-
-class ExpertHandle:
-    """Stable identity of one (layer, expert) (001 §3.2): resolves to the published ExpertVersion or None.
-
-    `resolve` is lock-free: the active version is swapped in a single reference assignment, so a reader gets either
-    the previous or the next complete version. Only the cache publishes and unpublishes (under its lock).
-    """
-
-    __slots__ = ("layer", "expert", "_active", "_published")
-
-    def __init__(self, layer: int, expert: int):
-        self.layer = layer
-        self.expert = expert
-        self._active: ExpertVersion | None = None
-        self._published = 0
-
-    def resolve(self) -> ExpertVersion | None:
-        return self._active
-
-    def _publish(self, weights: ExpertWeights, nbytes: int) -> ExpertVersion:
-        self._published += 1
-        version = ExpertVersion(bits=weights.bits, weights=weights, version=self._published, nbytes=nbytes)
-        self._active = version
-        return version
-
-    def _unpublish(self) -> ExpertVersion | None:
-        old, self._active = self._active, None
-        return old
-
-    def __repr__(self) -> str:
-        v = self._active
-        state = "empty" if v is None else f"{v.bits} bits v{v.version}"
-        return f"ExpertHandle(layer={self.layer}, expert={self.expert}, {state})"
-
-
-@dataclass
-class CacheStats:
-    """Counters of one ExpertCache (a copy is returned by ExpertCache.stats).
-
-    hits/misses count `get` calls: a hit is served without the caller issuing a load (possibly after waiting for a
-    load already in flight - that stall is in wait_seconds); a miss loads (fill, promotion or bypass).
-    promotions: loads that replaced a lower-precision copy (from get or prefetch). evictions: entries dropped to
-    make room for other experts. bytes_moved: bytes of every successful load from the source. wait_seconds: time
-    `get` was blocked (its own loads and waits on in-flight ones). load_seconds: time inside source.load, any
-    thread. prefetch_issued: prefetch calls; of those, prefetch_skipped were already resident or on their way,
-    prefetch_dropped found no room (or failed, or were cancelled by close), and prefetch_used were later hit by get.
-    bypass_loads: misses served by a transient, uncached load; admission_declined: fills (get or prefetch) the
-    admission callback turned down (a declined get is also a bypass load).
-    """
-
-    hits: int = 0
-    misses: int = 0
-    promotions: int = 0
-    evictions: int = 0
-    bypass_loads: int = 0
-    bytes_moved: int = 0
-    wait_seconds: float = 0.0
-    load_seconds: float = 0.0
-    prefetch_issued: int = 0
-    prefetch_skipped: int = 0
-    prefetch_dropped: int = 0
-    prefetch_used: int = 0
-    admission_declined: int = 0
-    layer_hits: dict[int, int] = field(default_factory=dict)
-    layer_misses: dict[int, int] = field(default_factory=dict)
-
-    @property
-    def hit_rate(self) -> float:
-        total = self.hits + self.misses
-        return self.hits / total if total else 0.0
-
 
 class ExpertCache:
     """Mixed-precision LRU expert cache under a hard byte budget, with a background prefetch worker.
@@ -310,21 +127,6 @@ class ExpertCache:
         """Published entries as {(layer, expert): bits}, least recently used first."""
         with self._lock:
             return {k: h._active.bits for k, h in self._lru.items() if h._active is not None}
-
-    def check_capacity(self, experts: Iterable[Key], bits: int) -> int:
-        """Largest nbytes among `experts` at `bits`; raises the minimum-budget ValueError if one cannot fit.
-
-        Call it at start-up with every expert and the highest precision the policy may request; the returned size
-        is also the scratch a bypass load needs.
-        """
-        largest, worst = 0, None
-        for layer, expert in experts:
-            n = self._source.nbytes(layer, expert, bits)
-            if n > largest:
-                largest, worst = n, (layer, expert)
-        if worst is not None:
-            self._check_fits(worst, bits, largest)
-        return largest
 
     # ---------------------------------------------------------------- pins
 

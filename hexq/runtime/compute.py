@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import threading
 from dataclasses import asdict, dataclass
 
@@ -29,10 +30,14 @@ from hexq.packed.bitpack import DequantScratch
 from hexq.packed.cpu import SOURCE, GemvJob, gemv_takes
 from hexq.packed.weight import PackedWeight, dequantize_packed_into
 from hexq.runtime.cache import ExpertWeights
-from hexq.runtime.cost import LatencyProfile, measure_latency, should_fill
+from hexq.runtime.cost import LatencyProfile, measure_latency, n_critical, should_fill
 from hexq.simulate import quantized_expert_output
 
 WIDTH_SLOTS = 16  # sort key stride: expert * 16 + (8 - bits) puts an expert's highest width first
+# The cost model's timing runs: the GEMV on one slice of its tokens (the kernel takes 4 at a time), the expanded
+# product on as many tokens as a prefill gives an expert that has many (its per-token cost falls until the product's
+# fixed cost is amortised).
+GEMV_TOKENS, EXPAND_TOKENS = 4, 64
 
 
 @dataclass
@@ -102,6 +107,18 @@ class Compute:
     def path(self) -> str:
         """The CPU kernels' path ('avx512', 'avx2', 'scalar'), 'triton', or 'torch' when every matrix is expanded."""
         return self.kernels.path if self.kernels is not None else "triton" if self.triton else "torch"
+
+    def expand_from(self) -> dict[str, float | None]:
+        """The token count from which each kind of matrix is expanded (003 eq. 7-8's n_critical): 0 when everything
+        is expanded (no kernels), None when nothing is (n_critical infinite, or Triton computing everything from the
+        codes)."""
+        if self.kernels is None and not self.triton:
+            return {"expert": 0.0, "dense": 0.0}
+        out = {}
+        for kind, profile in (("expert", self.profiles.expert), ("dense", self.profiles.dense)):
+            crossing = None if profile is None else n_critical(profile)
+            out[kind] = None if crossing is None or math.isinf(crossing) else round(crossing, 1)
+        return out
 
     # --- scratch
 
@@ -242,7 +259,7 @@ class Compute:
             self.expand(expert.down, "down")
 
         fill()  # the expanded scratch holds real weights while `fast` is timed
-        return measure_latency(slow, fast, fill)
+        return measure_latency(slow, fast, fill, n_tokens=GEMV_TOKENS, fast_tokens=EXPAND_TOKENS)
 
     def _measure_dense(self, dense: PackedWeight) -> LatencyProfile:
         def slow(n: int) -> None:
@@ -253,7 +270,8 @@ class Compute:
                                        self._expanded("dense", dense.shape))
 
         self.expand(dense, "dense")
-        return measure_latency(slow, fast, lambda: self.expand(dense, "dense"))
+        return measure_latency(slow, fast, lambda: self.expand(dense, "dense"), n_tokens=GEMV_TOKENS,
+                               fast_tokens=EXPAND_TOKENS)
 
 
 def cached_profile(key: str, measure) -> LatencyProfile:

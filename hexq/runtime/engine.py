@@ -43,11 +43,11 @@ from pathlib import Path
 import torch
 
 from hexq.adapters import adapter_for
-from hexq.algos.placement import place, ranked
 from hexq.artifact.format import STATS_SHARD
 from hexq.artifact.reader import Artifact
 from hexq.devices import resolve_device
 from hexq.errors import HexqError
+from hexq.models import context_length
 from hexq.packed.bitpack import packed_nbytes
 from hexq.packed.cpu import load_cpu_kernels
 from hexq.packed.weight import dequantize_packed
@@ -56,9 +56,10 @@ from hexq.runtime.compute import Compute, PackedLinear
 from hexq.runtime.cost import admit_fill, calibration_usage, usage_update
 from hexq.runtime.experts import USAGE_HORIZON, CachedExperts, RunState
 from hexq.runtime.model import build_model, dense_plan_bytes, expert_quantizers, skeleton
-from hexq.runtime.policy import PolicyContext, make_policy
+from hexq.runtime.policy import check_policy_widths, make_policy, policy_context
 from hexq.runtime.source import CACHE_FORMATS, ArtifactSource
 from hexq.runtime.stats import RunStats, peak_rss_bytes
+from hexq.runtime.warm import warm_order
 from hexq.simulate import quantized_expert_output
 from hexq.streaming import blocked_nll
 
@@ -119,58 +120,6 @@ class RuntimeConfig:
 
 def mib(nbytes: int) -> str:
     return f"{nbytes / 2**20:.1f} MiB"
-
-
-def policy_context(artifact: Artifact, hot_fraction: float | None = None) -> PolicyContext:
-    """The artifact's facts for the policies; hot_fraction overrides the pack recipe's."""
-    stats = {key: artifact.tensor(STATS_SHARD, key) for key in ("loss_table", "loss_table.skip")}
-    pack = artifact.manifest["recipe"]["pack"]
-    allocation = artifact.allocation
-    return PolicyContext(allocation=allocation, loss_table=stats["loss_table"].float(),
-                         skip_loss=stats["loss_table.skip"].float(), table_bits=tuple(artifact.replica_bits),
-                         avg_bits=artifact.manifest["allocation"]["average_bits"],
-                         hot_fraction=hot_fraction or pack["hot_fraction"], top_k=artifact.manifest["model"]["top_k"])
-
-
-def check_policy_widths(artifact: Artifact, policy) -> None:
-    """Every width the policy may ask for is stored for every expert, or a one-line error names the --bank."""
-    needed = policy.widths()
-    missing = sorted({b for b in needed for row in range(len(artifact.moe_layers))
-                      for e in range(artifact.num_experts) if b not in artifact.stored_bits(row, e)})
-    if missing:
-        raise HexqError(f"policy {policy.name} needs every expert at {sorted(needed)} bits but {artifact.path} "
-                        f"stores only the allocation plus {artifact.bank_bits or 'nothing'}; pack with "
-                        f"--bank {policy.name} (or --bank {','.join(map(str, missing))})")
-
-
-def warm_order(artifact: Artifact, scheme: str, slots: int) -> list[tuple[int, int]]:
-    """The experts a warm start loads, at most `slots`, least valuable first (so LRU evicts them first): K = slots //
-    layers per layer by 003 Algorithm 2 scheme `scheme` (3: the manifest's two-stage placement when pack computed it
-    for the same K, else recomputed from the router traces; 1: paths; 2: frequency), then the remaining slots to the
-    most frequently routed experts left (calibration counts). Skipped experts (allocation 0) are never loaded."""
-    if scheme == "none" or slots <= 0:
-        return []
-    L, E = len(artifact.moe_layers), artifact.num_experts
-    counts = artifact.tensor(STATS_SHARD, "router.counts").long()
-    K = min(E, slots // L)
-    placement = artifact.manifest["placement"]
-    if scheme == "3" and placement.get("scheme") == "two_stage" and placement.get("hot_per_layer") == K:
-        mask = torch.zeros(L, E, dtype=torch.bool, device=counts.device)
-        for row, hot in enumerate(placement["hot"]):
-            mask[row, hot] = True
-    else:
-        topk = artifact.tensor(STATS_SHARD, "router.topk").long()
-        mask = place(scheme, topk, counts, K)
-    artifact.release()
-    allowed = torch.tensor(artifact.allocation, dtype=torch.long, device=counts.device) > 0
-    chosen = mask & allowed
-    order = ranked(counts)  # [L, E] by frequency, best first
-    picks = [(int(counts[row, e]), row, e) for row in range(L) for e in order[row].tolist() if chosen[row, e]]
-    rest = sorted(((int(counts[row, e]), row, e) for row in range(L) for e in range(E)
-                   if allowed[row, e] and not chosen[row, e]), key=lambda t: (-t[0], t[1], t[2]))
-    picks += rest[:max(0, slots - len(picks))]
-    picks.sort(key=lambda t: (t[0], t[1], t[2]))  # least frequent first
-    return [(row, e) for _, row, e in picks[-slots:]]
 
 
 class Runtime:
@@ -264,7 +213,7 @@ class Runtime:
                 module.norm_ratio = torch.where(norms[layer] != 0, norms[layer + 1] / norms[layer], 0.0)
                 module.default_bits_next = artifact.allocation[layer + 1]
         self.device = device
-        self.context = int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
+        self.context = context_length(self.model.config)
         self.self_check(modules[0])
         self.warm_experts = self.warm(config.warm) if config.mode == "cache" and not resident else 0
 
@@ -361,7 +310,8 @@ class Runtime:
                         dtype=self.config.dtype, cache_format=self.config.cache, kernel_path=self.compute.path,
                         threads=kernels.threads if kernels is not None else torch.get_num_threads(),
                         gemv_rows=counters.gemv_rows, expanded_experts=counters.expanded_experts,
-                        expanded_dense=counters.expanded_dense, peak_rss_bytes=peak_rss_bytes(), **timing)
+                        expanded_dense=counters.expanded_dense, expand_from=self.compute.expand_from(),
+                        peak_rss_bytes=peak_rss_bytes(), **timing)
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, past=None, prefill: bool = True):

@@ -22,12 +22,12 @@ bits) loads the policy wants done in the background (prefetches); it is drained 
 Choices the papers leave open, and known gaps:
   - context widths. The replanning may use every width the allocation uses plus every replica width up to the
     allocation's highest (table_bits (1, 2, 3, 4, 8) with a 2-4 bit allocation gives {1, 2, 3, 4}); 0 (skip) only
-    if the allocation already skips experts. Capping at the highest width keeps the cache sized for the plan
-    (ExpertCache.check_capacity). The K hot experts are charged to the same layer budget, floor(avg_bits * E)
-    bits, because hexq has one memory pool where 002 has GPU and NDP pools; if K experts at the top width do not
-    leave enough for the rest, K shrinks until the plan fits. Experts the prompt never routed to tie at S = 0
-    and keep the artifact's ranking (its widths, then expert id). Only promotions (a width above the static
-    one) are reported as transitions: a lower-width ask is served by a resident higher-width copy.
+    if the allocation already skips experts. Capping at the highest width keeps the cache sized for the plan. The
+    K hot experts are charged to the same layer budget, floor(avg_bits * E) bits, because hexq has one memory pool
+    where 002 has GPU and NDP pools; if K experts at the top width do not leave enough for the rest, K shrinks
+    until the plan fits. Experts the prompt never routed to tie at S = 0 and keep the artifact's ranking (its
+    widths, then expert id). Only promotions (a width above the static one) are reported as transitions: a
+    lower-width ask is served by a resident higher-width copy.
   - online budget. The high-precision capacity is K = max(1, round(hot_fraction * E)) per layer (001's C_l); the
     layer average is (K high_bits + (E - K) low_bits) / E, not avg_bits. The hysteresis margin is relative:
     h_out > (1 + margin) h_weakest, scale-free like the EMA itself (001 allows an additive threshold or a rank
@@ -53,6 +53,9 @@ import torch
 from hexq.algos.allocation import allocate, avg_bit_budget, cosine_retention, loss_columns
 from hexq.algos.importance import importance
 from hexq.algos.policy_widths import DEPTH_LOW_BITS, context_bits, depth_high_bits, online_widths, used_widths
+from hexq.artifact.format import STATS_SHARD
+from hexq.artifact.reader import Artifact
+from hexq.errors import HexqError
 
 Transition = tuple[int, int, int]  # (layer, expert, bits)
 
@@ -405,3 +408,25 @@ def make_policy(name: str, context: PolicyContext, **options) -> PrecisionPolicy
     if unknown:
         raise ValueError(f"unknown option(s) {unknown} for policy {name!r}; allowed: {allowed or 'none'}")
     return cls(context, **options)
+
+
+def policy_context(artifact: Artifact, hot_fraction: float | None = None) -> PolicyContext:
+    """The artifact's facts for the policies; hot_fraction overrides the pack recipe's."""
+    stats = {key: artifact.tensor(STATS_SHARD, key) for key in ("loss_table", "loss_table.skip")}
+    pack = artifact.manifest["recipe"]["pack"]
+    allocation = artifact.allocation
+    return PolicyContext(allocation=allocation, loss_table=stats["loss_table"].float(),
+                         skip_loss=stats["loss_table.skip"].float(), table_bits=tuple(artifact.replica_bits),
+                         avg_bits=artifact.manifest["allocation"]["average_bits"],
+                         hot_fraction=hot_fraction or pack["hot_fraction"], top_k=artifact.manifest["model"]["top_k"])
+
+
+def check_policy_widths(artifact: Artifact, policy) -> None:
+    """Every width the policy may ask for is stored for every expert, or a one-line error names the --bank."""
+    needed = policy.widths()
+    missing = sorted({b for b in needed for row in range(len(artifact.moe_layers))
+                      for e in range(artifact.num_experts) if b not in artifact.stored_bits(row, e)})
+    if missing:
+        raise HexqError(f"policy {policy.name} needs every expert at {sorted(needed)} bits but {artifact.path} "
+                        f"stores only the allocation plus {artifact.bank_bits or 'nothing'}; pack with "
+                        f"--bank {policy.name} (or --bank {','.join(map(str, missing))})")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from hexq.runtime.cache import CacheStats
 from hexq.runtime.experts import PrefetchStats
@@ -37,6 +37,7 @@ class RunStats:
     gemv_rows: int = 0
     expanded_experts: int = 0
     expanded_dense: int = 0
+    expand_from: dict = field(default_factory=dict)  # "expert" / "dense": the cost model's n_critical (tokens)
     peak_rss_bytes: int | None = None
     ttft_seconds: float | None = None
     tpot_seconds: float | None = None
