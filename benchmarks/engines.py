@@ -62,6 +62,7 @@ experts:
   weights: {group_size: 32, symmetric: false, method: rtn}
   activations: {bits: null}
 calibration: {num_samples: 16, seqlen: 256, seed: 0}
+pack: {bits: [2, 3, 4, 8]}
 """
 
 
