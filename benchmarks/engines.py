@@ -14,8 +14,13 @@ What runs (every row a fresh process, --threads threads, nothing else running; a
   hexq bf16 cache    the same artifacts with `--cache bf16`: every expert expanded to bf16 (the previous design)
   llama.cpp          its own GGUFs of the checkpoint: convert_hf_to_gguf.py (bf16), then llama-quantize Q4_0 and
                      Q3_K_S, run through llama_cpp with the same prompt tokens
+  llama.cpp on hexq's GGUF export
+                     the 4-bit artifact written by `hexq export --format gguf` (experts Q4_1 holding its codes,
+                     attention Q8_0), run through llama_cpp as the rows above (the export's own check, a perplexity
+                     comparison, is skipped here: tests/test_gguf.py and the README's GGUF section cover it)
 Artifacts: the checkpoint calibrated with round-to-nearest replicas (decode speed does not depend on how the codes
-were chosen) on 16 windows, packed at 3.0 and 4.0 bits.
+were chosen) on 16 windows, packed at 3.0 and 4.0 bits (the 4-bit one with `--bank export`: the 4-bit replica of
+every 8-bit expert, which the GGUF export writes for it).
 
 Bytes per decoded token (from the files, not timed): what one decode step reads - every dense tensor a token uses
 (attention, norms, routers, the head row-block it multiplies: the whole head; the embedding row aside) plus top_k of
@@ -177,9 +182,10 @@ def hexq_artifacts(checkpoint: Path, work: Path) -> dict[str, Path]:
     artifacts = {}
     for bits in (3, 4):
         out = work / f"hexq-{bits}.hexq"
+        bank = ["--bank", "export"] if bits == 4 else []  # what the GGUF export of the 4-bit artifact needs
         if not (out / "manifest.json").exists():
             subprocess.run([sys.executable, "-m", "hexq_cli.main", "pack", str(calibration), "-r", str(recipe),
-                            "--bits", str(bits), "-o", str(out), "--force"], check=True, cwd=ROOT)
+                            "--bits", str(bits), "-o", str(out), "--force", *bank], check=True, cwd=ROOT)
         artifacts[f"hexq {bits}-bit"] = out
     return artifacts
 
@@ -202,6 +208,15 @@ def llama_ggufs(checkpoint: Path, llama: Path, work: Path) -> dict[str, Path]:
         if not path.exists():
             subprocess.run([str(llama / "build" / "bin" / "llama-quantize"), str(bf16), str(path), kind], check=True)
         out[f"llama.cpp {kind}"] = path
+    return out
+
+
+def hexq_gguf(artifact: Path, work: Path) -> Path:
+    """hexq's GGUF export of an artifact (`hexq export --format gguf`, written once per work folder)."""
+    out = work / f"{artifact.stem}.gguf"
+    if not out.exists():
+        subprocess.run([sys.executable, "-m", "hexq_cli.main", "export", str(artifact), "--format", "gguf", "-o",
+                        str(out), "--no-check"], check=True, cwd=ROOT)
     return out
 
 
@@ -267,6 +282,7 @@ def main() -> int:
     args.work.mkdir(parents=True, exist_ok=True)
     artifacts = hexq_artifacts(args.checkpoint, args.work)
     ggufs = llama_ggufs(args.checkpoint, args.llama_cpp, args.work)
+    ggufs["llama.cpp on hexq's GGUF export (4-bit)"] = hexq_gguf(artifacts["hexq 4-bit"], args.work)
     config = json.loads((args.checkpoint / "config.json").read_text())
     top_k, experts = config["num_experts_per_tok"], config.get("num_experts", config.get("num_local_experts"))
     prompt = prompt_ids(next(iter(artifacts.values())))
@@ -311,7 +327,10 @@ def main() -> int:
 def ratios(results: dict) -> dict:
     rows = {r["engine"]: r for r in results["rows"] if "error" not in r}
     out = {}
-    q4 = rows.get("llama.cpp Q4_0")
+    q4, exported = rows.get("llama.cpp Q4_0"), rows.get("llama.cpp on hexq's GGUF export (4-bit)")
+    if exported and q4:
+        out["llama.cpp on hexq's GGUF export (4-bit) / llama.cpp Q4_0 tokens/s"] = (exported["tokens_per_s"]
+                                                                                   / q4["tokens_per_s"])
     for name in ("hexq 3-bit, packed cache", "hexq 4-bit, packed cache"):
         ours, old = rows.get(name), rows.get(name.replace("packed", "bf16"))
         if ours and q4:

@@ -59,10 +59,15 @@ def inspect(
 @handle_errors
 def export(
     artifact: Annotated[Path, typer.Argument(help="Artifact folder made by hexq pack.", show_default=False)],
-    out: Annotated[Path, typer.Option("--out", "-o", help="Checkpoint folder to write.")] = Path("model-ct"),
-    experts: Annotated[str, typer.Option("--experts", help="Routed experts' scheme per layer: auto (4-bit unless a "
-                                         "projection would need round-to-nearest, then 8-bit), w4, w8, or vllm "
-                                         "(4-bit on the grid vLLM's fused MoE takes).")] = "auto",
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Checkpoint folder (compressed-tensors) or .gguf "
+                                             "file to write [default: model-ct or model.gguf].")] = None,
+    format_: Annotated[str, typer.Option("--format", help="compressed-tensors (vLLM) or gguf (llama.cpp).")
+                       ] = "compressed-tensors",
+    experts: Annotated[str, typer.Option("--experts", help="Routed experts' scheme per layer. compressed-tensors: "
+                                         "auto (4-bit unless a projection would need round-to-nearest, then 8-bit), "
+                                         "w4, w8, or vllm (4-bit on the grid vLLM's fused MoE takes). gguf: auto "
+                                         "(each layer's type from its allocation), q4, q3_k, q2_k or q8_0.")
+                         ] = "auto",
     source: Annotated[Path | None, typer.Option("--source", help="The full-precision checkpoint the artifact was "
                                                 "made from (default: the path the artifact records).")] = None,
     windows: Annotated[int, typer.Option("--windows", "-n", help="Held-out windows the check compares logits "
@@ -76,11 +81,22 @@ def export(
     force: ForceOpt = False,
     json_out: JsonOpt = None,
 ) -> None:
-    """Write a compressed-tensors checkpoint one layer at a time, keeping every calibrated code it can express,
-    and check it against the model hexq run serves."""
+    """Write a compressed-tensors checkpoint (or a GGUF file) one layer at a time, keeping every calibrated code it
+    can express, and check it against the model hexq run serves."""
     from hexq.export.command import export_artifact
     from hexq.io import write_json_atomic
     from hexq.units import format_bytes, parse_bytes
+
+    if format_ not in ("compressed-tensors", "gguf"):
+        raise HexqError(f"unknown --format {format_!r}; choose compressed-tensors or gguf")
+    if format_ == "gguf":
+        from hexq_cli.gguf import export_gguf_command
+
+        with progress_bar() as bar:
+            export_gguf_command(artifact, out or Path("model.gguf"), experts, windows, seqlen, data, check, force,
+                                json_out, staged(bar, f"export {artifact.name} (gguf)"))
+        return
+    out = out or Path("model-ct")
 
     with progress_bar() as bar:
         report = staged(bar, f"export {artifact.name}: layers")

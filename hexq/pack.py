@@ -32,7 +32,9 @@ from hexq.algos.allocation import (
     layer_budgets,
     loss_columns,
 )
+from hexq.algos.gguf_layers import layer_type
 from hexq.algos.importance import importance, importance_order
+from hexq.algos.kquant import KQUANTS
 from hexq.algos.placement import place
 from hexq.algos.policy_widths import POLICIES, policy_widths
 from hexq.artifact.format import (
@@ -43,11 +45,20 @@ from hexq.artifact.format import (
     dense_shard,
     expert_shard,
     export_shard,
+    kquant_key,
     replica_key,
 )
 from hexq.calib.capture import quantized_linears
 from hexq.calib.fold import fold_calibrated
-from hexq.calib.store import bank_prefix, calibration_source, load_layer, open_bank, open_layer, read_manifest
+from hexq.calib.store import (
+    bank_prefix,
+    calibration_source,
+    kquant_bank_key,
+    load_layer,
+    open_bank,
+    open_layer,
+    read_manifest,
+)
 from hexq.errors import HexqError
 from hexq.outputs import output_folder
 from hexq.packed.grids import EXPORT_BITS, scheme_fits
@@ -176,6 +187,23 @@ def layer_export_tensors(bank, experts: list[int], bits: int, own_grid: bool) ->
             for part in ("codes", "scale", "zero"):
                 out[f"{replica_key(expert, bits, projection)}.{part}"] = bank.get_slice(f"{prefix}.{part}")[expert]
     return out
+
+
+def layer_kquant_tensors(bank, allocation: list[int], symmetric: bool) -> tuple[dict[str, torch.Tensor],
+                                                                               dict[str, list[int]]]:
+    """The K-quant replicas `hexq export --format gguf` will write for one MoE layer, from a calibration made with
+    `--export-target gguf` (an open bank): a layer whose allocation makes it a Q2_K or Q3_K layer (the export's rule,
+    hexq.algos.gguf_layers.layer_type) keeps every non-skipped expert's replica of that K-quant, as its blocks.
+    Returns the tensors for the layer's export shard and {K-quant: experts kept}."""
+    keys = set(bank.keys())
+    fits = all(any(kquant_bank_key(p, kind) in keys for kind in KQUANTS) for p in PROJECTIONS)
+    kind = layer_type(allocation, symmetric, fits).name
+    if not fits or kind not in KQUANTS:
+        return {}, {}
+    experts = [e for e, bits in enumerate(allocation) if bits]
+    tensors = {kquant_key(e, kind, p): bank.get_slice(kquant_bank_key(p, kind))[e]
+               for e in experts for p in PROJECTIONS}
+    return tensors, {kind: experts}
 
 
 def export_grid(calib_dir: Path, layer: int, cols: int, group_size: int | None,
@@ -324,6 +352,7 @@ def pack(calib_dir: str | Path, out: str | Path, settings: Pack | None = None, b
         writer = ArtifactWriter(folder)
         quantized: dict[str, int] = {}
         export_kept: dict[str, list[int]] = {}
+        gguf_kept: dict[str, dict[str, list[int]]] = {}  # layer -> {K-quant: experts} (layer_kquant_tensors)
         stored_bytes: dict[int, int] = {}
         dense_bytes = 0
         for index in range(num_layers):
@@ -348,11 +377,18 @@ def pack(calib_dir: str | Path, out: str | Path, settings: Pack | None = None, b
                              if EXPORT_BITS not in widths_of[e]]
                 else:  # another grid: every expert that is not skipped takes its export replica
                     needs = [e for e, bits in enumerate(row) if bits]
-                if needs:
+                extra: dict[str, torch.Tensor] = {}
+                if keep_export:
                     with open_bank(calib_dir, index) as bank_file:
-                        writer.add_tensors(export_shard(index),
-                                           layer_export_tensors(bank_file, needs, EXPORT_BITS, own_grid))
-                    export_kept[str(index)] = needs
+                        if needs:
+                            extra = layer_export_tensors(bank_file, needs, EXPORT_BITS, own_grid)
+                            export_kept[str(index)] = needs
+                        kquants, kept = layer_kquant_tensors(bank_file, row, recipe.expert_weights.symmetric)
+                    extra |= kquants
+                    if kept:
+                        gguf_kept[str(index)] = kept
+                if extra:
+                    writer.add_tensors(export_shard(index), extra)
                 for b, n in nbytes.items():
                     stored_bytes[b] = stored_bytes.get(b, 0) + n
             if progress:
@@ -387,6 +423,7 @@ def pack(calib_dir: str | Path, out: str | Path, settings: Pack | None = None, b
                 "importance_order": plan.orders},
             "export": {"bits": EXPORT_BITS, "group_size": export_group, "symmetric": export_symmetric,
                        "own_grid": own_grid, "replicas": export_kept} if keep_export else None,
+            **({"gguf": {"replicas": gguf_kept}} if gguf_kept else {}),
             "placement": {"scheme": settings.placement, "hot_per_layer": plan.hot,
                           "hot": [torch.where(row)[0].tolist() for row in plan.placement]},
             "accounting": {"dense_bytes": dense_bytes,

@@ -60,7 +60,7 @@ WEIGHT_METHODS = ("gptq", "rtn")
 SMOOTHING_METHODS = ("haq", "smoothquant", "none")
 SMOOTHING_GROUPS = ("attention", "moe")  # input norm -> q,k,v; post-attention norm -> router + experts + shared
 EXPERT_MODES = ("uniform", "replicas")
-EXPORT_TARGETS = ("vllm",)  # experts.export_target: the grid hexq export writes routed experts on
+EXPORT_TARGETS = ("vllm", "gguf")  # experts.export_target: the grid hexq export writes routed experts on
 MOE_OBJECTIVES = ("routed", "all")  # HAQ's MoE-group objective: experts on their routed tokens, or on every token
 PLACEMENT_SCHEMES = tuple(SCHEMES.values())  # 003 Algorithm 2: schemes 1, 2 and 3
 BUDGET_SCHEDULES = ("uniform", "cosine")  # how one byte budget is split across layers (004 §4.3)
@@ -183,7 +183,9 @@ class Experts:
     export_target "vllm" (replicas only): also one GPTQ replica per expert on vLLM's fused-MoE W4A16 grid (4-bit
     symmetric, groups of 128, or 64/32 when 128 does not divide the expert widths) from the same Hessian and Cholesky
     factor, which `hexq pack` keeps and `hexq export --experts vllm` writes for every expert whose own replica is on
-    another grid (hexq.calib.quantize.export_spec).
+    another grid (hexq.calib.quantize.export_spec). export_target "gguf": also GPTQ replicas on llama.cpp's Q2_K and
+    Q3_K grids (hexq.algos.kquant, hexq.calib.quantize.kquant_kinds), which `hexq pack --bank export` keeps for the
+    layers `hexq export --format gguf` writes as K-quants.
 
     Cold experts: an expert with fewer than min_tokens routed calibration tokens uses
     H = (1 - fallback_blend) * H_expert + fallback_blend * H_layer (both per-token means; H_layer from every token
@@ -197,7 +199,7 @@ class Experts:
     activations: ActivationQuant | None = None
     min_tokens: int = 16
     fallback_blend: float = 0.5
-    export_target: str | None = None  # replicas only: "vllm"
+    export_target: str | None = None  # replicas only: "vllm" | "gguf"
     loss_tokens: int = 2048  # replicas only
 
     def __post_init__(self) -> None:

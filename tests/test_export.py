@@ -317,3 +317,12 @@ def test_export_target_vllm_replicas_replace_another_grid(tokenizer, tmp_path):
 def _without_export(artifact: Artifact) -> Artifact:
     artifact.manifest = {**artifact.manifest, "export": None}
     return artifact
+
+
+def test_vllm_line_says_intel_cpu_refuses_group_32_moe():
+    from hexq.export.codec import CtScheme, vllm_support
+
+    assert vllm_support(CtScheme(4, 128, True), experts=True) == "yes (WNA16)"
+    line = vllm_support(CtScheme(4, 32, True), experts=True)
+    assert line.startswith("yes (WNA16) on GPU") and "Intel CPU: no" in line
+    assert vllm_support(CtScheme(4, 32, True), experts=False) == "yes (WNA16)"  # linear layers: not the MoE kernel

@@ -19,7 +19,7 @@ Cholesky step depends only on H and is batched over experts too (`factorize_hess
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -149,16 +149,22 @@ def _stacked_columns(W: torch.Tensor, dead: torch.Tensor, perm: torch.Tensor | N
     return Wt.repeat(1, 1, width_count)
 
 
+# grid(columns [E, span, R], first column) -> (scale, zero) [E, span // group, R]: the grid of `span` columns made
+# from their current weights when the loop reaches the first of them (GPTQ's dynamic groups).
+GridFn = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+
+
 def _quantize_stack(Wt: torch.Tensor, U: torch.Tensor, perm: torch.Tensor | None, scale: torch.Tensor,
-                    zero: torch.Tensor, grids: _RowGrids, group: int, dynamic: bool,
+                    zero: torch.Tensor, qmax: torch.Tensor, group: int, grid: GridFn | None, span: int,
                     block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The column loop of gptq_bank on the stack Wt [E, in, R] (updated in place): codes [E, in, R] uint8 in the
-    original column order and the loss [E, R]. scale, zero [E, groups, R] are read (static grids) or filled in at
-    each group's first column (dynamic grids)."""
+    original column order and the loss [E, R]. scale, zero [E, groups, R] are read (static grids, grid None) or
+    filled in by `grid` at the first column of each span of columns (dynamic grids); qmax [R] is each row's top code."""
     num, n, stacked = Wt.shape
     codes = torch.empty(num, n, stacked, dtype=torch.uint8, device=Wt.device)
     loss = torch.zeros(num, stacked, dtype=Wt.dtype, device=Wt.device)
-    blocks = _blocks(n, block_size, group if dynamic else None)
+    dynamic = grid is not None
+    blocks = _blocks(n, block_size, span if dynamic else None)
     longest = max(i2 - i1 for i1, i2 in blocks)
     q_buffer = torch.empty(num, longest, stacked, dtype=Wt.dtype, device=Wt.device)
     err_buffer = torch.empty_like(q_buffer)
@@ -170,9 +176,10 @@ def _quantize_stack(Wt: torch.Tensor, U: torch.Tensor, perm: torch.Tensor | None
             s_blk, z_blk = scale.gather(1, index), zero.gather(1, index)
         d_blk = torch.diagonal(U[:, i1:i2, i1:i2], dim1=1, dim2=2)[:, :, None]  # sqrt([H_F^-1]_ii), [E, k, 1]
         for s1, s2 in _segments(i1, i2, group if dynamic else None):
-            if dynamic and s1 % group == 0:
-                columns = Wt[:, s1:s1 + group]  # already holds every update from the columns before s1
-                scale[:, s1 // group], zero[:, s1 // group] = grids.params(columns.amin(dim=1), columns.amax(dim=1))
+            if dynamic and s1 % span == 0:
+                columns = Wt[:, s1:s1 + span]  # already holds every update from the columns before s1
+                part = slice(s1 // group, (s1 + span) // group)
+                scale[:, part], zero[:, part] = grid(columns, s1)
             for c in range(s1, s2):
                 i = c - i1
                 w, q, err = Wt[:, c], q_blk[:, i], err_blk[:, i]
@@ -181,7 +188,7 @@ def _quantize_stack(Wt: torch.Tensor, U: torch.Tensor, perm: torch.Tensor | None
                     Wt[:, c:c + 1].baddbmm_(U[:, None, s1:c, c], err_blk[:, s1 - i1:i], alpha=-1)
                 # eq. 5: the nearest grid value (quant.quantize_to_grid, with a per-row qmax)
                 torch.div(w, s, out=q).add_(z).round_().clamp_(min=0)
-                torch.minimum(q, grids.qmax, out=q)
+                torch.minimum(q, qmax, out=q)
                 torch.sub(q, z, out=err).mul_(s)
                 torch.sub(w, err, out=err).div_(d_blk[:, i])  # (w - Q(w)) / [U]_ii
                 loss.addcmul_(err, err, value=0.5)  # eq. 5 objective: the output error this column adds
@@ -267,9 +274,11 @@ def gptq_bank(W: torch.Tensor, factor_or_H: HessianFactor | torch.Tensor, bits_l
         scale, zero = grids.params(lo.transpose(1, 2).repeat(1, 1, width_count),
                                    hi.transpose(1, 2).repeat(1, 1, width_count))
     # The stack is built inside the call so that nothing here keeps it alive once the loop returns.
+    grid = (lambda columns, _first: tuple(t[:, None] for t in grids.params(columns.amin(dim=1), columns.amax(dim=1)))
+            ) if dynamic else None
     codes, loss = _quantize_stack(_stacked_columns(W, dead, perm, width_count, dtype),
-                                  factor.hinv_chol.to(device=device, dtype=dtype), perm, scale, zero, grids, group,
-                                  dynamic, block_size)
+                                  factor.hinv_chol.to(device=device, dtype=dtype), perm, scale, zero, grids.qmax, group,
+                                  grid, group, block_size)
 
     results = {}
     for b, spec in enumerate(specs):
@@ -279,6 +288,39 @@ def gptq_bank(W: torch.Tensor, factor_or_H: HessianFactor | torch.Tensor, bits_l
             zero=zero[:, :, part].transpose(1, 2).contiguous(), group_size=group, bits=spec.bits,
             damp_used=factor.damp_used, loss=loss[:, part].clone())
     return results
+
+
+def gptq_grid(W: torch.Tensor, factor: HessianFactor, grid: GridFn, span: int, group: int, qmax: int, *,
+              block_size: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GPTQ of E weights W [E, out, in] on a grid the caller makes (eq. 5-6 as in gptq_bank, one width): codes in
+    0..qmax with W ~ (codes - zero) * scale per group of `group` columns, where grid(columns, first) returns the
+    (scale, zero) [E, span // group, out] of `span` columns. Natural order: each span's grid comes from its current,
+    error-updated weights when the loop reaches it (GPTQ's dynamic groups; span 256 for ggml's K-quant super-blocks,
+    whose 16 sub-block grids share one quantized super-scale). With an act_order factor the grids are static, made
+    from the original weights. Returns codes [E, out, in] uint8, scale and zero [E, out, in / group], loss [E, out]
+    (GPTQResult.loss)."""
+    num, rows, n = W.shape
+    if n % span or span % group:
+        raise ValueError(f"in_features {n} must be a multiple of the grid span {span}, itself of the group {group}")
+    if factor.hinv_chol.shape != (num, n, n):
+        raise ValueError(f"factor is for {factor.num_experts} experts x {factor.hinv_chol.shape[-1]} inputs, "
+                         f"W is {tuple(W.shape)}")
+    dtype, device = _compute_dtype(W), W.device
+    dead = factor.dead.to(device)
+    perm = None if factor.perm is None else factor.perm.to(device)
+    scale = torch.empty(num, n // group, rows, dtype=dtype, device=device)
+    zero = torch.empty_like(scale)
+    if perm is not None:  # static grids from the original columns
+        original = W.to(dtype).masked_fill(dead[:, None, :], 0).transpose(1, 2)
+        for first in range(0, n, span):
+            part = slice(first // group, (first + span) // group)
+            scale[:, part], zero[:, part] = grid(original[:, first:first + span], first)
+        del original
+    codes, loss = _quantize_stack(_stacked_columns(W, dead, perm, 1, dtype), factor.hinv_chol.to(device=device,
+                                  dtype=dtype), perm, scale, zero, torch.full((rows,), float(qmax), dtype=dtype,
+                                  device=device), group, None if perm is not None else grid, span, block_size)
+    return codes.transpose(1, 2).contiguous(), scale.transpose(1, 2).contiguous(), zero.transpose(1, 2).contiguous(), \
+        loss
 
 
 # ------------------------------------------------------------------------------------------ one weight

@@ -14,7 +14,8 @@
                                     "eEEEE.bB.gate_up.codes" (densely bit-packed, ceil(b*numel/8) bytes), ".scale"
                                     and ".zero" (float16, one per group), same for "down"; static expert activation
                                     ranges if any. Every expert keeps its allocated width plus the `bank` widths
-      export/layer_NNN.safetensors  the export replicas of a MoE layer's experts, when pack kept them (same keys)
+      export/layer_NNN.safetensors  the export replicas of a MoE layer's experts, when pack kept them (same keys),
+                                    and their K-quant replicas for a GGUF export ("eEEEE.q3_k.gate_up": GGML blocks)
 
 Layer numbers in file names are the model's; the allocation, placement and statistics have one row per MoE layer
 (`model.moe_layers` gives their model indices), so dense layers (e.g. DeepSeek's first layers) take no row.
@@ -69,6 +70,11 @@ def replica_key(expert: int, bits: int, projection: str) -> str:
 def export_shard(layer: int) -> str:
     """The artifact file holding a MoE layer's export replicas."""
     return f"export/layer_{layer:03d}.safetensors"
+
+
+def kquant_key(expert: int, kind: str, projection: str) -> str:
+    """An expert's K-quant replica in its layer's export shard: the GGML blocks of one projection, 1-D uint8."""
+    return f"e{expert:04d}.{kind.lower()}.{projection}"
 
 
 # ------------------------------------------------------------------------------------------ writing

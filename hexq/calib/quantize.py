@@ -12,7 +12,8 @@ import torch
 
 from hexq.adapters import MoEAdapter
 from hexq.algos.gptq import gptq_bank, gptq_replicas
-from hexq.algos.hessian import blend_cold_hessian, factorize_hessians
+from hexq.algos.hessian import HessianFactor, blend_cold_hessian, factorize_hessians
+from hexq.algos.kquant import KQUANTS, SUPER, gptq_kquant, kquant_blocks, rtn_kquant
 from hexq.algos.quant import QuantMeta, QuantSpec, quantize
 from hexq.calib.capture import (
     RoutingStats,
@@ -35,8 +36,6 @@ from hexq.simulate import (
 from hexq.streaming import HiddenStore, LoadedLayer
 
 Progress = Callable[[str, int, int], None]  # (what, done, total)
-# Working memory for one chunk of experts' GPTQ (weights of every width stacked, Hessians and factors, float32).
-
 # Working memory for one chunk of experts' GPTQ (weights of every width stacked, Hessians and factors, float32).
 GPTQ_CHUNK_BYTES = 1 << 30
 MOE_SAMPLE_EVERY = 8  # every 8th MoE-input token: the layer-wide sample for cold experts' fallbacks
@@ -72,13 +71,15 @@ def quantize_bank(weight: torch.Tensor, hessian: torch.Tensor, setting: WeightQu
 
 def quantize_expert_chunk(weights: torch.Tensor, hessians: torch.Tensor, setting: WeightQuant,
                           bits_list: tuple[int, ...], channel_max: torch.Tensor, budget: int | None = None,
+                          factor: HessianFactor | None = None,
                           ) -> tuple[dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]], dict]:
     """Every width of a chunk of experts' weights [n, rows, cols] -> {bits: (codes [n, rows, cols], scale, zero)} and a
     report of the factorization (experts that needed more damping or float64).
 
     GPTQ (003 eq. 4-6): one factorization per expert for every width, every width and expert of the chunk in one
     column loop (hexq.algos.gptq.gptq_bank). GPTQ's rows are independent once the factor exists, so an expert too
-    large for `budget` bytes of stacked widths is quantized in row blocks that give the same result."""
+    large for `budget` bytes of stacked widths is quantized in row blocks that give the same result. `factor`: the
+    chunk's expert_factor when the caller made it already (to share it with the K-quant replicas)."""
     n, rows, cols = weights.shape
     if setting.method == "rtn":  # per-row grids: the chunk flattened to rows is the same quantization
         flat = weights.reshape(n * rows, cols)
@@ -87,8 +88,7 @@ def quantize_expert_chunk(weights: torch.Tensor, hessians: torch.Tensor, setting
             codes, meta = quantize(flat, setting.spec(bits))
             out[bits] = (codes.reshape(n, rows, cols), meta.scale.reshape(n, rows, -1), meta.zero.reshape(n, rows, -1))
         return out, {}
-    importance = channel_max if setting.act_order == "max_activation" else None
-    factor = factorize_hessians(hessians, damp=setting.damp, act_order=setting.act_order, column_importance=importance)
+    factor = factor or expert_factor(hessians, setting, channel_max)
     budget = GPTQ_CHUNK_BYTES if budget is None else budget
     row_block = max(1, min(rows, budget // (4 * 3 * len(bits_list) * cols * n)))
     parts = [gptq_bank(weights[:, start:start + row_block], factor, bits_list, setting.spec(),
@@ -97,6 +97,12 @@ def quantize_expert_chunk(weights: torch.Tensor, hessians: torch.Tensor, setting
                        for name in ("codes", "scale", "zero")) for bits in bits_list}
     report = {"damp": factor.damp_used.tolist(), "float64": factor.float64_used.tolist()}
     return out, report
+
+
+def expert_factor(hessians: torch.Tensor, setting: WeightQuant, channel_max: torch.Tensor) -> HessianFactor:
+    """The HessianFactor of a chunk of experts (shared by every width and export grid made from it)."""
+    importance = channel_max if setting.act_order == "max_activation" else None
+    return factorize_hessians(hessians, damp=setting.damp, act_order=setting.act_order, column_importance=importance)
 
 
 def gptq_chunk_bytes(device: torch.device) -> int:
@@ -132,6 +138,28 @@ def export_spec(recipe: Recipe, shapes: dict[str, tuple[int, int]]) -> QuantSpec
     if 4 in recipe.experts.replica_bits and setting.symmetric and setting.group_size == group:
         return None
     return QuantSpec(bits=4, group_size=group, symmetric=True)
+
+
+def kquant_kinds(recipe: Recipe, shapes: dict[str, tuple[int, int]]) -> dict[str, tuple[str, ...]]:
+    """{projection: K-quants} of the GGUF replicas `experts.export_target: gguf` asks the bank to hold ({}
+    otherwise): llama.cpp's Q2_K and Q3_K grids for every projection whose rows are a multiple of 256 weights (the
+    others get none, and `hexq export --format gguf` gives their layers the 4-bit type)."""
+    if recipe.experts.mode != "replicas" or recipe.experts.export_target != "gguf":
+        return {}
+    return {p: tuple(KQUANTS) for p, (_rows, cols) in shapes.items() if cols % SUPER == 0}
+
+
+def kquant_replicas(weights: torch.Tensor, hessians: torch.Tensor, factor: HessianFactor | None,
+                    setting: WeightQuant, kind: str) -> torch.Tensor:
+    """The `kind` replicas of a chunk of experts' weights [n, rows, cols] as GGML blocks [n, rows * row_bytes]:
+    GPTQ on the K-quant grid with the bank's factor (round-to-nearest on that grid for an RTN recipe), the Hessian
+    diagonal weighting the sub-block fits (hexq.algos.kquant)."""
+    importance = torch.diagonal(hessians, dim1=1, dim2=2)
+    if setting.method == "rtn" or factor is None:
+        result = rtn_kquant(weights, importance, kind)
+    else:
+        result = gptq_kquant(weights, factor, importance, kind, setting.block_size)
+    return kquant_blocks(result).cpu()
 
 
 # ------------------------------------------------------------------------------------------ pass B: quantization
@@ -171,7 +199,8 @@ def quantize_routed_experts(loaded: LoadedLayer, routed: RoutedTokens, weights_o
     groups = {p: group_size_of(setting, cols) for p, (_rows, cols) in shapes.items()}
     extra = export_spec(recipe, shapes)
     bank = ExpertBank(bank_file, num_experts, shapes, bits_list, groups,
-                      export=None if extra is None else (extra.bits, extra.group_size))
+                      export=None if extra is None else (extra.bits, extra.group_size),
+                      kquants=kquant_kinds(recipe, shapes))
     try:
         fallback, escalated, ranges = fill_bank(bank, loaded, routed, weights_of, recipe, moe_sample, shapes,
                                                 progress)
@@ -200,7 +229,8 @@ def fill_bank(bank: ExpertBank, loaded: LoadedLayer, routed: RoutedTokens, weigh
     mid_low, mid_high = float("inf"), float("-inf")
     extra = export_spec(recipe, shapes)
     budget = gptq_chunk_bytes(routed.x.device)
-    chunk = gptq_chunk_size(shapes, len(bits_list) + (extra is not None), budget)
+    kquants = kquant_kinds(recipe, shapes)
+    chunk = gptq_chunk_size(shapes, len(bits_list) + (extra is not None) + bool(kquants), budget)
     escalated: dict[str, dict] = {}
     for start in range(0, num_experts, chunk):
         experts = list(range(start, min(start + chunk, num_experts)))
@@ -221,9 +251,13 @@ def fill_bank(bank: ExpertBank, loaded: LoadedLayer, routed: RoutedTokens, weigh
                                                   blend)
         for projection, weight, hessian, channel_max in (("gate_up", gate_up, h_in, stats.input_abs_max),
                                                          ("down", down, h_down, stats.mid_abs_max)):
-            results, factor = quantize_expert_chunk(weight, hessian, setting, bits_list, channel_max, budget)
+            kinds = kquants.get(projection, ())
+            shared = expert_factor(hessian, setting, channel_max) if kinds and setting.method == "gptq" else None
+            results, factor = quantize_expert_chunk(weight, hessian, setting, bits_list, channel_max, budget, shared)
             for bits, (codes, scale, zero) in results.items():
                 bank.put(projection, bits, experts, codes, scale, zero)
+            for kind in kinds:  # llama.cpp's K-quant grids, from the same Hessian and factor
+                bank.put_blocks(projection, kind, experts, kquant_replicas(weight, hessian, shared, setting, kind))
             if extra is not None:  # the same Hessian, factorized the same way (deterministic), on the export grid
                 export_setting = replace(setting, group_size=extra.group_size, symmetric=extra.symmetric)
                 (codes, scale, zero), = quantize_expert_chunk(weight, hessian, export_setting, (extra.bits,),

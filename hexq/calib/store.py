@@ -29,6 +29,7 @@ from hexq.errors import HexqError
 from hexq.io import SafetensorsWriter, file_record, file_sha256, read_sealed_json, save_tensors, write_json_atomic
 from hexq.models import source_state
 from hexq.packed.bitpack import pack_bits, packed_nbytes
+from hexq.packed.ggml import BLOCK_TYPES
 from hexq.packed.weight import SCALE_DTYPE, PackedWeight, dequantize_packed, pack_weight
 
 FORMAT = "hexq-calibration"
@@ -223,9 +224,12 @@ class ExpertBank:
     the file appears, complete, when `close` is called."""
 
     def __init__(self, path: Path, num_experts: int, shapes: dict[str, tuple[int, int]], bits_list: tuple[int, ...],
-                 group_sizes: dict[str, int], export: tuple[int, int] | None = None) -> None:
+                 group_sizes: dict[str, int], export: tuple[int, int] | None = None,
+                 kquants: dict[str, tuple[str, ...]] | None = None) -> None:
         """export: (bits, group size) of the export-target replica (hexq.calib.quantize.export_spec) stored beside
-        the bank under export.<proj>.b<bits>, if the recipe asks for one."""
+        the bank under export.<proj>.b<bits>, if the recipe asks for one; kquants: {projection: K-quant names} of
+        the GGUF replicas (hexq.calib.quantize.kquant_kinds), stored as GGML blocks under gguf.<proj>.<kind>
+        [E, bytes]."""
         entries = [(bank_prefix(p, bits), p, bits, group_sizes[p]) for p in shapes for bits in bits_list]
         if export is not None:
             entries += [(bank_prefix(p, export[0], export=True), p, export[0], export[1]) for p in shapes]
@@ -235,7 +239,16 @@ class ExpertBank:
             specs[f"{prefix}.codes"] = (torch.uint8, (num_experts, packed_nbytes(rows * cols, bits)))
             specs[f"{prefix}.scale"] = (SCALE_DTYPE, (num_experts, rows, cols // group))
             specs[f"{prefix}.zero"] = (SCALE_DTYPE, (num_experts, rows, cols // group))
+        for projection, kinds in (kquants or {}).items():
+            rows, cols = shapes[projection]
+            for kind in kinds:
+                specs[kquant_bank_key(projection, kind)] = (torch.uint8, (num_experts,
+                                                                          rows * BLOCK_TYPES[kind].row_bytes(cols)))
         self.writer = SafetensorsWriter(path, dict(sorted(specs.items())))
+
+    def put_blocks(self, projection: str, kind: str, experts: list[int], blocks: torch.Tensor) -> None:
+        """GGUF blocks [n, bytes] of the consecutive experts `experts` (kquants in __init__)."""
+        self.writer.write_rows(kquant_bank_key(projection, kind), experts[0], blocks)
 
     def put(self, projection: str, bits: int, experts: list[int], codes: torch.Tensor, scale: torch.Tensor,
             zero: torch.Tensor, export: bool = False) -> None:
@@ -258,6 +271,10 @@ class ExpertBank:
 
     def abort(self) -> None:
         self.writer.abort()
+
+
+def kquant_bank_key(projection: str, kind: str) -> str:
+    return f"gguf.{projection}.{kind}"
 
 
 def bank_path(out: Path, index: int) -> Path:

