@@ -72,7 +72,8 @@ def artifact_model(path, device: torch.device, dtype: torch.dtype = torch.float3
                    allocation: list[list[int]] | None = None):
     """(streamed model, tokenizer, prepare) of an artifact at its static allocation (or at `allocation`, [MoE row]
     [expert] widths the artifact stores, e.g. to compare allocations of one `--bank all` artifact), for
-    hexq.streaming.stream_nll."""
+    hexq.layer_pass.stream_nll. An expert at 0 bits is skipped, its routing weight renormalised onto the token's
+    kept experts (hexq.simulate.routed_outputs), as `hexq run` serves it."""
     artifact = path if isinstance(path, Artifact) else Artifact(path)
     streamed = StreamedModel(artifact_config(artifact), artifact, device, dtype)
     rows = {layer: row for row, layer in enumerate(artifact.moe_layers)}
@@ -93,7 +94,8 @@ def artifact_model(path, device: torch.device, dtype: torch.dtype = torch.float3
 
         _num, gate_up_shape, down_shape = loaded.shapes
         return ExpertCompute(weights_of, *expert_quantizers(artifact, row),
-                             chunk=expert_chunk(gate_up_shape, down_shape, dtype))
+                             chunk=expert_chunk(gate_up_shape, down_shape, dtype),
+                             kept=torch.tensor([b > 0 for b in bits], device="cpu"))
 
     return streamed, artifact_tokenizer(artifact), prepare
 
