@@ -30,6 +30,7 @@ BENCHMARKS = {
     "calibrate_cost": ("calibrate_cost.py", "calibrate_cost.json"),
     "placement": ("placement.py", "placement.json"),
     "pack_quality": ("pack_quality.py", "pack_quality.json"),
+    "low_bits": ("low_bits.py", "low_bits.json"),
     "runtime": ("runtime.py", "runtime.json"),
     "runtime_cgroup": ("runtime.py", "runtime_cgroup.json"),
     "engines": ("engines.py", "engines.json"),

@@ -37,12 +37,14 @@ def stored_weights(loaded: LoadedLayer, device: torch.device, dtype: torch.dtype
 @dataclass(frozen=True)
 class ExpertCompute:
     """How a streamed layer's routed experts are computed: compute-ready weights per chunk of expert ids, the
-    activation quantizers of their inputs, and the chunk size."""
+    activation quantizers of their inputs, the chunk size, and which experts are computed at all (kept [E] bool,
+    None: all; a skipped expert's routing weight goes to the token's kept experts, hexq.simulate.routed_outputs)."""
 
     weights_of: Callable[[list[int]], tuple[torch.Tensor, torch.Tensor]]
     input_quant: object | None = None
     mid_quant: object | None = None
     chunk: int = 1
+    kept: torch.Tensor | None = None
 
 
 @torch.no_grad()
@@ -62,7 +64,7 @@ def run_layer(loaded: LoadedLayer, hidden: HiddenStore, kwargs: list[dict], out:
     routed = loaded.tap.take()
     if experts is not None and out is not None:
         y = routed_outputs(routed, experts.weights_of, loaded.act_fn, experts.input_quant, experts.mid_quant,
-                           experts.chunk, progress)
+                           experts.chunk, progress, experts.kept)
         start = len(out) - len(hidden)
         for offset, part in enumerate(routed.split(y)):
             current = out[start + offset]

@@ -4,7 +4,8 @@ Per layer, from the calibration's router statistics and loss table:
   importance  S = alpha*norm(P) + (1-alpha)*norm(W)                        (002 §4.1; hexq.algos.importance)
   allocation  prefix-structured widths minimising the summed loss table     (002 §4.2; hexq.algos.allocation)
               under an average-bit budget per layer, or one byte budget split across layers uniformly or by
-              004's cosine depth schedule (§4.3)
+              004's cosine depth schedule (§4.3); or any width per expert (pack.order "free"), the table
+              weighted by routing mass (pack.loss "layer")
   placement   the hot experts for the fast tier, 003 Algorithm 2 scheme 1, 2 or 3 (hexq.algos.placement)
 Every expert is stored at its allocated width, plus the `bank` widths the run policies that will serve it need
 (`hexq run --policy online|context|depth` changes precision at run time), so a 3-bit artifact's experts take about
@@ -27,7 +28,9 @@ import torch
 from hexq.algos.allocation import (
     allocate,
     allocate_avg_bits,
+    allocate_free,
     assignment_loss,
+    avg_bit_budget,
     cosine_retention,
     layer_budgets,
     loss_columns,
@@ -106,6 +109,8 @@ def allocate_layers(losses: list[torch.Tensor], orders: list[list[int]], setting
         if not min(bits) <= avg <= max(bits):
             raise HexqError(f"average-bit budget {avg} is outside the allowed widths {list(bits)}; the minimum that "
                             f"fits is {min(bits)}")
+        if settings.order == "free":
+            return [allocate_free(loss, bits, bits, avg_bit_budget(avg, loss.shape[0])) for loss in losses]
         return [allocate_avg_bits(loss, bits, order, avg) for loss, order in zip(losses, orders, strict=True)]
     num_layers, num_experts = len(losses), losses[0].shape[0]
     weights = ([1.0] * num_layers if settings.schedule == "uniform"
@@ -115,6 +120,8 @@ def allocate_layers(losses: list[torch.Tensor], orders: list[list[int]], setting
         raise HexqError(f"byte budget {budget.total_bytes} is infeasible: the minimum that fits is {minimum} bytes "
                         f"(every expert at {bits[0]} bits)")
     shares = layer_budgets(budget.total_bytes, weights, [num_experts * costs[0]] * num_layers)
+    if settings.order == "free":
+        return [allocate_free(loss, bits, costs, share) for loss, share in zip(losses, shares, strict=True)]
     return [allocate(loss, bits, order, costs, share)
             for loss, order, share in zip(losses, orders, shares, strict=True)]
 
@@ -238,6 +245,7 @@ def check_calibration(manifest: dict, calib_dir: Path, settings: Pack) -> Path:
 
 
 STATS_KEYS = ("loss_table", "loss_table.skip", "loss_table.tokens", "router.counts", "router.score_sums", "router.topk")
+LATER_STATS_KEYS = ("loss_table.mass",)  # read when the calibration has them (older ones do not)
 
 
 @dataclass(frozen=True)
@@ -259,14 +267,29 @@ class Plan:
 
 def read_stats(calib_dir: Path, moe_layers: list[int], progress: Progress | None) -> dict:
     """The statistics of every MoE layer stacked over layers ([L_moe, ...] per key), read without the banks."""
-    stats: dict[str, list] = {key: [] for key in STATS_KEYS}
+    stats: dict[str, list] = {key: [] for key in STATS_KEYS + LATER_STATS_KEYS}
     for position, index in enumerate(moe_layers):
         with open_layer(calib_dir, index) as handle:
-            for key in STATS_KEYS:
+            for key in STATS_KEYS + tuple(key for key in LATER_STATS_KEYS if key in handle.keys()):
                 stats[key].append(handle.get_tensor(key))
         if progress:
             progress("read", position + 1, len(moe_layers))
-    return {key: torch.stack(values) for key, values in stats.items()}
+    return {key: torch.stack(values) for key, values in stats.items() if len(values) == len(moe_layers)}
+
+
+def table_losses(stats: dict, table_bits: list[int], settings: Pack) -> list[torch.Tensor]:
+    """Per layer, the loss table restricted to the allowed widths [E, len(bits)] (0 bits: the skip entry), as the
+    allocation minimises it: per expert (pack.loss "expert", 002 §4.2), or each expert's entry times its squared
+    routing mass per layer token (pack.loss "layer"): the expert's share of the layer output's MSE, so that
+    experts add up as the layer does."""
+    losses = [loss_columns(table, skip, table_bits, settings.bits)
+              for table, skip in zip(stats["loss_table"], stats["loss_table.skip"], strict=True)]
+    if settings.loss == "expert":
+        return losses
+    if "loss_table.mass" not in stats:
+        raise HexqError("pack.loss 'layer' needs each expert's routing mass (loss_table.mass), which this calibration "
+                        "predates; calibrate again, or pack with pack.loss: expert")
+    return [loss * mass.double()[:, None] for loss, mass in zip(losses, stats["loss_table.mass"], strict=True)]
 
 
 def make_plan(stats: dict, table_bits: list[int], settings: Pack, budget: Budget,
@@ -274,8 +297,7 @@ def make_plan(stats: dict, table_bits: list[int], settings: Pack, budget: Budget
     """Importance (002 §4.1), allocation (002 §4.2) and placement (003 Algorithm 2) from the statistics."""
     scores = importance(stats["router.counts"], stats["router.score_sums"], settings.alpha)
     orders = [importance_order(row) for row in scores]
-    losses = [loss_columns(table, skip, table_bits, settings.bits)
-              for table, skip in zip(stats["loss_table"], stats["loss_table.skip"], strict=True)]
+    losses = table_losses(stats, table_bits, settings)
     costs = expert_costs(shapes, settings.bits, group_size)
     allocation = allocate_layers(losses, orders, settings, budget, costs)
     hot = max(1, round(settings.hot_fraction * scores.shape[1]))

@@ -24,6 +24,7 @@ canonical JSON).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -47,6 +48,7 @@ from hexq.typed_config import (
     check_types,
     check_unit,
     check_unused_at_default,
+    check_width_list,
     to_plain,
 )
 
@@ -64,6 +66,8 @@ EXPORT_TARGETS = ("vllm", "gguf")  # experts.export_target: the grid hexq export
 MOE_OBJECTIVES = ("routed", "all")  # HAQ's MoE-group objective: experts on their routed tokens, or on every token
 PLACEMENT_SCHEMES = tuple(SCHEMES.values())  # 003 Algorithm 2: schemes 1, 2 and 3
 BUDGET_SCHEDULES = ("uniform", "cosine")  # how one byte budget is split across layers (004 §4.3)
+PACK_LOSSES = ("expert", "layer")  # what the allocation minimises: per-expert MSE, or weighted by routing mass
+PACK_ORDERS = ("importance", "free")  # widths non-increasing in importance order (002 prefix split), or any
 
 
 # ------------------------------------------------------------------------------------------ dataclasses
@@ -74,6 +78,9 @@ class WeightQuant:
     """How weights are quantized (hexq.algos.quant / hexq.algos.gptq).
 
     act_order, damp and block_size are GPTQ's (hexq.algos.gptq); with method "rtn" they must stay at their defaults.
+    fit_bits (GPTQ only): the widths whose group grids are fitted to the weights, minimising the Hessian-weighted
+    error (hexq.algos.clipping), instead of spanning each group's min and max; for a replica bank a subset of its
+    widths, for one weight its `bits` or nothing.
     """
 
     bits: int = 8
@@ -83,17 +90,20 @@ class WeightQuant:
     act_order: str = "none"  # "none" | "max_activation" | "sum_of_squares"
     damp: float = 0.01  # fraction of mean(diag H) added to diag H; escalated x10 when Cholesky fails
     block_size: int = 128  # columns per lazy-update block
+    fit_bits: tuple[int, ...] = ()  # gptq only: widths whose grids are fitted (hexq.algos.clipping)
 
     def __post_init__(self) -> None:
         check_types(self)
         check_bits("bits", self.bits)
+        check_width_list("fit_bits", self.fit_bits)
         if self.group_size is not None:
             check_at_least("group_size", self.group_size, 1)
         check_choice("method", self.method, WEIGHT_METHODS)
         check_choice("act_order", self.act_order, ACT_ORDERS)
         check_unit("damp", self.damp, open_low=True)
         check_at_least("block_size", self.block_size, 1)
-        check_unused_at_default(self, "method", {name: ("gptq",) for name in ("act_order", "damp", "block_size")})
+        check_unused_at_default(self, "method", {name: ("gptq",) for name in ("act_order", "damp", "block_size",
+                                                                                "fit_bits")})
 
     def spec(self, bits: int | None = None) -> QuantSpec:
         """The QuantSpec of this setting, at `bits` instead of self.bits when given (one replica of a bank)."""
@@ -190,6 +200,11 @@ class Experts:
     Cold experts: an expert with fewer than min_tokens routed calibration tokens uses
     H = (1 - fallback_blend) * H_expert + fallback_blend * H_layer (both per-token means; H_layer from every token
     reaching the MoE block); an expert with no routed token uses H_layer alone. It is quantized either way.
+
+    round_bits: the widths whose GPTQ replicas then have their rounding and scales optimised on the expert's routed
+    tokens (at most round_tokens of them, evenly strided) for round_steps signed-gradient steps
+    (hexq.algos.rounding); cold experts keep GPTQ's. Costs round_steps forward and backward passes of the expert
+    per width: on a CPU more than GPTQ itself.
     """
 
     mode: str = "uniform"  # "uniform" | "replicas"
@@ -201,6 +216,9 @@ class Experts:
     fallback_blend: float = 0.5
     export_target: str | None = None  # replicas only: "vllm" | "gguf"
     loss_tokens: int = 2048  # replicas only
+    round_bits: tuple[int, ...] = ()  # widths whose rounding is optimised on routed tokens (hexq.algos.rounding)
+    round_steps: int = 100
+    round_tokens: int = 512
 
     def __post_init__(self) -> None:
         check_types(self)
@@ -211,6 +229,12 @@ class Experts:
         check_at_least("min_tokens", self.min_tokens, 1)
         check_unit("fallback_blend", self.fallback_blend)
         check_at_least("loss_tokens", self.loss_tokens, 1)
+        check_width_list("round_bits", self.round_bits)
+        check_at_least("round_steps", self.round_steps, 1)
+        check_at_least("round_tokens", self.round_tokens, 1)
+        for name in ("round_steps", "round_tokens") if not self.round_bits else ():
+            if getattr(self, name) != getattr(Experts, name):
+                raise RecipeError(name, "is used only with round_bits; remove it")
         check_unused_at_default(self, "mode", {"replica_bits": ("replicas",), "propagate_bits": ("replicas",),
                                                 "export_target": ("replicas",), "loss_tokens": ("replicas",)})
         if self.mode == "replicas" and self.weights is not None and self.weights.bits != WeightQuant.bits:
@@ -256,6 +280,10 @@ class Pack:
     (002 §4.2 prefix-split), under avg_bits per layer unless the command line gives a byte budget; a byte budget is
     split across layers by `schedule` (cosine: r(l) = (1-cosine_lambda)(cos(pi l/(L-1))+1)/2 + cosine_lambda).
     `placement` picks hot_fraction of each layer's experts for the fast tier (003 Algorithm 2).
+    loss: what the allocation minimises, the loss table's per-expert MSE ("expert", 002 §4.2) or each expert's MSE
+    times its squared routing mass per layer token ("layer": the layer output's MSE, so a rarely routed expert
+    weighs little). order: widths non-increasing in importance order ("importance", 002's prefix split) or any
+    width per expert ("free", an exact multiple-choice knapsack; hexq.algos.allocation.allocate_free).
     export_replicas: also keep, for every expert whose allocated width has no exact 4-bit form (8 bits, 1-bit
     asymmetric), its 4-bit replica, which `hexq export` writes in that expert's place in a 4-bit layer (the same as
     `hexq pack --bank export`).
@@ -269,6 +297,8 @@ class Pack:
     placement: str = "two_stage"
     hot_fraction: float = 0.25
     export_replicas: bool = False
+    loss: str = "expert"
+    order: str = "importance"
 
     def __post_init__(self) -> None:
         check_types(self)
@@ -287,6 +317,8 @@ class Pack:
         check_unit("cosine_lambda", self.cosine_lambda)
         check_choice("placement", self.placement, PLACEMENT_SCHEMES)
         check_unit("hot_fraction", self.hot_fraction, open_low=True)
+        check_choice("loss", self.loss, PACK_LOSSES)
+        check_choice("order", self.order, PACK_ORDERS)
 
 
 @dataclass(frozen=True)
@@ -307,6 +339,18 @@ class Recipe:
         check_types(self)
         if not self.name.strip():
             raise RecipeError("name", "must not be empty")
+        widths = self.experts.replica_bits if self.experts.mode == "replicas" else (self.expert_weights.bits,)
+        named = [("weights.fit_bits", self.weights.fit_bits, (self.weights.bits,)),
+                 ("experts.weights.fit_bits", self.expert_weights.fit_bits, widths),
+                 ("experts.round_bits", self.experts.round_bits, widths)]
+        if self.experts.weights is None:  # the top-level weights serve the experts too: either use is fine
+            named[0] = ("weights.fit_bits", self.weights.fit_bits, (self.weights.bits, *widths))
+            del named[1]
+        for key, bits, allowed in named:
+            unused = [b for b in bits if b not in allowed]
+            if unused:
+                raise RecipeError(key, f"lists {unused}, widths this recipe does not quantize (it quantizes "
+                                       f"{sorted(set(allowed))}); remove them")
         if self.version != RECIPE_VERSION:
             raise RecipeError("version", f"{self.version} is not supported; this hexq reads recipe version "
                                          f"{RECIPE_VERSION}")
@@ -359,13 +403,22 @@ def _hash_dict(data: dict[str, Any]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
+# Settings added after calibrations were first written, with the value that reproduces what came before: left out of
+# the calibration hash at that value, so older calibrations keep their fingerprint.
+_LATER_SETTINGS = {("experts", "export_target"): None, ("weights", "fit_bits"): [],
+                   ("experts", "weights", "fit_bits"): [], ("experts", "round_bits"): [],
+                   ("experts", "round_steps"): 100, ("experts", "round_tokens"): 512}
+
+
 def calibration_hash(recipe: Recipe) -> str:
     """sha256 of the recipe's canonical JSON (sorted keys, no whitespace) without the pack section: changing how a
-    calibration is packed does not invalidate it. An unset
-    experts.export_target is left out, so calibrations made before that setting existed keep their fingerprint."""
+    calibration is packed does not invalidate it. Settings added later (_LATER_SETTINGS) are left out at their
+    earlier behaviour, so calibrations made before they existed keep their fingerprint."""
     data = {key: value for key, value in recipe_to_dict(recipe).items() if key != "pack"}
-    if data["experts"]["export_target"] is None:
-        del data["experts"]["export_target"]
+    for *path, key in _LATER_SETTINGS:
+        section = functools.reduce(lambda d, k: d.get(k) if isinstance(d, dict) else None, path, data)
+        if isinstance(section, dict) and section.get(key) == _LATER_SETTINGS[(*path, key)]:
+            del section[key]
     return _hash_dict(data)
 
 

@@ -58,6 +58,45 @@ class ActQuantizer:
         return ((quantize_to_grid(x.float(), scale, zero, spec.qmax) - zero) * scale).to(x.dtype)
 
 
+def renormalized_weights(top_k_weights: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """Routing weights [T, k] when the slots where kept [T, k] is False are skipped (004's 0-bit experts): the
+    skipped slots get 0 and the kept ones share the token's whole mass, w_j S / S_kept with S the token's summed
+    weights and S_kept the kept ones'; a token with no kept slot gets zeros (its experts add nothing).
+
+    Skipping expert e of token t is then the same as replacing e's output y_e by the kept experts' weighted mean
+    sum_{j kept} w_j y_j / S_kept: the loss table measures the 0-bit entry that way."""
+    weights = top_k_weights.masked_fill(~kept, 0)
+    kept_mass = weights.sum(dim=-1, keepdim=True)
+    total = top_k_weights.sum(dim=-1, keepdim=True)
+    scale = torch.where(kept_mass > 0, total / kept_mass.masked_fill(kept_mass == 0, 1), torch.zeros_like(total))
+    return weights * scale
+
+
+def served_weights(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, kept: torch.Tensor,
+                   num_experts: int) -> torch.Tensor:
+    """The weights [T, k] a layer's routed outputs are summed with when the slots where kept [T, k] is False are
+    skipped: the one rule `hexq eval` (routed_outputs) and `hexq run` (hexq.runtime) share. Slots the family itself
+    dropped (an out-of-range id) weigh 0 and stay out of the renormalisation; a skipped slot's weight goes to the
+    token's kept experts (renormalized_weights). Where nothing is skipped every weight is returned unchanged (the
+    scale is S / S = 1 exactly). Elementwise on the routing's device: no host synchronisation."""
+    valid = (top_k_index >= 0) & (top_k_index < num_experts)
+    return renormalized_weights(top_k_weights.masked_fill(~valid, 0), valid & kept)
+
+
+def skipped_output(total: torch.Tensor, token_mass: torch.Tensor, slot_weights: torch.Tensor, token: torch.Tensor,
+                   slot: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """What stands in for an expert's output y [n, H] on its routed (token, slot) pairs when it is skipped: the
+    weighted mean of the token's other experts, (total_t - w y) / (S_t - w), from the full-precision combined output
+    total [T, H], the tokens' routing mass S [T] and slot weights [T, k] (renormalized_weights); zero
+    where the token has no other expert. No routed pair (a never-routed expert measured on a sample): zero."""
+    if not len(token):
+        return torch.zeros_like(y)
+    w = slot_weights[token, slot]
+    rest = token_mass[token] - w
+    others = total[token] - w[:, None] * y
+    return torch.where(rest[:, None] > 0, others / rest.masked_fill(rest <= 0, 1)[:, None], torch.zeros_like(y))
+
+
 def act_quantizer(setting, low_high: torch.Tensor | None) -> ActQuantizer | None:
     """The ActQuantizer of a recipe's ActivationQuant setting (None when activations stay in full precision);
     low_high [2] is the calibrated static range, unused for dynamic quantization."""
@@ -143,25 +182,39 @@ class RoutedTokens:
         return list(tensor.split(self.batch_rows))
 
 
+def loss_sample(x: torch.Tensor, limit: int) -> torch.Tensor:
+    """At most `limit` rows of x, evenly strided (calibration windows are in order, so a stride spans them all): the
+    tokens an expert's loss table and rounding optimisation are measured on."""
+    return x[::-(-x.shape[0] // limit)] if x.shape[0] > limit else x
+
+
 ExpertWeightsFn = Callable[[list[int]], tuple[torch.Tensor, torch.Tensor]]
 
 
 def routed_outputs(routed: RoutedTokens, weights_of: ExpertWeightsFn, act_fn, input_quant: ActQuantizer | None,
                    mid_quant: ActQuantizer | None, chunk: int,
-                   progress: Callable[[int, int], None] | None = None) -> torch.Tensor:
+                   progress: Callable[[int, int], None] | None = None,
+                   kept: torch.Tensor | None = None) -> torch.Tensor:
     """The routed experts' combined output [T, H] (what the family's experts module would return), expert by
     expert: weights_of(experts) gives (gate_up [n, 2I, H], down [n, H, I]) ready to compute with for `chunk`
-    experts at a time; experts are visited in ascending order, like transformers' own experts module."""
+    experts at a time; experts are visited in ascending order, like transformers' own experts module.
+    kept [E] bool (None: every expert): the experts that are computed; the others are skipped, their routing weight
+    renormalised onto the token's kept experts (renormalized_weights)."""
     out = torch.zeros_like(routed.x)
     num_experts = routed.num_experts
+    weights = routed.weights
+    if kept is not None and not bool(kept.all()):
+        kept_slots = kept.to(routed.index.device)[routed.index.clamp(0, num_experts - 1)]
+        weights = served_weights(routed.index, weights, kept_slots, num_experts)
     for start in range(0, num_experts, chunk):
-        experts = [e for e in range(start, min(start + chunk, num_experts)) if routed.count(e)]
+        experts = [e for e in range(start, min(start + chunk, num_experts))
+                   if routed.count(e) and (kept is None or bool(kept[e]))]
         if experts:
             gate_up, down = weights_of(experts)
             for j, expert in enumerate(experts):
                 token, slot = routed.rows(expert)
                 y = quantized_expert_output(routed.x[token], gate_up[j], down[j], act_fn, input_quant, mid_quant)
-                out.index_add_(0, token, (y * routed.weights[token, slot, None]).to(out.dtype))
+                out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
             del gate_up, down
         if progress is not None:
             progress(min(start + chunk, num_experts), num_experts)

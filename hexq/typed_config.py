@@ -99,6 +99,14 @@ def check_bits(key: str, bits: int) -> None:
         raise RecipeError(key, f"must be in 1..8, got {bits}")
 
 
+def check_width_list(key: str, widths: tuple[int, ...]) -> None:
+    """A list of widths (possibly empty): each in 1..8, increasing, no duplicates."""
+    for b in widths:
+        check_bits(key, b)
+    if list(widths) != sorted(set(widths)):
+        raise RecipeError(key, f"must be increasing without duplicates, got {list(widths)}")
+
+
 def check_choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise RecipeError(key, f"must be one of {', '.join(allowed)}; got {value!r}")

@@ -86,10 +86,13 @@ def small_recipe(name: str, **experts):
 
 
 def mixed_recipe():
-    """experts-mixed with groups of 16 (the tiny models' expert width is 16)."""
-    from hexq.recipe import WeightQuant
+    """experts-mixed with groups of 16 (the tiny models' expert width is 16), packed by 002's prefix split over 1-4
+    bits (pack.order free and 0-bit experts have tests of their own)."""
+    from dataclasses import replace
 
-    return small_recipe("experts-mixed", weights=WeightQuant(group_size=16, symmetric=False))
+    from hexq.recipe import Pack, WeightQuant
+
+    return replace(small_recipe("experts-mixed", weights=WeightQuant(group_size=16, symmetric=False)), pack=Pack())
 
 
 @pytest.fixture(scope="session")
@@ -112,18 +115,47 @@ def mixed_artifact(mixed_calibration, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def packed_artifact(tmp_path_factory):
+def wide_calibration(tmp_path_factory):
     """A tiny Qwen3-MoE wide enough for the packed kernels (hidden and expert width 64: groups of 32, whole 64-code
-    steps), calibrated with experts-mixed as bundled (groups of 32) and packed at 2.5 bits (widths mixed)."""
+    steps), calibrated with experts-mixed (groups of 32) with the experts' columns in natural order.
+
+    Natural order because test_decode_from_the_codes_tracks_the_exact_model compares logits step by step: with the
+    bundled act_order one decode step of this random model lands on a near tie (a router's top-k or a W8A8
+    rounding) that the exact and the from-the-codes paths break differently, 1.5e-3 to 3.4e-3 apart where every
+    other step is ~2e-5."""
+    from dataclasses import replace
+
     from hexq.calib.pipeline import calibrate
-    from hexq.pack import Budget, pack
 
     model = save_tiny_model(tmp_path_factory.mktemp("wide-qwen3moe"), "qwen3_moe", hidden_size=64,
                             moe_intermediate_size=64, intermediate_size=128, head_dim=16)
     calibration = tmp_path_factory.mktemp("cal") / "wide"
-    calibrate(model, small_recipe("experts-mixed"), "bundled", calibration)
+    recipe = small_recipe("experts-mixed")
+    weights = replace(recipe.experts.weights, act_order="none")
+    calibrate(model, replace(recipe, experts=replace(recipe.experts, weights=weights)), "bundled", calibration)
+    return calibration
+
+
+@pytest.fixture(scope="session")
+def packed_artifact(wide_calibration, tmp_path_factory):
+    """The wide calibration packed at 2.5 bits by 002's prefix split over 1-4 bits (widths mixed, no expert
+    skipped)."""
+    from hexq.pack import Budget, pack
+    from hexq.recipe import Pack
+
     out = tmp_path_factory.mktemp("pack") / "wide-2.5.hexq"
-    pack(calibration, out, budget=Budget(avg_bits=2.5))
+    pack(wide_calibration, out, Pack(), Budget(avg_bits=2.5))
+    return out
+
+
+@pytest.fixture(scope="session")
+def skipping_artifact(wide_calibration, tmp_path_factory):
+    """The wide calibration packed at 1.5 bits by the bundled recipe's allocator (0-8 bits, any width per expert):
+    some experts of every layer skipped (0 bits)."""
+    from hexq.pack import Budget, pack
+
+    out = tmp_path_factory.mktemp("pack") / "wide-1.5.hexq"
+    pack(wide_calibration, out, budget=Budget(avg_bits=1.5))
     return out
 
 

@@ -3,6 +3,7 @@
 import json
 import math
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,13 +12,13 @@ from typer.testing import CliRunner
 
 from hexq.calib import pipeline
 from hexq.calib.calibrated import calibrated_model
-from hexq.calib.loss_table import loss_sample
 from hexq.calib.pipeline import calibrate
 from hexq.calib.store import read_json
 from hexq.errors import HexqError
 from hexq.layer_pass import full_precision_plan, stream_logits
 from hexq.packed.bitpack import packed_nbytes, unpack_bits
-from hexq.recipe import Calibration, Experts, WeightQuant
+from hexq.recipe import Calibration, Experts, Pack, WeightQuant
+from hexq.simulate import loss_sample
 from hexq.streaming import open_model
 from hexq_cli.main import app
 from tests.conftest import small_recipe
@@ -25,6 +26,11 @@ from tests.conftest import small_recipe
 SMALL = Calibration(num_samples=6, seqlen=32, seed=0)
 MIXED = dict(weights=WeightQuant(group_size=16, symmetric=False))
 small = small_recipe
+
+
+def mixed(**experts):
+    """experts-mixed as the shared mixed_calibration fixture makes it (conftest.mixed_recipe: pack section too)."""
+    return replace(small("experts-mixed", **experts), pack=Pack())
 
 
 def folder_bytes(folder):
@@ -72,7 +78,7 @@ def test_loss_tokens_samples_the_loss_table_and_nothing_else(tiny_qwen3moe, mixe
     still goes through the propagated replica), a different but still ordered loss table."""
     out, _ = mixed_run
     capped = tmp_path / "capped"
-    calibrate(tiny_qwen3moe, small("experts-mixed", **MIXED, loss_tokens=4), "bundled", capped)
+    calibrate(tiny_qwen3moe, mixed(**MIXED, loss_tokens=4), "bundled", capped)
     for index in range(2):
         name = f"layer_{index:03d}.bank.safetensors"
         assert (capped / name).read_bytes() == (out / name).read_bytes()
@@ -85,7 +91,7 @@ def test_loss_tokens_samples_the_loss_table_and_nothing_else(tiny_qwen3moe, mixe
 def test_same_inputs_give_the_same_bytes(tiny_qwen3moe, mixed_run, tmp_path):
     out, _ = mixed_run
     again = tmp_path / "again"
-    calibrate(tiny_qwen3moe, small("experts-mixed", **MIXED), "bundled", again)
+    calibrate(tiny_qwen3moe, mixed(**MIXED), "bundled", again)
     assert folder_bytes(again) == folder_bytes(out)
 
 
@@ -99,10 +105,10 @@ def test_interrupted_run_resumes_from_the_last_finished_layer(tiny_qwen3moe, mix
         (partial / name).unlink()
     progress = json.loads((partial / "progress.json").read_text())
     (partial / "progress.json").write_text(json.dumps(progress | {"layers_done": 1}))
-    summary = calibrate(tiny_qwen3moe, small("experts-mixed", **MIXED), "bundled", final)
+    summary = calibrate(tiny_qwen3moe, mixed(**MIXED), "bundled", final)
     assert summary.resumed_from == 1 and not partial.exists()
     assert folder_bytes(final) == folder_bytes(out)
-    assert calibrate(tiny_qwen3moe, small("experts-mixed", **MIXED), "bundled", final).resumed_from == -1
+    assert calibrate(tiny_qwen3moe, mixed(**MIXED), "bundled", final).resumed_from == -1
 
 
 def test_a_killed_run_leaves_nothing_under_the_final_name_and_a_rerun_resumes(tiny_qwen3moe, mixed_run, tmp_path,
@@ -122,7 +128,7 @@ def test_a_killed_run_leaves_nothing_under_the_final_name_and_a_rerun_resumes(ti
 
     monkeypatch.setattr(pipeline, "save_layer", full_disk)
     with pytest.raises(OSError, match="No space left"):
-        calibrate(tiny_qwen3moe, small("experts-mixed", **MIXED), "bundled", final)
+        calibrate(tiny_qwen3moe, mixed(**MIXED), "bundled", final)
     assert not final.exists() and (tmp_path / ".cal.partial" / "layer_000.safetensors").is_file()
     assert not (tmp_path / ".cal.partial" / "layer_001.safetensors").exists()
     monkeypatch.setattr(pipeline, "save_layer", real_save)
@@ -130,7 +136,7 @@ def test_a_killed_run_leaves_nothing_under_the_final_name_and_a_rerun_resumes(ti
     monkeypatch.setattr(pipeline, "calibrate_layer",
                         lambda loaded, *a, **k: calibrated.append(loaded.index) or real_calibrate_layer(loaded, *a,
                                                                                                          **k))
-    assert calibrate(tiny_qwen3moe, small("experts-mixed", **MIXED), "bundled", final).resumed_from == 1
+    assert calibrate(tiny_qwen3moe, mixed(**MIXED), "bundled", final).resumed_from == 1
     assert calibrated == [1] and folder_bytes(final) == folder_bytes(out)
 
 
@@ -206,7 +212,7 @@ def test_haq_w8a8_smoothing_helps_on_outliers_and_stays_close_to_full_precision(
 
 
 def test_cold_experts_use_the_fallback_and_are_still_quantized(tiny_qwen3moe, tmp_path):
-    recipe = small("experts-mixed", **MIXED, min_tokens=10_000)  # every expert counts as cold
+    recipe = mixed(**MIXED, min_tokens=10_000)  # every expert counts as cold
     summary = calibrate(tiny_qwen3moe, recipe, "bundled", tmp_path / "cold")
     assert summary.fallback_experts == 2 * 8
     tensors = load_file(tmp_path / "cold" / "layer_000.safetensors")

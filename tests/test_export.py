@@ -25,7 +25,7 @@ from hexq.export.command import export_artifact
 from hexq.export.plan import plan_export
 from hexq.packed.grids import scheme_fits
 from hexq.packed.weight import PackedWeight, dequantize_packed, pack_weight
-from hexq.recipe import WeightQuant
+from hexq.recipe import Pack, WeightQuant
 from hexq.runtime.model import artifact_config
 from hexq.streaming import StreamedModel
 
@@ -85,7 +85,7 @@ def test_export_of_a_mixed_artifact_is_the_served_model(mixed_artifact, tmp_path
     check = summary.check
     assert check.passed and check.vs_served.rel_l2 <= 1e-6 and check.vs_served.argmax_agreement == 1.0
     assert check.vs_full_precision is not None and check.vs_full_precision.rel_l2 > 1e-4
-    assert all(c.source in ("exact", "zero") for layer in summary.layers for c in layer.choices)
+    assert all(c.source == "exact" for layer in summary.layers for c in layer.choices)
     artifact, reader = Artifact(mixed_artifact), ExportReader(out, adapter_for("qwen3_moe"))
     shapes = {}
     skeleton = StreamedModel(artifact_config(artifact), artifact, torch.device("cpu"))
@@ -113,7 +113,7 @@ def qwen2moe_artifact(tmp_path_factory):
     model = save_tiny_model(root / "model", "qwen2_moe")
     recipe = small_recipe("experts-mixed", weights=WeightQuant(group_size=8, symmetric=False))  # 8 divides 24
     calibrate(model, recipe, "bundled", root / "cal")
-    pack(root / "cal", root / "art.hexq", budget=Budget(avg_bits=2.5))
+    pack(root / "cal", root / "art.hexq", Pack(), Budget(avg_bits=2.5))  # widths 1-4: exportable
     return root / "art.hexq"
 
 
@@ -303,7 +303,7 @@ def test_export_target_vllm_replicas_replace_another_grid(tokenizer, tmp_path):
     tokenizer.save_pretrained(model)
     recipe = small_recipe("experts-mixed", weights=WeightQuant(group_size=16, symmetric=False), export_target="vllm")
     calibrate(model, recipe, "bundled", tmp_path / "cal")
-    pack(tmp_path / "cal", tmp_path / "art.hexq", bank=("export",))
+    pack(tmp_path / "cal", tmp_path / "art.hexq", Pack(), bank=("export",))
     artifact = Artifact(tmp_path / "art.hexq")
     assert artifact.manifest["export"]["group_size"] == 32 and artifact.manifest["export"]["symmetric"]
     with pytest.raises(HexqError, match="vLLM's fused MoE does not take"):
@@ -326,3 +326,16 @@ def test_vllm_line_says_intel_cpu_refuses_group_32_moe():
     line = vllm_support(CtScheme(4, 32, True), experts=True)
     assert line.startswith("yes (WNA16) on GPU") and "Intel CPU: no" in line
     assert vllm_support(CtScheme(4, 32, True), experts=False) == "yes (WNA16)"  # linear layers: not the MoE kernel
+
+
+def test_an_artifact_that_skips_experts_is_refused(mixed_calibration, tmp_path):
+    """0-bit experts are served with their routing weight renormalised onto the kept experts, which compressed-tensors
+    cannot express: the export names the skipped experts and what to pack instead, and writes nothing."""
+    from hexq.pack import Budget, pack
+
+    pack(mixed_calibration[0], tmp_path / "skips.hexq", Pack(bits=(0, 1, 2, 3, 4), avg_bits=1.0), Budget(avg_bits=1.0))
+    skipped = sum(b == 0 for row in Artifact(tmp_path / "skips.hexq").allocation for b in row)
+    assert skipped
+    with pytest.raises(HexqError, match=f"skips {skipped} routed expert.*pack.bits without 0"):
+        exported(tmp_path / "skips.hexq", tmp_path / "ct")
+    assert not (tmp_path / "ct").exists()

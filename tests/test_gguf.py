@@ -232,6 +232,11 @@ def test_one_line_errors_name_what_to_use(gguf_calibration, tmp_path):
     with pytest.raises(HexqError, match="--export-target gguf and pack with --bank export"):
         export_gguf(plain, tmp_path / "m.gguf")
     assert not (tmp_path / "m.gguf").exists()
+    skips = tmp_path / "skips.hexq"  # llama.cpp would run a skipped expert as zeros, its routing weight lost
+    pack(gguf_calibration, skips, settings=Pack(bits=(0, 2, 3, 4), avg_bits=1.5))
+    with pytest.raises(HexqError, match=r"skips \d+ routed expert.*GGUF has no way to say so.*pack.bits without 0"):
+        export_gguf(skips, tmp_path / "m.gguf")
+    assert not (tmp_path / "m.gguf").exists()
     with pytest.raises(HexqError, match="deepseek_v2 is not among them"):
         family_of(AutoConfig.for_model("deepseek_v2"))
     with pytest.raises(HexqError, match="norm_topk_prob"):

@@ -243,3 +243,44 @@ def test_dataclasses_validate_when_built_in_python_too():
     with pytest.raises(HexqError, match="replica_bits has duplicates"):
         Experts(mode="replicas", replica_bits=(4, 4))
     assert WeightQuant(bits=4, group_size=32).spec(2).bits == 2
+
+
+def test_low_bit_switches_name_widths_the_recipe_quantizes():
+    data = recipe_to_dict(load_recipe("experts-mixed"))
+    data["experts"]["weights"]["fit_bits"] = [1, 2, 5]
+    fails(data, "experts.weights.fit_bits lists [5], widths this recipe does not quantize")
+    data = recipe_to_dict(load_recipe("experts-mixed"))
+    data["experts"]["round_bits"] = [2, 1]
+    fails(data, "experts.round_bits must be increasing without duplicates")
+    data["experts"]["round_bits"] = []
+    data["experts"]["round_steps"] = 50
+    fails(data, "experts.round_steps is used only with round_bits")
+    data = base()  # attention at 8 bits: fitting its 4-bit grid would fit nothing
+    data["weights"]["fit_bits"] = [4]
+    fails(data, "weights.fit_bits lists [4]")
+    data["weights"]["fit_bits"] = [8]
+    assert recipe_from_dict(data).weights.fit_bits == (8,)
+    data["weights"]["method"] = "rtn"
+    for key in ("act_order", "damp", "block_size"):
+        data["weights"].pop(key)
+    fails(data, "weights.fit_bits is used only with method 'gptq'")
+
+
+def test_calibrations_made_before_the_low_bit_switches_keep_their_fingerprint():
+    """A recipe with the new switches at their defaults hashes as it did before they existed (the stored manifests of
+    older calibrations have no such keys); turning one on changes the hash."""
+    import hashlib
+    import json
+
+    from hexq.recipe import calibration_hash
+
+    recipe = load_recipe("haq-w8a8")
+    data = {key: value for key, value in recipe_to_dict(recipe).items() if key != "pack"}
+    for key in ("export_target", "round_bits", "round_steps", "round_tokens"):
+        del data["experts"][key]
+    del data["weights"]["fit_bits"]
+    before = hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    assert calibration_hash(recipe) == before
+    changed = recipe_to_dict(recipe)
+    changed["weights"]["fit_bits"] = [8]
+    assert calibration_hash(recipe_from_dict(changed)) != before

@@ -8,10 +8,11 @@ import math
 import pytest
 import torch
 
+from hexq.artifact.reader import Artifact
 from hexq.errors import HexqError
 from hexq.eval.perplexity import make_windows
 from hexq.eval.run import runtime_perplexity
-from hexq.layer_pass import stream_nll
+from hexq.layer_pass import stream_logits, stream_nll
 from hexq.packed import triton as gpu
 from hexq.packed.cpu import available_paths, load_cpu_kernels
 from hexq.runtime.compute import Compute, Profiles
@@ -52,6 +53,38 @@ def test_run_matches_eval_on_every_device(packed_artifact, eval_perplexity, devi
     assert scored == 5 * 51 and abs(got / eval_perplexity - 1) <= 1e-3, (got, eval_perplexity)
     if device == "cpu" and KERNELS is not None and cache == "packed-codes":
         assert stats.kernel_path == KERNELS.path and stats.gemv_rows > 0 and stats.expanded_experts == 0
+
+
+@pytest.fixture(scope="module")
+def skipping_eval(skipping_artifact):
+    """`hexq eval` of the artifact that skips experts: (perplexity, logits [5, 52, vocab]) on the 5 windows."""
+    assert all(0 in row for row in Artifact(skipping_artifact).allocation)  # every layer skips some expert
+    windows = make_windows(IDS, 52)
+    streamed, _, prepare = artifact_model(skipping_artifact, torch.device("cpu"))
+    nll = stream_nll(streamed, windows, 1, prepare)
+    streamed, _, prepare = artifact_model(skipping_artifact, torch.device("cpu"))
+    return math.exp(float(nll.sum()) / (5 * 51)), stream_logits(streamed, windows, prepare, 1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cache", ["packed", "packed-codes", "fp32"])
+def test_skipped_experts_are_served_as_eval_computes_them(skipping_artifact, skipping_eval, device, cache):
+    """0-bit experts: `hexq run` gives a skipped expert's routing weight to the token's kept experts exactly as
+    `hexq eval` does, on every device and cache: the perplexity within 0.1% (as test_run_matches_eval_on_every_device).
+    This random model's perplexity hardly moves whatever its experts do (losing the skipped experts' weight instead
+    moves it by ~4e-5), its logits do (by ~2%): with experts expanded to float32 the runtime computes what the
+    evaluation computes, so its logits are held to float32 noise, relative L2 1e-3 as in the decode check (measured
+    0). From the codes, the int16 activation blocks of the CPU kernels alone move these logits by ~1.5e-3."""
+    want, want_logits = skipping_eval
+    with Runtime(skipping_artifact, device=device, dtype="fp32", cache=cache.removesuffix("-codes")) as runtime:
+        if cache == "packed-codes":
+            from_codes(runtime)
+        got, _, _ = runtime_perplexity(runtime, IDS, 52, None)
+        logits = runtime.forward(make_windows(IDS, 52).to(runtime.device)).logits.float().cpu()
+        assert runtime.stats().skipped_slots > 0
+    assert abs(got / want - 1) <= 1e-3, (got, want)
+    if cache == "fp32":
+        assert float((logits - want_logits).norm() / want_logits.norm()) <= 1e-3
 
 
 @pytest.mark.skipif(KERNELS is None, reason="no C compiler: the CPU kernels cannot be built here")
@@ -128,6 +161,20 @@ def test_gpu_path_serves_the_same_model(packed_artifact, eval_perplexity):
     want = math.exp(float(stream_nll(streamed, make_windows(IDS, 52, 1), 1, prepare).sum()) / 51)
     assert abs(got / want - 1) <= 1e-3 and stats.kernel_path == "triton" and stats.cache.misses == 0
     assert text
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu.available(), reason="triton is not installed")
+def test_gpu_path_serves_skipped_experts_as_eval(skipping_artifact, skipping_eval):
+    """The resident CUDA arena renormalises a skipped expert's routing weight on the device, as `hexq eval` does:
+    the same logits within float32 noise (test_skipped_experts_are_served_as_eval_computes_them)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    windows = make_windows(IDS, 52, 1)
+    with Runtime(skipping_artifact, device=device, kernels="triton", dtype="fp32") as runtime:
+        assert all(m.resident is not None for m in runtime.model.modules() if hasattr(m, "resident"))
+        logits = runtime.forward(windows.to(runtime.device)).logits.float().cpu()
+    want = skipping_eval[1][:1]
+    assert float((logits - want).norm() / want.norm()) <= 1e-3
 
 
 def test_cost_model_latencies_are_measured_once_and_kept(packed_artifact, tmp_path, monkeypatch):

@@ -134,6 +134,47 @@ def allocate(loss: torch.Tensor, bits: Sequence[int], order: Sequence[int] | tor
     return _to_experts(levels, bits, ids)
 
 
+def allocate_free(loss: torch.Tensor, bits: Sequence[int], costs: Sequence[int], budget: int) -> list[int]:
+    """Exact minimum-loss assignment with any width per expert (no importance order): the multiple-choice knapsack
+    min sum_e loss[e, j_e] subject to sum_e costs[j_e] <= budget; widths by expert id.
+
+    Where the loss table weighs each expert by how much of the layer's output it carries (pack.loss "layer"), a
+    rarely routed expert's bytes can pay for a hot expert's width whatever their importance ranks, which the
+    prefix structure of `allocate` forbids. Costs and budget are integers as in `allocate`, divided by their gcd;
+    a DP over (expert, budget units), G_e[u] = min_j G_{e-1}[u - w_j] + loss[e, j] with G_0 = 0 ("at most u units"),
+    then one backward pass over the recorded choices. O(E U K) time, O(E U) bytes of choices.
+    """
+    table, bits, ids = _ranked_table(loss, bits, range(loss.shape[0]))
+    E, K = table.shape
+    costs = [int(c) for c in costs]
+    if len(costs) != K or costs[0] < 0 or any(c1 >= c2 for c1, c2 in zip(costs, costs[1:], strict=False)):
+        raise ValueError(f"costs must give one integer >= 0 per width in {bits}, strictly increasing; got {costs}")
+    budget = int(budget)
+    if budget < E * costs[0]:
+        raise ValueError(f"budget {budget} is infeasible: the minimum is {E * costs[0]} "
+                         f"({E} experts at {bits[0]} bits, {costs[0]} each)")
+    g = math.gcd(*costs) if any(costs) else 1
+    w = [c // g for c in costs]
+    units = min(budget // g, E * w[-1])  # beyond every expert at the widest width nothing changes
+    if (E + 1) * (units + 1) > _MAX_DP_CELLS:
+        raise ValueError(f"costs {costs} need a DP over {units + 1} budget units; costs should share a large common "
+                         "divisor (bytes A * b + O do when A and O do)")
+    # G padded with w[-1] infeasible cells in front, so G[u - w_j] is one gather for every width: source[j, u]
+    source = torch.arange(units + 1, device=table.device)[None, :] - torch.tensor(w, device=table.device)[:, None]
+    source += w[-1]
+    padded = torch.full((w[-1] + units + 1,), math.inf, dtype=torch.float64, device=table.device)
+    padded[w[-1]:] = 0.0
+    choices = torch.empty(E, units + 1, dtype=torch.long, device=table.device)
+    for e in range(E):
+        G, choices[e] = (padded[source] + table[e, :, None]).min(dim=0)
+        padded[w[-1]:] = G
+    left, levels = units, [0] * E
+    for e in range(E - 1, -1, -1):
+        levels[e] = int(choices[e, left])
+        left -= w[levels[e]]
+    return [bits[j] for j in levels]
+
+
 def allocate_avg_bits(loss: torch.Tensor, bits: Sequence[int], order: Sequence[int] | torch.Tensor,
                       avg_bits: float) -> list[int]:
     """`allocate` with cost = width and budget floor(avg_bits * E) bits (0 bits = skipped expert, costs nothing)."""

@@ -19,11 +19,12 @@ Cholesky step depends only on H and is batched over experts too (`factorize_hess
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 
 import torch
 
+from hexq.algos.clipping import fit_grid
 from hexq.algos.hessian import HessianFactor, _compute_dtype, factorize_hessian, factorize_hessians
 from hexq.algos.quant import QuantMeta, QuantSpec
 
@@ -139,6 +140,36 @@ class _RowGrids:
         zero = -lo / scale
         return scale, torch.where(self.one_bit, zero, torch.round(zero))
 
+    def fitted(self, columns: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor | None,
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The grids of groups columns [..., g, R] (g columns of the R stacked rows): `params` from their min and max,
+        then, for the stacked rows `rows` (None: none), fitted to the columns with column weights weight [..., g]
+        (hexq.algos.clipping.fit_grid)."""
+        scale, zero = self.params(columns.amin(dim=-2), columns.amax(dim=-2))
+        if rows is not None:
+            scale[..., rows], zero[..., rows] = fit_grid(columns[..., rows], weight, scale[..., rows],
+                                                         zero[..., rows], self.qmax[rows], self.one_bit[rows],
+                                                         self.symmetric)
+        return scale, zero
+
+
+def _static_grids(grouped: torch.Tensor, U: torch.Tensor, perm: torch.Tensor | None, grids: _RowGrids,
+                  width_count: int, fit_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Static grids [E, groups, B * out] of grouped [E, out, groups, g] (original weights, contiguous original
+    columns), the rows fit_rows fitted with column weights 1 / [H^-1]_jj = 1 / sum_i U_ij^2 (U in quantization order,
+    perm its original columns). One group at a time bounds the working set to a group of the stack."""
+    num, rows, count, group = grouped.shape
+    weight = U.square().sum(dim=1).reciprocal()
+    if perm is not None:  # back to the original column order
+        weight = torch.empty_like(weight).scatter_(1, perm, weight)
+    weight = weight.reshape(num, count, group)
+    scale = torch.empty(num, count, width_count * rows, dtype=grouped.dtype, device=grouped.device)
+    zero = torch.empty_like(scale)
+    for g in range(count):
+        columns = grouped[:, :, g].transpose(1, 2).repeat(1, 1, width_count)  # [E, g, B * out]
+        scale[:, g], zero[:, g] = grids.fitted(columns, weight[:, g], fit_rows)
+    return scale, zero
+
 
 def _stacked_columns(W: torch.Tensor, dead: torch.Tensor, perm: torch.Tensor | None, width_count: int,
                      dtype: torch.dtype) -> torch.Tensor:
@@ -207,7 +238,8 @@ def _quantize_stack(Wt: torch.Tensor, U: torch.Tensor, perm: torch.Tensor | None
 
 def gptq_bank(W: torch.Tensor, factor_or_H: HessianFactor | torch.Tensor, bits_list: Sequence[int],
               spec_template: QuantSpec, *, block_size: int = 128, damp: float = 0.01, act_order: str = "none",
-              column_importance: torch.Tensor | None = None, max_damp: float = 1.0) -> dict[int, GPTQBankResult]:
+              column_importance: torch.Tensor | None = None, max_damp: float = 1.0,
+              fit_bits: Collection[int] = ()) -> dict[int, GPTQBankResult]:
     """GPTQ of E weights W [E, out, in] at every width of bits_list, in one column loop (eq. 5-6).
 
     factor_or_H: a HessianFactor of the E Hessians, or the Hessians [E, in, in] (2 X X^T summed over each expert's
@@ -226,7 +258,10 @@ def gptq_bank(W: torch.Tensor, factor_or_H: HessianFactor | torch.Tensor, bits_l
     weights when the loop reaches the group's first column (GPTQ's static_groups=False). With an act_order, columns
     of one group are not quantized together, so group grids are static: from the original weights of each
     contiguous original-column group (static_groups=True). Meta groups are contiguous original columns and codes
-    are in the original column order. Input columns that are dead in the factor are zeroed.
+    are in the original column order. Input columns that are dead in the factor are zeroed. The grids of the widths
+    in fit_bits are then fitted to their groups (hexq.algos.clipping.fit_grid) instead of spanning min and max:
+    dynamic grids inside the loop with column weights 1 / [H_F^-1]_jj (eq. 5), static grids before it with
+    1 / [H^-1]_jj (a column's error once every other column compensates it).
 
     Peak working set beyond the inputs, in stacks (one stack = E * in * B * out values of the compute dtype, e.g.
     8 experts x 2048 x 5 x 1536 x 4 bytes = 480 MiB): the stack (1), its uint8 codes (1/4 in float32), block buffers
@@ -264,21 +299,32 @@ def gptq_bank(W: torch.Tensor, factor_or_H: HessianFactor | torch.Tensor, bits_l
     dynamic = spec_template.group_size is not None and factor.perm is None
     dead = factor.dead.to(device)
     perm = None if factor.perm is None else factor.perm.to(device)
+    U = factor.hinv_chol.to(device=device, dtype=dtype)
+    fitted = [b for b, spec in enumerate(specs) if spec.bits in fit_bits]
+    fit_rows = (torch.arange(rows, device=device) + torch.tensor(fitted, device=device)[:, None] * rows).flatten() \
+        if fitted else None
     if dynamic:  # filled in by the loop, each group at its first column
         scale = torch.empty(num, n // group, width_count * rows, dtype=dtype, device=device)
         zero = torch.empty_like(scale)
     else:  # static grids from the original rows, the same for every width's copy of a row: [E, groups, B * out]
         grouped = W.to(dtype).masked_fill(dead[:, None, :], 0).reshape(num, rows, n // group, group)
-        lo, hi = grouped.amin(dim=-1), grouped.amax(dim=-1)
+        if fit_rows is None:
+            lo, hi = grouped.amin(dim=-1), grouped.amax(dim=-1)
+            scale, zero = grids.params(lo.transpose(1, 2).repeat(1, 1, width_count),
+                                       hi.transpose(1, 2).repeat(1, 1, width_count))
+        else:
+            scale, zero = _static_grids(grouped, U, perm, grids, width_count, fit_rows)
         del grouped
-        scale, zero = grids.params(lo.transpose(1, 2).repeat(1, 1, width_count),
-                                   hi.transpose(1, 2).repeat(1, 1, width_count))
+    grid = None
+    if dynamic:  # each group's grid from its current columns; fitted rows weigh column j by 1 / [H_F^-1]_jj (eq. 5)
+        column_weight = torch.diagonal(U, dim1=1, dim2=2).square().reciprocal() if fit_rows is not None else None
+
+        def grid(columns: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor]:
+            weight = None if column_weight is None else column_weight[:, first:first + group]
+            return tuple(t[:, None] for t in grids.fitted(columns, weight, fit_rows))
     # The stack is built inside the call so that nothing here keeps it alive once the loop returns.
-    grid = (lambda columns, _first: tuple(t[:, None] for t in grids.params(columns.amin(dim=1), columns.amax(dim=1)))
-            ) if dynamic else None
-    codes, loss = _quantize_stack(_stacked_columns(W, dead, perm, width_count, dtype),
-                                  factor.hinv_chol.to(device=device, dtype=dtype), perm, scale, zero, grids.qmax, group,
-                                  grid, group, block_size)
+    codes, loss = _quantize_stack(_stacked_columns(W, dead, perm, width_count, dtype), U, perm, scale, zero,
+                                  grids.qmax, group, grid, group, block_size)
 
     results = {}
     for b, spec in enumerate(specs):
@@ -328,7 +374,8 @@ def gptq_grid(W: torch.Tensor, factor: HessianFactor, grid: GridFn, span: int, g
 
 def gptq_replicas(W: torch.Tensor, H: torch.Tensor, bits_list: list[int] | tuple[int, ...], spec_template: QuantSpec,
                   *, block_size: int = 128, damp: float = 0.01, act_order: str = "none",
-                  column_importance: torch.Tensor | None = None, max_damp: float = 1.0) -> dict[int, GPTQResult]:
+                  column_importance: torch.Tensor | None = None, max_damp: float = 1.0,
+                  fit_bits: Collection[int] = ()) -> dict[int, GPTQResult]:
     """GPTQ of one W [out, in] at several bit widths (a replica bank) from a single inverse-Hessian factorization:
     gptq_bank with one expert. Each width uses spec_template with only `bits` replaced."""
     if not bits_list:
@@ -337,5 +384,5 @@ def gptq_replicas(W: torch.Tensor, H: torch.Tensor, bits_list: list[int] | tuple
         raise ValueError(f"W must be a 2-D [out, in] matrix, got shape {tuple(W.shape)}")
     factor = factorize_hessian(H, damp=damp, act_order=act_order, column_importance=column_importance,
                                max_damp=max_damp)
-    bank = gptq_bank(W[None], factor, bits_list, spec_template, block_size=block_size)
+    bank = gptq_bank(W[None], factor, bits_list, spec_template, block_size=block_size, fit_bits=fit_bits)
     return {bits: result.expert(0) for bits, result in bank.items()}

@@ -14,11 +14,13 @@ from hexq.calib.store import (
 from hexq.simulate import (
     RoutedTokens,
     expert_output,
+    loss_sample,
     quantized_expert_output,
+    routed_outputs,
+    skipped_output,
 )
 
 Progress = Callable[[str, int, int], None]  # (what, done, total)
-# Working memory for one chunk of experts' GPTQ (weights of every width stacked, Hessians and factors, float32).
 
 # Intermediate activations of one expert computed at once for the loss table and the propagated output.
 LOSS_TABLE_BYTES = 256 << 20
@@ -27,29 +29,34 @@ LOSS_TABLE_BYTES = 256 << 20
 # ------------------------------------------------------------------------------------------ pass C: loss table
 
 
-def loss_sample(x: torch.Tensor, limit: int) -> torch.Tensor:
-    """At most `limit` rows of x, evenly strided (calibration windows are in order, so a stride spans them all)."""
-    return x[::-(-x.shape[0] // limit)] if x.shape[0] > limit else x
-
-
 @torch.no_grad()
 def loss_table(routed: RoutedTokens, weights_of, tensors: dict, bank, bits_list: tuple[int, ...],
                propagate_bits: int, quantizers: tuple, moe_sample: torch.Tensor, act_fn, chunk: int,
                loss_tokens: int, progress: Progress | None) -> torch.Tensor:
     """Fill tensors["loss_table"] [E, len(bits_list)] with the output MSE of each replica against the
     full-precision expert on (at most loss_tokens of) the tokens routed to it (002 §4.2), tensors["loss_table.skip"]
-    [E] with the MSE of skipping the expert (output 0); return the experts' combined output [T, H] at the propagated
-    width, computed on every routed token.
+    [E] with the MSE of skipping it (004's 0 bits, measured like a replica: skipping renormalises the token's other
+    routing weights, which is the same as replacing the expert's output by the weighted mean of the token's other
+    experts, hexq.simulate.renormalized_weights), tensors["loss_table.mass"] [E] with each expert's summed squared
+    routing weight per layer token (how much of the layer's output error one unit of its MSE is); return the
+    experts' combined output [T, H] at the propagated width, computed on every routed token.
 
     Working set: a chunk of full-precision experts, the same chunk's replicas at one width (read from the bank when
     needed, so a bank of five widths is never dequantized at once), each expert's reference outputs on its measured
-    rows, and a bounded number of token rows."""
+    rows, a bounded number of token rows, and the full-precision experts' combined output [T, H] (what the skip
+    entries are measured against)."""
     num_experts = routed.num_experts
     device = routed.x.device  # the sums stay on the device until the table is complete: no synchronisation per expert
     sse = torch.zeros(num_experts, len(bits_list), dtype=torch.float64, device=device)
     skip_sse = torch.zeros(num_experts, dtype=torch.float64, device=device)
     tokens = torch.tensor([routed.count(e) for e in range(num_experts)], dtype=torch.long, device="cpu")
     measured = torch.zeros(num_experts, dtype=torch.long, device="cpu")  # rows each MSE is averaged over
+    valid = (routed.index >= 0) & (routed.index < num_experts)
+    slot_weights = routed.weights.masked_fill(~valid, 0).float()
+    token_mass = slot_weights.sum(dim=1)  # S_t: the routing mass the token's experts share
+    squared = torch.zeros(num_experts, dtype=torch.float64, device=device)
+    squared.index_add_(0, routed.index[valid], slot_weights[valid].double().square())
+    fp_total = routed_outputs(routed, weights_of, act_fn, None, None, chunk)  # sum_j w_j y_j in full precision
     out = torch.zeros_like(routed.x)
     for start in range(0, num_experts, chunk):
         experts = list(range(start, min(start + chunk, num_experts)))
@@ -63,7 +70,9 @@ def loss_table(routed: RoutedTokens, weights_of, tensors: dict, bank, bits_list:
             measured[expert] = measure.shape[0]
             reference = torch.cat([expert_output(part, fp_gate_up[j], fp_down[j], act_fn)
                                    for part in measure.split(rows)])
-            skip_sse[expert] = reference.pow(2).sum(dtype=torch.float64)
+            stand_in = skipped_output(fp_total, token_mass, slot_weights, loss_sample(token, loss_tokens),
+                                      loss_sample(slot, loss_tokens), reference)
+            skip_sse[expert] = (stand_in - reference).pow(2).sum(dtype=torch.float64)
             inputs.append((token, slot, x, measure))
             references.append(reference)
         for b, bits in enumerate(bits_list):  # one width of the chunk's replicas at a time
@@ -84,7 +93,8 @@ def loss_table(routed: RoutedTokens, weights_of, tensors: dict, bank, bits_list:
             progress("loss table", experts[-1] + 1, num_experts)
     elements = measured.double() * routed.x.shape[1]
     tensors["loss_table"] = sse.cpu() / elements[:, None]
-    tensors["loss_table.skip"] = skip_sse.cpu() / elements  # 004's "0 bits": the MSE of dropping the expert
+    tensors["loss_table.skip"] = skip_sse.cpu() / elements
+    tensors["loss_table.mass"] = (squared / max(routed.x.shape[0], 1)).cpu()
     tensors["loss_table.tokens"] = tokens
     tensors["loss_table.bits"] = torch.tensor(bits_list, dtype=torch.int64, device="cpu")
     return out

@@ -22,6 +22,7 @@ from hexq.calib.capture import (
     expert_statistics,
     quantized_linears,
 )
+from hexq.calib.rounding import round_replicas
 from hexq.calib.store import (
     ExpertBank,
     put_packed,
@@ -65,7 +66,8 @@ def quantize_bank(weight: torch.Tensor, hessian: torch.Tensor, setting: WeightQu
         return {bits: quantize(weight, setting.spec(bits)) for bits in bits_list}
     importance = channel_max if setting.act_order == "max_activation" else None
     results = gptq_replicas(weight.detach().float(), hessian, bits_list, setting.spec(), block_size=setting.block_size,
-                            damp=setting.damp, act_order=setting.act_order, column_importance=importance)
+                            damp=setting.damp, act_order=setting.act_order, column_importance=importance,
+                            fit_bits=setting.fit_bits)
     return {bits: (r.codes, r.meta) for bits, r in results.items()}
 
 
@@ -92,7 +94,7 @@ def quantize_expert_chunk(weights: torch.Tensor, hessians: torch.Tensor, setting
     budget = GPTQ_CHUNK_BYTES if budget is None else budget
     row_block = max(1, min(rows, budget // (4 * 3 * len(bits_list) * cols * n)))
     parts = [gptq_bank(weights[:, start:start + row_block], factor, bits_list, setting.spec(),
-                       block_size=setting.block_size) for start in range(0, rows, row_block)]
+                       block_size=setting.block_size, fit_bits=setting.fit_bits) for start in range(0, rows, row_block)]
     out = {bits: tuple(torch.cat([getattr(part[bits], name) for part in parts], dim=1)
                        for name in ("codes", "scale", "zero")) for bits in bits_list}
     report = {"damp": factor.damp_used.tolist(), "float64": factor.float64_used.tolist()}
@@ -249,13 +251,13 @@ def fill_bank(bank: ExpertBank, loaded: LoadedLayer, routed: RoutedTokens, weigh
                 h_layer_down = 2 * sample_mid.T @ sample_mid
                 h_down[j], _ = blend_cold_hessian(stats.down[j], n, h_layer_down, moe_sample.shape[0], min_tokens,
                                                   blend)
+        replicas = {}
         for projection, weight, hessian, channel_max in (("gate_up", gate_up, h_in, stats.input_abs_max),
                                                          ("down", down, h_down, stats.mid_abs_max)):
             kinds = kquants.get(projection, ())
             shared = expert_factor(hessian, setting, channel_max) if kinds and setting.method == "gptq" else None
-            results, factor = quantize_expert_chunk(weight, hessian, setting, bits_list, channel_max, budget, shared)
-            for bits, (codes, scale, zero) in results.items():
-                bank.put(projection, bits, experts, codes, scale, zero)
+            replicas[projection], factor = quantize_expert_chunk(weight, hessian, setting, bits_list, channel_max,
+                                                                 budget, shared)
             for kind in kinds:  # llama.cpp's K-quant grids, from the same Hessian and factor
                 bank.put_blocks(projection, kind, experts, kquant_replicas(weight, hessian, shared, setting, kind))
             if extra is not None:  # the same Hessian, factorized the same way (deterministic), on the export grid
@@ -266,7 +268,14 @@ def fill_bank(bank: ExpertBank, loaded: LoadedLayer, routed: RoutedTokens, weigh
             for j, expert in enumerate(experts):  # record what the Cholesky factorization needed beyond the recipe
                 if factor and (factor["float64"][j] or factor["damp"][j] > setting.damp):
                     escalated[f"{projection}.{expert}"] = {"damp": factor["damp"][j], "float64": factor["float64"][j]}
-        del gate_up, down, stats, h_in, h_down
+        warm = [j for j, expert in enumerate(experts) if expert not in fallback]
+        for bits in recipe.experts.round_bits:
+            round_replicas(replicas, bits, routed, [experts[j] for j in warm], warm, gate_up, down, loaded.act_fn,
+                           recipe.experts)
+        for projection, results in replicas.items():
+            for bits, (codes, scale, zero) in results.items():
+                bank.put(projection, bits, experts, codes, scale, zero)
+        del gate_up, down, stats, h_in, h_down, replicas
         if progress:
             progress("experts", experts[-1] + 1, num_experts)
     return fallback, escalated, ((input_low, input_high), (mid_low, mid_high))

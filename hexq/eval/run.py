@@ -1,6 +1,6 @@
 """Evaluate a model on several texts with the perplexity protocol: the library entry behind `hexq eval`.
 
-Every target is evaluated streamed (hexq.streaming.stream_nll): one decoder layer in memory at a time, every window
+Every target is evaluated streamed (hexq.layer_pass.stream_nll): one decoder layer in memory at a time, every window
 through layer l before layer l+1 is read, so a model bigger than memory can be measured. The windows of all texts
 go through the layers together, so the model is read once.
 """

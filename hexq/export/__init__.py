@@ -9,10 +9,12 @@ What each part becomes (hexq.export.codec explains the exact code mapping):
   that hexq does not write).
 - routed experts: one scheme per layer (vLLM's fused MoE needs one), the artifact's expert grid at T = 4 or 8 bits.
   Every expert whose allocated b-bit code fits the T-bit scheme is written unchanged (b <= T; 1-bit symmetric as
-  +-1 codes at half the scale); a skipped expert is exact zeros. An expert that does not fit (an 8-bit expert in a
-  4-bit layer, 1-bit asymmetric) is projected onto the layer's scheme with a GPTQ replica in that scheme: the
-  artifact's export replicas (`hexq pack` keeps them for such experts, see hexq.pack), else the widest
-  stored bank replica that fits; round-to-nearest from the allocated weights only when no replica exists.
+  +-1 codes at half the scale). An artifact that skips experts (0 bits) is refused: hexq renormalises a skipped
+  expert's routing weight onto the token's kept experts, which no compressed-tensors scheme expresses. An expert
+  that does not fit (an 8-bit expert in a 4-bit layer, 1-bit asymmetric) is projected onto the layer's scheme with a
+  GPTQ replica in that scheme: the artifact's export replicas (`hexq pack` keeps them for such experts, see
+  hexq.pack), else the widest stored bank replica that fits; round-to-nearest from the allocated weights only when
+  no replica exists.
   `experts="auto"` gives a layer T = 4 unless that would need round-to-nearest, and T = 8 (every width exact) then.
 - embeddings, norms, routers, biases: as stored in the artifact.
 

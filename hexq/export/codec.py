@@ -191,15 +191,6 @@ def rtn_weight(w: torch.Tensor, scheme: CtScheme) -> CtWeight:
     return CtWeight(codes, meta.scale.to(CT_SCALE_DTYPE), zero)
 
 
-def zero_weight(shape: tuple[int, int], scheme: CtScheme, device: torch.device) -> CtWeight:
-    """A matrix of exact zeros (a skipped expert): codes 0, zero point 0, scale 1."""
-    rows, cols = shape
-    groups = scheme.groups(cols)
-    zero = None if scheme.symmetric else torch.zeros(rows, groups, dtype=torch.int8, device=device)
-    return CtWeight(torch.zeros(rows, cols, dtype=torch.int8, device=device),
-                    torch.ones(rows, groups, dtype=CT_SCALE_DTYPE, device=device), zero)
-
-
 def module_specs(module: str, shape: tuple[int, int], scheme: CtScheme) -> dict[str, tuple[torch.dtype, tuple]]:
     """{checkpoint key: (dtype, shape)} of one quantized module, known before its tensors exist."""
     rows, cols = shape

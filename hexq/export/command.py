@@ -94,7 +94,6 @@ def export_report(artifact: Artifact, plan: WritePlan, result: CheckResult | Non
         layers.append({
             "layer": layer.layer, "scheme": layer.scheme.name, "vllm": vllm_support(layer.scheme, experts=True),
             "exact_experts": sum(c.source == "exact" for c in layer.choices),
-            "zero_experts": sum(c.source == "zero" for c in layer.choices),
             "projected": [asdict(c) for c in projected]})
     return {"artifact": str(artifact.path), "dense": {"scheme": plan.dense.name,
                                                       "vllm": vllm_support(plan.dense, experts=False)},

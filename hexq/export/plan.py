@@ -25,7 +25,7 @@ EXPERT_MODES = ("auto", "w4", "w8", "vllm")
 
 @dataclass(frozen=True)
 class ExpertChoice:
-    """How one routed expert is written: `source` exact | zero | replica | export-replica | rtn, at `bits`."""
+    """How one routed expert is written: `source` exact | replica | export-replica | rtn, at `bits`."""
 
     expert: int
     allocated: int
@@ -43,7 +43,7 @@ class LayerExport:
 
     @property
     def projected(self) -> list[ExpertChoice]:
-        return [c for c in self.choices if c.source not in ("exact", "zero")]
+        return [c for c in self.choices if c.source != "exact"]
 
 
 def activation_spec(setting, what: str) -> ActSpec | None:
@@ -90,9 +90,7 @@ def plan_layer(artifact: Artifact, row: int, target: int, table: torch.Tensor | 
     choices = []
     for e, b in enumerate(artifact.allocation[row]):
         fitting = [w for w in artifact.stored_bits(row, e) if w != b and scheme_fits(w, grid[1], target)]
-        if b == 0:
-            choices.append(ExpertChoice(e, 0, "zero", 0))
-        elif grid == own and scheme_fits(b, grid[1], target):
+        if grid == own and scheme_fits(b, grid[1], target):
             choices.append(ExpertChoice(e, b, "exact", b, mse(e, b), mse(e, b)))
         elif e in extra_here:  # the loss table measured the export replica only when it is on the own grid
             choices.append(ExpertChoice(e, b, "export-replica", target, mse(e, b),
@@ -119,11 +117,24 @@ def vllm_grid(artifact: Artifact) -> tuple[int | None, bool]:
     return extra["group_size"], extra["symmetric"]
 
 
+def refuse_skipped_experts(artifact: Artifact, format_name: str, engine: str) -> None:
+    """Raise when the artifact skips experts (0 bits): hexq serves a skipped expert by renormalising its routing
+    weight onto each token's kept experts (hexq.simulate.renormalized_weights), which neither export format can say;
+    the engine would run it as a zero expert whose weight is lost, a model other than the one hexq checked."""
+    skipped = sum(bits == 0 for row in artifact.allocation for bits in row)
+    if skipped:
+        raise HexqError(f"{artifact.path} skips {skipped} routed expert(s) (0 bits), which hexq serves by "
+                        f"renormalising their routing weight onto each token's kept experts; {format_name} has no "
+                        f"way to say so ({engine} would run them as zero experts, their weight lost); pack with widths "
+                        "from 1 bit up (pack.bits without 0) to export")
+
+
 def plan_export(artifact: Artifact, experts: str = "auto") -> list[LayerExport]:
     """One LayerExport per MoE layer; experts: auto | w4 | w8 on the artifact's own grid, or vllm (4 bits on the
     grid vLLM's fused MoE takes; see vllm_grid)."""
     if experts not in EXPERT_MODES:
         raise HexqError(f"unknown experts scheme {experts!r}; choose one of {', '.join(EXPERT_MODES)}")
+    refuse_skipped_experts(artifact, "compressed-tensors", "vLLM")
     recipe = recipe_from_dict(artifact.manifest["recipe"])
     acts = activation_spec(recipe.expert_activations, "routed experts")
     table = artifact.tensor(STATS_SHARD, "loss_table").float() if "loss_table" in artifact.keys(STATS_SHARD) \

@@ -28,7 +28,6 @@ from hexq.export.codec import (
     quantization_config,
     retarget,
     rtn_weight,
-    zero_weight,
 )
 from hexq.export.plan import ExpertChoice, LayerExport, dense_scheme, export_replicas, plan_export
 from hexq.io import SafetensorsWriter, write_json_atomic
@@ -119,8 +118,6 @@ def expert_weight(artifact: Artifact, row: int, choice: ExpertChoice, projection
     shape = artifact.expert_shape(projection)
     symmetric = (export_replicas(artifact)["symmetric"] if choice.source == "export-replica"
                  else artifact.manifest["experts"]["symmetric"])
-    if choice.source == "zero":
-        return zero_weight(shape, scheme, torch.device("cpu"))
     if choice.source == "rtn":
         return rtn_weight(dequantize_packed(artifact.packed_expert(row, choice.expert, choice.allocated,
                                                                    projection)), scheme)

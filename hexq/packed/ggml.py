@@ -258,8 +258,3 @@ def packed_blocks(weight: PackedWeight, symmetric: bool, kind: BlockType) -> tor
             raise ValueError(f"a {weight.bits}-bit code does not fit Q4_0")
         return encode_q4_0((signed + 8).to(torch.uint8), d)
     return encode_q8_0(signed.to(torch.int8), d)
-
-
-def zero_blocks(rows: int, cols: int, kind: BlockType) -> torch.Tensor:
-    """A matrix of exact zeros (a skipped expert): every block's scales are 0, and so is every weight."""
-    return torch.zeros(rows, kind.row_bytes(cols), dtype=torch.uint8)

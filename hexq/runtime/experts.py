@@ -14,7 +14,8 @@ and shared expert stay the model's) and:
      experts, takes each from the cache (a miss that would evict is decided by the cost model: fill, or a
      transient load computed at once), highest width first so that lower-width requests reuse it (004 §4.4.2);
   4. computes them all through hexq.runtime.compute (two kernel calls for every expert computed from its codes)
-     and adds each token's weighted outputs.
+     and adds each token's weighted outputs; a slot the policy gives 0 bits is skipped, its routing weight
+     renormalised onto the token's kept experts (hexq.simulate.served_weights, as `hexq eval` computes it).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 from hexq.runtime.cache import ExpertCache
 from hexq.runtime.compute import Compute, route
 from hexq.runtime.cost import usage_update
+from hexq.simulate import served_weights
 
 # Tokens over which the per-expert usage estimates average (hexq.runtime.cost.usage_update). Short, so that the
 # estimate follows the traffic's locality: decoding 3 x 64 tokens after 128-token prompts on the reference models at
@@ -176,6 +178,7 @@ class CachedExperts(torch.nn.Module):
                     batch.append((weights, start, count))
             self.compute.experts(x, batch, y, self.act_fn, self.quantizers)
         out = torch.zeros_like(hidden_states)
-        routed = top_k_weights[plan.tokens, plan.slots, None]
+        weights = served_weights(top_k_index, top_k_weights, bits > 0, self.num_experts)
+        routed = weights[plan.tokens, plan.slots, None]
         out.index_add_(0, plan.tokens, (y * routed).to(out.dtype))
         return out

@@ -7,7 +7,7 @@ Two ways to run it:
   packed codes (hexq.runtime.compute.PackedLinear, with their activation quantization); each MoE layer's routed
   experts replaced, in one place, by a module the caller chooses (the budgeted cache). The experts exist nowhere
   else.
-- `artifact_model` (`hexq eval ARTIFACT`): streamed like any other target (hexq.streaming.stream_nll), one layer's
+- `artifact_model` (`hexq eval ARTIFACT`): streamed like any other target (hexq.layer_pass.stream_nll), one layer's
   dense part and its experts at the artifact's allocation at a time.
 """
 
@@ -75,7 +75,8 @@ def artifact_model(path, device: torch.device, dtype: torch.dtype = torch.float3
     """(streamed model, tokenizer, prepare) of an artifact at its static allocation (or at `allocation`, [MoE row]
     [expert] widths the artifact stores, e.g. to compare allocations of one `--bank all` artifact; or with the
     routed experts' weights from `expert_weights(row, experts)`, e.g. the replicas an export wrote), for
-    hexq.streaming.stream_nll."""
+    hexq.layer_pass.stream_nll. An expert at 0 bits is skipped, its routing weight renormalised onto the token's
+    kept experts (hexq.simulate.routed_outputs), as `hexq run` serves it."""
     artifact = path if isinstance(path, Artifact) else Artifact(path)
     streamed = StreamedModel(artifact_config(artifact), artifact, device, dtype)
     rows = {layer: row for row, layer in enumerate(artifact.moe_layers)}
@@ -98,7 +99,8 @@ def artifact_model(path, device: torch.device, dtype: torch.dtype = torch.float3
 
         _num, gate_up_shape, down_shape = loaded.shapes
         return ExpertCompute(weights_of, *expert_quantizers(artifact, row),
-                             chunk=expert_chunk(gate_up_shape, down_shape, dtype))
+                             chunk=expert_chunk(gate_up_shape, down_shape, dtype),
+                             kept=torch.tensor([b > 0 for b in bits], device="cpu"))
 
     return streamed, artifact_tokenizer(artifact), prepare
 

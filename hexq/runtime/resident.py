@@ -5,7 +5,8 @@ width, the fast tier is one PackedArena per MoE layer (hexq.packed.triton): the 
 its experts, and per expert a table entry (where its gate_up and down start, its width; width 0 for a skipped
 expert). A forward pass looks the table up with the router's own choice of experts, on the device, and runs the
 pair GEMV for all (token, slot) pairs at once: no host synchronisation, no Python loop over experts, mixed widths in
-one launch. A skipped expert's pairs get weight 0 (hexq's artifacts have always computed a skipped expert as 0).
+one launch. A skipped expert's pairs get weight 0 and their routing weight goes to the token's kept experts
+(hexq.simulate.served_weights, as `hexq eval` computes it).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 
 from hexq.artifact.reader import Artifact
 from hexq.packed import triton as gpu
+from hexq.simulate import served_weights
 
 
 class ResidentExperts:
@@ -58,7 +60,8 @@ class ResidentExperts:
         valid = (experts >= 0) & (experts < self.num_experts)  # some families mark dropped slots out of range
         experts = torch.where(valid, experts, torch.zeros_like(experts))
         bits = self.bits[experts]
-        weights = torch.where(valid & (bits > 0), top_k_weights.reshape(-1).float(), 0.0)
+        weights = served_weights(top_k_index, top_k_weights, (bits > 0).view(tokens, k), self.num_experts)
+        weights = weights.reshape(-1).float()
         x = hidden_states.float().repeat_interleave(k, dim=0)
         if input_quant is not None:
             x = input_quant(x)

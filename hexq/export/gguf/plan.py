@@ -11,7 +11,7 @@ class of its mean allocated width, 4-bit when K-quants cannot hold the rows), or
 - Q2_K / Q3_K: every expert takes its GPTQ replica on the K-quant's own grid (`hexq calibrate --export-target gguf`,
   kept by `hexq pack --bank export`): codes on another grid do not fit a K-quant's quantized sub-block scales;
 - Q8_0: symmetric codes of any width exactly; asymmetric ones re-rounded (Q8_0 has no zero point).
-A skipped expert (0 bits) is exact zeros in every type.
+An artifact that skips experts (0 bits) is refused (hexq.export.plan.refuse_skipped_experts).
 
 Dense linears (attention, shared experts): their artifact code where a type holds it exactly (<= 4 bits: Q4_0 /
 Q4_1; symmetric <= 8 bits: Q8_0), else Q8_0 round-to-nearest of the dequantized weight (`exact` says which).
@@ -32,7 +32,7 @@ KQUANT_OF_BITS = {2: "Q2_K", 3: "Q3_K"}
 
 @dataclass(frozen=True)
 class ExpertSource:
-    """Where one routed expert's blocks come from: `source` exact | zero | replica | export-replica | kquant | rtn,
+    """Where one routed expert's blocks come from: `source` exact | replica | export-replica | kquant | rtn,
     the stored width read (`bits`), and the allocated one."""
 
     expert: int
@@ -50,7 +50,7 @@ class LayerPlan:
 
     @property
     def projected(self) -> list[ExpertSource]:
-        return [e for e in self.experts if e.source not in ("exact", "zero")]
+        return [e for e in self.experts if e.source != "exact"]
 
 
 def fits_blocks(group: int | None, cols: int, block: int) -> bool:
@@ -75,9 +75,7 @@ def plan_layer(layer: int, row: int, kind: BlockType, allocation: list[int], sto
     experts with a `kind` K-quant replica."""
     experts = []
     for e, bits in enumerate(allocation):
-        if bits == 0:
-            experts.append(ExpertSource(e, 0, "zero", 0))
-        elif kind.name in KQUANT_OF_BITS.values():
+        if kind.name in KQUANT_OF_BITS.values():
             if e not in kquant_replicas:
                 raise HexqError(f"expert {e} of layer {layer} has no {kind.name} replica; calibrate with "
                                 "--export-target gguf and pack with --bank export")

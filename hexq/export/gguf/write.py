@@ -30,8 +30,9 @@ from hexq.export.gguf.arch import (
     rope_permutation,
 )
 from hexq.export.gguf.plan import ExpertSource, LayerPlan, dense_type, expert_type, fits_blocks, plan_layer
+from hexq.export.plan import refuse_skipped_experts
 from hexq.packed.bitpack import packed_nbytes
-from hexq.packed.ggml import decode, packed_blocks, zero_blocks
+from hexq.packed.ggml import decode, packed_blocks
 from hexq.packed.weight import PackedWeight, dequantize_packed
 from hexq.recipe import recipe_from_dict
 
@@ -167,6 +168,7 @@ def plan_gguf(artifact: Artifact, experts: str = "auto") -> GgufPlan:
     """Every tensor of the GGUF file for `artifact` (module docstring), nothing read but headers."""
     from hexq.runtime.model import artifact_config  # transformers: imported when a plan is made, not at start-up
 
+    refuse_skipped_experts(artifact, "GGUF", "llama.cpp")
     config = artifact_config(artifact)
     family = family_of(config)
     manifest = artifact.manifest
@@ -215,8 +217,6 @@ def expert_blocks(artifact: Artifact, layer: LayerPlan, source: ExpertSource, pr
     """Blocks [rows, row_bytes] of one expert's projection (gate_up [2I, H] or down [H, I])."""
     rows, cols = artifact.expert_shape(projection)
     kind = layer.kind
-    if source.source == "zero":
-        return zero_blocks(rows, cols, kind)
     if source.source == "kquant":
         raw = artifact.tensor(export_shard(layer.layer), kquant_key(source.expert, kind.name, projection))
         return raw.reshape(rows, kind.row_bytes(cols))
@@ -238,8 +238,6 @@ def reference_expert(artifact: Artifact, layer: LayerPlan, expert: int, projecti
     dequantized, or the K-quant replica's blocks decoded by hexq."""
     source = layer.experts[expert]
     rows, cols = artifact.expert_shape(projection)
-    if source.source == "zero":
-        return torch.zeros(rows, cols)
     if source.source == "kquant":  # read here, not through expert_blocks: the check compares the two paths
         raw = artifact.tensor(export_shard(layer.layer), kquant_key(source.expert, layer.kind.name, projection))
         return decode(layer.kind, raw.reshape(rows, -1), cols)

@@ -1,0 +1,255 @@
+"""Below 3 bits: hexq's replicas and allocator piece by piece, and the peers at W2A16 / W3A16 group 32.
+
+    python benchmarks/low_bits.py                                    # both reference models, every row (hours)
+    python benchmarks/low_bits.py --models qwen3moe --samples 16 --windows 8 --settings main fit   # a quick check
+
+Every row is evaluated on the same first N windows (length 256) of the held-out austen, pydocs and foldoc text
+(never calibrated on), and every calibration (hexq's and the peers') uses the same windows of the bundled text
+(--samples windows of 256 tokens, seed 0).
+
+hexq rows: the model calibrated with recipe experts-mixed (HAQ W8A8 attention, a replica bank of routed experts at
+1, 2, 3, 4, 8 bits, groups of 32, asymmetric) with the bank made as each SETTINGS entry says, then evaluated with
+every expert at 2 and at 3 bits (uniform) and with the allocation `hexq pack` makes at 1.5, 2.0, 2.5 and 3.0
+average bits, by each ALLOCATORS entry (the last setting gets every allocator, the others "main" and the
+recommended one; the bundled experts-mixed recipe is setting "act" with allocator "free+0"). The pieces: `fit`
+(group grids fitted to the Hessian-weighted error, hexq.algos.clipping), `act` (columns in decreasing
+Hessian-diagonal order, static groups: GPTQ's act_order), `round` (1- and 2-bit rounding optimised on routed tokens,
+hexq.algos.rounding); allocators: 0-bit experts (skipped, router weight renormalised), the loss weighted by routing
+mass (pack.loss layer) and any width per expert (pack.order free).
+
+Peer rows (all linears but routers and the head at W2A16 or W3A16, groups of 32, asymmetric, weights only): hexq's
+GPTQ (peer_recipe: act_order, 1-2 bit rounding of the experts), auto-round (signed-gradient rounding and min/max
+tuning, --auto-round-iters steps per block, 200 by default, its defaults otherwise) and llm-compressor's
+GPTQModifier.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from hexq.artifact.reader import Artifact
+from hexq.calib.calibrated import calibrated_model
+from hexq.calib.pipeline import calibrate
+from hexq.calib.store import read_manifest
+from hexq.data import calibration_windows, eval_text, tokenize
+from hexq.eval.perplexity import make_windows, perplexity
+from hexq.layer_pass import full_precision_plan, stream_nll
+from hexq.pack import Budget, make_plan, pack, read_stats
+from hexq.recipe import Experts, Pack, Recipe, WeightQuant, load_recipe, recipe_from_dict
+from hexq.runtime.model import artifact_model
+from hexq.streaming import open_model
+
+from provenance import start_run, write_results
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = {"mixtral": ROOT / "models" / "hexq-tiny-mixtral", "qwen3moe": ROOT / "models" / "hexq-tiny-qwen3moe"}
+EVAL_DATA = ("austen", "pydocs", "foldoc")
+SEQLEN = 256
+MIXED_BITS = (1.5, 2.0, 2.5, 3.0)
+
+# How the experts' replica bank is made (changes to experts-mixed's experts.weights / experts sections); "main" is
+# the bank as hexq made it before these pieces (natural column order, min/max grids), "act" the bundled recipe's.
+SETTINGS = {
+    "main": {"weights": {"act_order": "none"}},
+    "fit": {"weights": {"act_order": "none", "fit_bits": (1, 2, 3, 4, 8)}},
+    "act": {"weights": {"act_order": "sum_of_squares"}},
+    "act+round": {"weights": {"act_order": "sum_of_squares"}, "experts": {"round_bits": (1, 2)}},
+}
+# How `hexq pack` allocates (its pack section); "main" is the allocator before 0-bit experts and routing mass.
+ALLOCATORS = {
+    "main": Pack(bits=(1, 2, 3, 4)),
+    "free": Pack(bits=(1, 2, 3, 4, 8), loss="layer", order="free"),
+    "free+0": Pack(bits=(0, 1, 2, 3, 4, 8), loss="layer", order="free"),
+}
+RECOMMENDED = "free+0"
+PEER_WIDTHS = (2, 3)
+
+
+def bank_recipe(setting: str, samples: int) -> Recipe:
+    recipe = load_recipe("experts-mixed")
+    change = SETTINGS[setting]
+    experts = recipe.experts
+    weights = dataclasses.replace(experts.weights, **change.get("weights", {}))
+    experts = dataclasses.replace(experts, weights=weights, **change.get("experts", {}))
+    return dataclasses.replace(recipe, name=f"experts-mixed-{setting}", experts=experts,
+                               calibration=dataclasses.replace(recipe.calibration, num_samples=samples))
+
+
+def peer_recipe(bits: int, samples: int) -> Recipe:
+    """hexq at WbA16 g32 on every linear (attention too), like the peers: GPTQ with act_order (static min/max
+    grids: fitted ones lose there), the experts' 1-2 bit rounding optimised on their routed tokens."""
+    weights = WeightQuant(bits=bits, group_size=32, symmetric=False, act_order="sum_of_squares")
+    return recipe_from_dict({
+        "name": f"w{bits}a16-g32", "smoothing": {"method": "none"}, "weights": dataclasses.asdict(weights),
+        "activations": {"bits": None},
+        "experts": dataclasses.asdict(Experts(mode="uniform", round_bits=(bits,) if bits <= 2 else ())),
+        "calibration": {"num_samples": samples, "seqlen": SEQLEN, "seed": 0}})
+
+
+def percent(value: float, reference: float) -> str:
+    return f"{value:.3f} ({100 * (value / reference - 1):+.2f}%)"
+
+
+class Evaluator:
+    """Perplexity on the first `windows` windows of every EVAL_DATA text, streamed (hexq targets) or in memory
+    (the peers' models), the same windows for both."""
+
+    def __init__(self, model_path: Path, windows: int) -> None:
+        _streamed, tokenizer = open_model(model_path, torch.device("cpu"))
+        self.tokenizer = tokenizer
+        self.windows = {source: make_windows(tokenize(tokenizer, eval_text(source)), SEQLEN, windows)
+                        for source in EVAL_DATA}
+
+    def streamed(self, streamed, prepare) -> dict[str, float]:
+        nll = stream_nll(streamed, torch.cat(list(self.windows.values())), 8, prepare)
+        out, start = {}, 0
+        for source, cut in self.windows.items():
+            out[source] = math.exp(float(nll[start:start + cut.shape[0]].sum()) / (cut.shape[0] * (SEQLEN - 1)))
+            start += cut.shape[0]
+        return out
+
+    def in_memory(self, model) -> dict[str, float]:
+        return {source: perplexity(model.float(), cut.reshape(-1), SEQLEN, cut.shape[0]).perplexity
+                for source, cut in self.windows.items()}
+
+    def allocation(self, artifact: Artifact, allocation: list[list[int]]) -> dict[str, float]:
+        """The artifact's model with every expert at allocation[layer][expert] (a skipped expert's routing weight
+        goes to the token's kept experts, as `hexq eval` and `hexq run` serve it)."""
+        streamed, _tokenizer, prepare = artifact_model(artifact, torch.device("cpu"), allocation=allocation)
+        return self.streamed(streamed, prepare)
+
+
+def bank_rows(name: str, setting: str, allocators: list[str], evaluator: Evaluator, work: Path, samples: int,
+              add) -> None:
+    """Uniform 2 and 3 bits and the mixed allocations of one calibration setting, each row given to add()."""
+    calib = work / f"{name}-{setting}"
+    started = time.time()
+    calibrate(MODELS[name], bank_recipe(setting, samples), "bundled", calib, force=True)
+    seconds = round(time.time() - started, 1)
+    art_dir = work / f"{name}-{setting}.hexq"
+    pack(calib, art_dir, budget=Budget(avg_bits=3.0), overwrite=True, bank=("all",))
+    artifact = Artifact(art_dir)
+    manifest = read_manifest(calib)
+    stats = read_stats(calib, manifest["model"]["moe_layers"], None)
+    recipe = recipe_from_dict(manifest["recipe"])
+    shapes = {p: tuple(s) for p, s in artifact.manifest["experts"]["shapes"].items()}
+    layers, experts = len(artifact.moe_layers), artifact.num_experts
+    for bits in (2, 3):
+        add({"setting": setting, "allocator": "uniform", "bits": bits, "calib_seconds": seconds,
+             **evaluator.allocation(artifact, [[bits] * experts] * layers)})
+    for allocator in allocators:
+        for avg in MIXED_BITS:
+            plan = make_plan(stats, manifest["expert_bits"], ALLOCATORS[allocator], Budget(avg_bits=avg), shapes,
+                             recipe.expert_weights.group_size)
+            add({"setting": setting, "allocator": allocator, "bits": avg, "calib_seconds": seconds,
+                 "widths": {str(b): sum(row.count(b) for row in plan.allocation)
+                            for b in sorted({b for row in plan.allocation for b in row})},
+                 **evaluator.allocation(artifact, plan.allocation)})
+    shutil.rmtree(calib, ignore_errors=True)
+    shutil.rmtree(art_dir, ignore_errors=True)
+
+
+def peer_rows(name: str, bits: int, evaluator: Evaluator, work: Path, samples: int, iters: int, add) -> None:
+    """hexq, auto-round and llm-compressor at WbA16 g32 on the same calibration windows, each row given to add()."""
+    from llmcompressor_peer import PeerScheme, run_peer
+
+    ids = calibration_windows(evaluator.tokenizer, "bundled", samples, SEQLEN, seed=0).ids
+    out = work / f"{name}-w{bits}"
+    started = time.time()
+    calibrate(MODELS[name], peer_recipe(bits, samples), "bundled", out, force=True)
+    seconds = round(time.time() - started, 1)
+    streamed, _tokenizer, prepare = calibrated_model(out, torch.device("cpu"))
+    add({"setting": f"w{bits}a16-g32", "allocator": "hexq", "bits": bits, "calib_seconds": seconds,
+         **evaluator.streamed(streamed, prepare)})
+    shutil.rmtree(out, ignore_errors=True)
+    for method, run in (("auto-round", lambda: auto_round_model(MODELS[name], bits, ids, iters)),
+                        ("llmcompressor", lambda: run_peer(MODELS[name], PeerScheme(
+                            bits, weight_group_size=32, weight_symmetric=False), ids))):
+        started = time.time()
+        model = run()
+        seconds = round(time.time() - started, 1)
+        add({"setting": f"w{bits}a16-g32", "allocator": method, "bits": bits, "calib_seconds": seconds,
+             **evaluator.in_memory(model)})
+        del model
+
+
+def auto_round_model(folder: Path, bits: int, ids: torch.Tensor, iters: int):
+    """auto-round (intel/auto-round) on a float32 copy of the model, calibrated on exactly `ids` [n, L]: its
+    fake-quantized model in memory (quantize() leaves the rounded weights in the model's Linears)."""
+    from auto_round import AutoRound
+
+    from hexq.models import load_model
+
+    model, tokenizer, _ = load_model(folder, device="cpu", dtype=torch.float32)
+    data = [{"input_ids": row[None], "attention_mask": torch.ones(1, ids.shape[1], dtype=torch.long)} for row in ids]
+    rounder = AutoRound(model, tokenizer, bits=bits, group_size=32, sym=False, dataset=data, nsamples=ids.shape[0],
+                        seqlen=ids.shape[1], iters=iters, device_map="cpu")
+    quantized, _layers = rounder.quantize()
+    return quantized.eval()
+
+
+def render(results: dict) -> str:
+    lines = []
+    for name, result in results["models"].items():
+        fp = result["fp"]
+        lines.append(f"\n{name}: perplexity (change against full precision), first {results['windows']} windows "
+                     f"x {SEQLEN} of each held-out text; calibration {results['samples']} windows x {SEQLEN}")
+        lines.append("| experts | bits | " + " | ".join(EVAL_DATA) + " | widths (experts per width) |")
+        lines.append("|---|---|" + "---|" * len(EVAL_DATA) + "---|")
+        lines.append("| full precision | 16 | " + " | ".join(f"{fp[s]:.3f}" for s in EVAL_DATA) + " | |")
+        for row in result["rows"]:
+            what = (f"{row['setting']}, {row['allocator']}" if row["allocator"] not in ("hexq", "auto-round",
+                                                                                         "llmcompressor")
+                    else f"{row['allocator']} {row['setting']} (all linears)")
+            widths = ", ".join(f"{b}: {n}" for b, n in row.get("widths", {}).items())
+            lines.append(f"| {what} | {row['bits']} | " + " | ".join(percent(row[s], fp[s]) for s in EVAL_DATA)
+                         + f" | {widths} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    parser.add_argument("--samples", type=int, default=128, help="calibration windows of 256 tokens")
+    parser.add_argument("--windows", type=int, default=64, help="evaluation windows of 256 tokens per text")
+    parser.add_argument("--no-peers", action="store_true", help="skip the W2A16 / W3A16 g32 peer rows")
+    parser.add_argument("--auto-round-iters", type=int, default=200, help="auto-round's steps per block (its default)")
+    parser.add_argument("--work", type=Path, default=ROOT / "benchmarks" / "work" / "low_bits")
+    parser.add_argument("-o", "--out", type=Path, default=ROOT / "benchmarks" / "results" / "low_bits.json")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    record = start_run(args)
+    results = {"samples": args.samples, "windows": args.windows, "seqlen": SEQLEN, "eval_data": list(EVAL_DATA),
+               "models": {}}
+    args.work.mkdir(parents=True, exist_ok=True)
+    for name in args.models:
+        evaluator = Evaluator(MODELS[name], args.windows)
+        streamed, _ = open_model(MODELS[name], torch.device("cpu"))
+        entry = results["models"][name] = {"fp": evaluator.streamed(streamed, full_precision_plan(streamed)),
+                                           "rows": []}
+
+        def add(row, model=name, rows=entry["rows"]):  # a partial run keeps every row evaluated so far
+            rows.append(row)
+            print(model, row, flush=True)
+            write_results(args.out, results, record)
+
+        for setting in args.settings:
+            allocators = list(ALLOCATORS) if setting == args.settings[-1] else ["main", RECOMMENDED]
+            bank_rows(name, setting, allocators, evaluator, args.work, args.samples, add)
+        if not args.no_peers:
+            for bits in PEER_WIDTHS:
+                peer_rows(name, bits, evaluator, args.work, args.samples, args.auto_round_iters, add)
+    write_results(args.out, results, record, complete=True)
+    print(render(results))
+
+
+if __name__ == "__main__":
+    main()

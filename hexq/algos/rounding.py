@@ -1,0 +1,115 @@
+"""Rounding of low-width expert replicas optimised on the expert's routed tokens (sign-gradient descent, the method
+of AutoRound: Cheng et al., "Optimize Weight Rounding via Signed Gradient Descent").
+
+GPTQ rounds one column at a time against a quadratic proxy of each projection's error (eq. 4-6). At 1-2 bits the
+rounding choices interact through the expert's nonlinearity, which that proxy does not see. Here every code may
+move by one level from GPTQ's choice and every group's scale may stretch, to minimise the expert's own output error
+on the tokens routed to it:
+
+    min_{V, a}  sum_t || down_q(V, a) f(gate_up_q(V, a) x_t) - y_t ||^2 / sum_t ||y_t||^2
+    W_q = (clamp(q0 + round(V), 0, qmax) - z) * s * a,    V in [-1, 1],  a in [1 - A, 1 + A] per group
+
+with y_t the full-precision expert's output, q0, s, z GPTQ's codes and grid, f the gated activation. round() passes
+its gradient straight through; V and a move by lr * sign(gradient) per step (signed gradient descent: the step is
+the same for every weight whatever the scale of its gradient, and `steps` steps of lr = 2 / steps can carry V across
+one rounding boundary and back). Each expert keeps its best step, the start included, so the objective never rises
+on the tokens it is measured on. Zero points stay GPTQ's (integers for widths >= 2).
+
+Every expert of a batch is optimised at once ([n, ...] batched products); the experts' token sets are padded to one
+length with zero rows, masked out of the objective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+STEPS = 100
+SCALE_RANGE = 0.5  # a in [0.5, 1.5]: AutoRound's min/max tuning range
+
+
+@dataclass(frozen=True)
+class Replica:
+    """One projection of n experts at one width: codes [n, rows, cols] (uint8 or float), scale, zero [n, rows,
+    groups]; the dequantized weight is (codes - zero) * scale per group of cols / groups columns."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+
+    def weight(self, codes: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
+        codes = self.codes if codes is None else codes
+        scale = self.scale if scale is None else scale
+        n, rows, cols = codes.shape
+        groups = scale.shape[-1]
+        grouped = codes.to(scale.dtype).reshape(n, rows, groups, cols // groups)
+        return ((grouped - self.zero[..., None]) * scale[..., None]).reshape(n, rows, cols)
+
+
+def _expert_outputs(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act_fn) -> torch.Tensor:
+    """The gated MLP of n experts on their tokens: x [n, t, H], gate_up [n, 2I, H], down [n, H, I] -> [n, t, H]."""
+    gate, up = (x @ gate_up.mT).chunk(2, dim=-1)
+    return (act_fn(gate) * up) @ down.mT
+
+
+def _relative_error(y: torch.Tensor, target: torch.Tensor, mask: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
+    """Per expert sum_t mask_t ||y_t - target_t||^2 / norm: [n]."""
+    return ((y - target).square().sum(dim=-1) * mask).sum(dim=-1) / norm
+
+
+def optimize_rounding(x: torch.Tensor, mask: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act_fn: Callable,
+                      replicas: tuple[Replica, Replica], qmax: int, steps: int = STEPS,
+                      ) -> tuple[tuple[Replica, Replica], torch.Tensor, torch.Tensor]:
+    """The replicas (gate_up, down) of n experts at one width with their rounding and scales optimised (module
+    docstring) on tokens x [n, t, H] (mask [n, t]: 1 for a real token, 0 for padding) against the full-precision
+    weights gate_up [n, 2I, H], down [n, H, I]. Returns the new replicas (codes uint8, scales in the replicas'
+    dtype) and the relative output error per expert before and after ([n] each, float32).
+
+    Runs on x's device in float32 (float64 when x is float64); autograd is enabled inside whatever the caller's
+    mode."""
+    if steps < 0:
+        raise ValueError(f"steps must be >= 0, got {steps}")
+    device = x.device
+    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    x, mask = x.to(dtype), mask.to(dtype)
+    with torch.no_grad():
+        target = _expert_outputs(x, gate_up.to(dtype), down.to(dtype), act_fn)
+        norm = (target.square().sum(dim=-1) * mask).sum(dim=-1).clamp(min=torch.finfo(dtype).tiny)
+    base = [r.codes.to(device=device, dtype=dtype) for r in replicas]
+    scales = [r.scale.to(device=device, dtype=dtype) for r in replicas]
+    grids = [Replica(b, s, r.zero.to(device=device, dtype=dtype)) for b, s, r in zip(base, scales, replicas,
+                                                                                          strict=True)]
+    offsets = [torch.zeros_like(b, requires_grad=True) for b in base]
+    stretch = [torch.ones_like(s, requires_grad=True) for s in scales]
+    best_offsets = [torch.zeros_like(b) for b in base]
+    best_stretch = [torch.ones_like(s) for s in scales]
+    best = start = None
+    lr = 2.0 / max(steps, 1)
+    with torch.enable_grad():
+        for step in range(steps + 1):
+            codes = [(b + (v.round() - v).detach() + v).clamp(0, qmax) for b, v in zip(base, offsets, strict=True)]
+            weights = [g.weight(c, g.scale * a) for g, c, a in zip(grids, codes, stretch, strict=True)]
+            error = _relative_error(_expert_outputs(x, *weights, act_fn), target, mask, norm)
+            with torch.no_grad():
+                if best is None:
+                    best, start = error.detach().clone(), error.detach().clone()
+                improved = error.detach() < best
+                best = torch.where(improved, error.detach(), best)
+                for kept, current in zip(best_offsets + best_stretch, offsets + stretch, strict=True):
+                    kept.copy_(torch.where(improved.view(-1, *[1] * (current.dim() - 1)), current, kept))
+            if step == steps:
+                break
+            grads = torch.autograd.grad(error.sum(), offsets + stretch)
+            with torch.no_grad():
+                for param, grad in zip(offsets + stretch, grads, strict=True):
+                    param.sub_(lr * grad.sign())
+                for v in offsets:
+                    v.clamp_(-1, 1)
+                for a in stretch:
+                    a.clamp_(1 - SCALE_RANGE, 1 + SCALE_RANGE)
+    with torch.no_grad():
+        out = tuple(Replica((b + v.round()).clamp(0, qmax).to(torch.uint8), (s * a).to(r.scale.dtype), r.zero)
+                    for b, v, s, a, r in zip(base, best_offsets, scales, best_stretch, replicas, strict=True))
+    return out, start, best
