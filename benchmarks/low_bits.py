@@ -42,7 +42,8 @@ from hexq.data import calibration_windows, eval_text, tokenize
 from hexq.eval.perplexity import make_windows, perplexity
 from hexq.layer_pass import full_precision_plan, stream_nll
 from hexq.pack import Budget, make_plan, pack, read_stats
-from hexq.recipe import Experts, Pack, Recipe, WeightQuant, load_recipe, recipe_from_dict
+from hexq.recipe import Experts, Pack, Recipe, WeightQuant, recipe_from_dict
+from hexq.recipe_files import load_recipe
 from hexq.runtime.model import artifact_model
 from hexq.streaming import open_model
 

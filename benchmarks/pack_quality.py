@@ -29,7 +29,7 @@ from hexq.data import eval_text, tokenize
 from hexq.eval.perplexity import make_windows
 from hexq.layer_pass import full_precision_plan, stream_nll
 from hexq.pack import Budget, pack
-from hexq.recipe import load_recipe
+from hexq.recipe_files import load_recipe
 from hexq.runtime.model import artifact_model
 from hexq.streaming import open_model
 

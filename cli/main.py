@@ -67,7 +67,7 @@ def calibrate(
 
     from hexq.calib.pipeline import calibrate as run_calibration
     from hexq.devices import resolve_device
-    from hexq.recipe import load_recipe
+    from hexq.recipe_files import load_recipe
     from hexq.units import parse_bytes
 
     resolve_device(device)  # a bad --device fails before anything is read
@@ -193,7 +193,7 @@ def pack_command(
     from dataclasses import replace
 
     from hexq.pack import Budget, pack
-    from hexq.recipe import load_recipe
+    from hexq.recipe_files import load_recipe
     from hexq.units import format_bytes, parse_bytes
 
     if old_budget is not None:  # `hexq run --budget` is cache memory; pack's byte budget says what it counts

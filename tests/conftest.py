@@ -79,7 +79,8 @@ def small_recipe(name: str, **experts):
     """A bundled recipe on 6 windows of 32 tokens (seconds on CPU), optionally with experts fields replaced."""
     from dataclasses import replace
 
-    from hexq.recipe import Calibration, load_recipe
+    from hexq.recipe import Calibration
+    from hexq.recipe_files import load_recipe
 
     recipe = replace(load_recipe(name), calibration=Calibration(num_samples=6, seqlen=32, seed=0))
     return replace(recipe, experts=replace(recipe.experts, **experts)) if experts else recipe

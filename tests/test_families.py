@@ -33,7 +33,8 @@ from hexq.data import eval_text, tokenize
 from hexq.eval.perplexity import make_windows
 from hexq.export.command import export_artifact
 from hexq.pack import pack
-from hexq.recipe import Calibration, load_recipe
+from hexq.recipe import Calibration
+from hexq.recipe_files import load_recipe
 from hexq.runtime.engine import Runtime
 from scripts.make_checkpoint import write_checkpoint
 

@@ -153,7 +153,7 @@ def test_corrupted_calibrations_are_named_or_harmless(mixed_calibration, clean, 
 
 
 def test_random_recipe_shapes_load_or_are_named(tmp_path):
-    from hexq.recipe import load_recipe, recipe_path
+    from hexq.recipe_files import load_recipe, recipe_path
 
     base = yaml.safe_load(recipe_path("experts-mixed").read_text())
     loaded = 0

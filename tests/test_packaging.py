@@ -20,7 +20,7 @@ SOURCES = ("pyproject.toml", "README.md", "hexq", "cli", "recipes", "calib_data"
 PROBE = """
 import json, hexq
 from hexq.data import TRAIN_CORPORA, calibration_text
-from hexq.recipe import bundled_recipes, load_recipe
+from hexq.recipe_files import bundled_recipes, load_recipe
 print(json.dumps({"hexq": hexq.__file__, "recipes": bundled_recipes(), "mixed": load_recipe("experts-mixed").name,
                   "bundled": len(calibration_text("bundled")),
                   "slices": {name: len(calibration_text(name)) for name in TRAIN_CORPORA}}))

@@ -8,13 +8,12 @@ from hexq.recipe import (
     Experts,
     Recipe,
     WeightQuant,
-    bundled_recipes,
     calibration_hash,
-    load_recipe,
     recipe_from_dict,
     recipe_to_dict,
     validate_for_model,
 )
+from hexq.recipe_files import bundled_recipes, load_recipe
 
 BUNDLED = ("haq-w8a8", "experts-mixed", "w4a16-g32", "rtn-w4a16")
 

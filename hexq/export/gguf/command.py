@@ -26,6 +26,7 @@ from hexq.export.gguf.check import (
     llama_check,
 )
 from hexq.export.gguf.write import GgufPlan, plan_gguf, write_gguf
+from hexq.outputs import TEMP, check_inputs, destination_lock, pid_alive, resolve, sibling
 
 Progress = Callable[[str, int, int], None]
 GGUF_MAGIC = b"GGUF"
@@ -34,8 +35,6 @@ GGUF_MAGIC = b"GGUF"
 @contextmanager
 def output_file(out: Path, force: bool, inputs: list[Path]) -> Iterator[Path]:
     """A temporary path beside `out` that becomes `out` when the block completes and is deleted when it raises."""
-    from hexq.outputs import TEMP, check_inputs, destination_lock, pid_alive, resolve, sibling
-
     target = resolve(out)
     check_inputs(target, inputs)
     if target.exists() or target.is_symlink():

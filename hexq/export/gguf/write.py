@@ -290,7 +290,7 @@ def write_gguf(artifact: Artifact, path: Path, plan: GgufPlan, progress: Progres
     every tensor in plan order, made one at a time."""
     import gguf
 
-    from hexq.runtime.model import artifact_config
+    from hexq.runtime.model import artifact_config  # transformers: imported when a file is written, not at start-up
 
     config = artifact_config(artifact)
     writer = gguf.GGUFWriter(path, plan.family.arch)
