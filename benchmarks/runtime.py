@@ -298,6 +298,7 @@ def run_child(spec: dict, threads: int, cgroup: MemoryCgroup | None = None) -> d
     """Run one configuration in a fresh process (inside `cgroup` when given); its last stdout line is the JSON
     result."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `hexq run` serves (cli/main.py run: two thread pools)
     done = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec), "--threads", str(threads)],
                           capture_output=True, text=True, env=env, cwd=ROOT,
                           preexec_fn=cgroup.enter if cgroup else None)
@@ -359,7 +360,8 @@ def dequant_rate(reps: int) -> list[dict]:
 def artifact_for(name: str, work: Path) -> Path:
     from hexq.calib.pipeline import calibrate
     from hexq.pack import Budget, pack
-    from hexq.recipe import Calibration, load_recipe
+    from hexq.recipe import Calibration
+    from hexq.recipe_files import load_recipe
 
     out = work / f"{name}-3.0.hexq"
     if not (out / "manifest.json").exists():

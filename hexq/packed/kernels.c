@@ -136,7 +136,7 @@ static inline uint32_t code_at(const uint8_t* stream, int64_t i, int bits) {
 
 static void rows_scalar(const hexq_gemv_task* t, const quantized_x* xq, int64_t r0, int64_t r1) {
     const int64_t groups = t->cols / t->group, blocks = t->cols / BLOCK;
-    static _Thread_local float w[MAX_TOK][MAX_BLOCKS];
+    float w[MAX_TOK][MAX_BLOCKS]; /* on the stack: a _Thread_local array in a shared library costs a __tls_get_addr call per use inside the loop */
     float s[MAX_BLOCKS], z[MAX_BLOCKS], zterm[MAX_TOK];
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t* row = t->codes + r * t->cols * t->bits / 8;
@@ -233,7 +233,7 @@ static AVX2 INLINE void rows_avx2_bits(const hexq_gemv_task* t, const quantized_
                                        const int bits, const int ntok) {
     const int64_t cols = t->cols, groups = cols / t->group, blocks = cols / BLOCK, row_bytes = cols * bits / 8;
     const uint8_t* end = t->codes + t->rows * row_bytes;
-    static _Thread_local float w[MAX_TOK][MAX_BLOCKS];
+    float w[MAX_TOK][MAX_BLOCKS]; /* on the stack: a _Thread_local array in a shared library costs a __tls_get_addr call per use inside the loop */
     float s[MAX_BLOCKS], z[MAX_BLOCKS], zterm[MAX_TOK];
     (void)groups;
     for (int64_t r = r0; r < r1; r++) {
@@ -356,14 +356,14 @@ static AVX512 INLINE void rows_avx512_bits(const hexq_gemv_task* t, const quanti
                                            const int bits, const int ntok) {
     const int64_t cols = t->cols, groups = cols / t->group, row_bytes = cols * bits / 8;
     const unpack64 u = unpack64_for(bits);
-    static _Thread_local float w[MAX_TOK][MAX_BLOCKS];
+    float w[MAX_TOK][MAX_BLOCKS]; /* on the stack: a _Thread_local array in a shared library costs a __tls_get_addr call per use inside the loop */
     float s[MAX_BLOCKS], z[MAX_BLOCKS], zterm[MAX_TOK];
     (void)groups;
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t* row = t->codes + r * row_bytes;
         row_terms_avx512(t, xq, r, ntok, s, z, w, zterm);
-        __m512 total[MAX_TOK];
-        for (int k = 0; k < ntok; k++) total[k] = _mm512_setzero_ps();
+        __m512 total[MAX_TOK], odd[MAX_TOK]; /* two accumulators: the even and odd blocks' FMAs do not wait on each other */
+        for (int k = 0; k < ntok; k++) total[k] = odd[k] = _mm512_setzero_ps();
         int64_t c = 0;
         for (; c + 64 <= cols; c += 64) {
             const __m512i q = codes64(&u, row + c / 8 * bits, bits);
@@ -374,7 +374,7 @@ static AVX512 INLINE void rows_avx512_bits(const hexq_gemv_task* t, const quanti
                 const __m512i d0 = _mm512_dpwssd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(x));
                 const __m512i d1 = _mm512_dpwssd_epi32(_mm512_setzero_si512(), hi, _mm512_loadu_si512(x + 32));
                 total[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), _mm512_set1_ps(w[k][c / 32]), total[k]);
-                total[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), _mm512_set1_ps(w[k][c / 32 + 1]), total[k]);
+                odd[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), _mm512_set1_ps(w[k][c / 32 + 1]), odd[k]);
             }
         }
         if (c < cols) { /* a last block of 32 codes: a load of its 4*bits bytes only (never past the stream) */
@@ -389,7 +389,8 @@ static AVX512 INLINE void rows_avx512_bits(const hexq_gemv_task* t, const quanti
                 total[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), _mm512_set1_ps(w[k][c / 32]), total[k]);
             }
         }
-        for (int k = 0; k < ntok; k++) t->y[k * t->y_stride + r] = _mm512_reduce_add_ps(total[k]) - zterm[k];
+        for (int k = 0; k < ntok; k++)
+            t->y[k * t->y_stride + r] = _mm512_reduce_add_ps(_mm512_add_ps(total[k], odd[k])) - zterm[k];
     }
 }
 
