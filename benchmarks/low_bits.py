@@ -19,8 +19,8 @@ mass (pack.loss layer) and any width per expert (pack.order free).
 
 Peer rows (all linears but routers and the head at W2A16 or W3A16, groups of 32, asymmetric, weights only): hexq's
 GPTQ (peer_recipe: act_order, 1-2 bit rounding of the experts), auto-round (signed-gradient rounding and min/max
-tuning, --auto-round-iters steps per block, 200 by default, its defaults otherwise) and llm-compressor's
-GPTQModifier.
+tuning, --auto-round-iters steps per block, 200 by default, at --auto-round-lr, its defaults otherwise) and
+llm-compressor's GPTQModifier.
 """
 
 from __future__ import annotations
@@ -157,7 +157,8 @@ def bank_rows(name: str, setting: str, allocators: list[str], evaluator: Evaluat
     shutil.rmtree(art_dir, ignore_errors=True)
 
 
-def peer_rows(name: str, bits: int, evaluator: Evaluator, work: Path, samples: int, iters: int, add) -> None:
+def peer_rows(name: str, bits: int, evaluator: Evaluator, work: Path, samples: int, iters: int, lr: float | None,
+              add) -> None:
     """hexq, auto-round and llm-compressor at WbA16 g32 on the same calibration windows, each row given to add()."""
     from llmcompressor_peer import PeerScheme, run_peer
 
@@ -170,7 +171,7 @@ def peer_rows(name: str, bits: int, evaluator: Evaluator, work: Path, samples: i
     add({"setting": f"w{bits}a16-g32", "allocator": "hexq", "bits": bits, "calib_seconds": seconds,
          **evaluator.streamed(streamed, prepare)})
     shutil.rmtree(out, ignore_errors=True)
-    for method, run in (("auto-round", lambda: auto_round_model(MODELS[name], bits, ids, iters)),
+    for method, run in (("auto-round", lambda: auto_round_model(MODELS[name], bits, ids, iters, lr)),
                         ("llmcompressor", lambda: run_peer(MODELS[name], PeerScheme(
                             bits, weight_group_size=32, weight_symmetric=False), ids))):
         started = time.time()
@@ -181,7 +182,7 @@ def peer_rows(name: str, bits: int, evaluator: Evaluator, work: Path, samples: i
         del model
 
 
-def auto_round_model(folder: Path, bits: int, ids: torch.Tensor, iters: int):
+def auto_round_model(folder: Path, bits: int, ids: torch.Tensor, iters: int, lr: float | None):
     """auto-round (intel/auto-round) on a float32 copy of the model, calibrated on exactly `ids` [n, L]: its
     fake-quantized model in memory (quantize() leaves the rounded weights in the model's Linears)."""
     from auto_round import AutoRound
@@ -191,7 +192,7 @@ def auto_round_model(folder: Path, bits: int, ids: torch.Tensor, iters: int):
     model, tokenizer, _ = load_model(folder, device="cpu", dtype=torch.float32)
     data = [{"input_ids": row[None], "attention_mask": torch.ones(1, ids.shape[1], dtype=torch.long)} for row in ids]
     rounder = AutoRound(model, tokenizer, bits=bits, group_size=32, sym=False, dataset=data, nsamples=ids.shape[0],
-                        seqlen=ids.shape[1], iters=iters, device_map="cpu")
+                        seqlen=ids.shape[1], iters=iters, lr=lr, device_map="cpu")
     quantized, _layers = rounder.quantize()
     return quantized.eval()
 
@@ -223,6 +224,8 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=64, help="evaluation windows of 256 tokens per text")
     parser.add_argument("--no-peers", action="store_true", help="skip the W2A16 / W3A16 g32 peer rows")
     parser.add_argument("--auto-round-iters", type=int, default=200, help="auto-round's steps per block (its default)")
+    parser.add_argument("--auto-round-lr", type=float, default=None,
+                        help="auto-round's learning rate (default: its own, 1 / iters); its 'light' preset: 50 at 5e-3")
     parser.add_argument("--work", type=Path, default=ROOT / "benchmarks" / "work" / "low_bits")
     parser.add_argument("-o", "--out", type=Path, default=ROOT / "benchmarks" / "results" / "low_bits.json")
     args = parser.parse_args()
@@ -247,7 +250,8 @@ def main() -> None:
             bank_rows(name, setting, allocators, evaluator, args.work, args.samples, add)
         if not args.no_peers:
             for bits in PEER_WIDTHS:
-                peer_rows(name, bits, evaluator, args.work, args.samples, args.auto_round_iters, add)
+                peer_rows(name, bits, evaluator, args.work, args.samples, args.auto_round_iters, args.auto_round_lr,
+                          add)
     write_results(args.out, results, record, complete=True)
     print(render(results))
 
