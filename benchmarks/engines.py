@@ -44,7 +44,7 @@ import sys
 import time
 from pathlib import Path
 
-from runtime import MemoryCgroup, cgroup_root, drop_page_cache, files_under, vm_hwm
+from runtime import MemoryCgroup, cgroup_root, child_env, drop_page_cache, files_under, vm_hwm
 
 from provenance import start_run, write_results
 
@@ -140,10 +140,7 @@ CHILDREN = {"hexq": child_hexq, "llama": child_llama, "bandwidth": child_bandwid
 
 
 def run_child(spec: dict, cgroup: MemoryCgroup | None = None) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-               OMP_NUM_THREADS=str(spec.get("threads", 1)))
-    if spec["kind"] == "hexq":  # as `hexq run` serves (cli/main.py run: torch's pool and the kernels' share the cores)
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    env = child_env(serves_hexq=spec["kind"] == "hexq") | {"OMP_NUM_THREADS": str(spec.get("threads", 1))}
     done = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True,
                           env=env, cwd=ROOT, preexec_fn=cgroup.enter if cgroup else None)
     measured = cgroup.report() if cgroup else {}

@@ -294,13 +294,21 @@ def child_ppl(spec: dict) -> dict:
 CHILDREN = {"hexq": child_hexq, "accelerate": child_accelerate, "overhead": child_overhead, "ppl": child_ppl}
 
 
+def child_env(serves_hexq: bool) -> dict[str, str]:
+    """The environment of a benchmark's child process: this checkout first on PYTHONPATH; a child that serves with
+    hexq waits in OpenMP passively, as `hexq run` sets it (cli/main.py run: torch's pool and the kernels' share the
+    cores)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    if serves_hexq:
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return env
+
+
 def run_child(spec: dict, threads: int, cgroup: MemoryCgroup | None = None) -> dict:
     """Run one configuration in a fresh process (inside `cgroup` when given); its last stdout line is the JSON
     result."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `hexq run` serves (cli/main.py run: two thread pools)
     done = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec), "--threads", str(threads)],
-                          capture_output=True, text=True, env=env, cwd=ROOT,
+                          capture_output=True, text=True, env=child_env(serves_hexq=True), cwd=ROOT,
                           preexec_fn=cgroup.enter if cgroup else None)
     measured = cgroup.report() if cgroup else {}
     if done.returncode != 0:

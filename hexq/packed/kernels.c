@@ -74,6 +74,8 @@ typedef struct {
 #define MAX_TOK 4
 #define BLOCK 32            /* activation block: one int16 scale per 32 values of x */
 #define MAX_BLOCKS 1024     /* blocks per row the kernels take (cols / 32) */
+/* The row functions keep their per-row arrays (w, s, z) on their own stack: a _Thread_local array in this shared
+   library costs a __tls_get_addr call per use, inside the inner loop. */
 
 /* x of one task, quantized: xq = round(x / dx) in int16 per block of 32 values with dx = max|x| / 32767 (so every
    value keeps 15 bits relative to its block's largest: relative error <= 2^-16 of that, far under float16 weights'
@@ -136,7 +138,7 @@ static inline uint32_t code_at(const uint8_t* stream, int64_t i, int bits) {
 
 static void rows_scalar(const hexq_gemv_task* t, const quantized_x* xq, int64_t r0, int64_t r1) {
     const int64_t groups = t->cols / t->group, blocks = t->cols / BLOCK;
-    float w[MAX_TOK][MAX_BLOCKS]; /* on the stack: a _Thread_local array in a shared library costs a __tls_get_addr call per use inside the loop */
+    float w[MAX_TOK][MAX_BLOCKS];
     float s[MAX_BLOCKS], z[MAX_BLOCKS], zterm[MAX_TOK];
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t* row = t->codes + r * t->cols * t->bits / 8;
@@ -233,7 +235,7 @@ static AVX2 INLINE void rows_avx2_bits(const hexq_gemv_task* t, const quantized_
                                        const int bits, const int ntok) {
     const int64_t cols = t->cols, groups = cols / t->group, blocks = cols / BLOCK, row_bytes = cols * bits / 8;
     const uint8_t* end = t->codes + t->rows * row_bytes;
-    float w[MAX_TOK][MAX_BLOCKS]; /* on the stack: a _Thread_local array in a shared library costs a __tls_get_addr call per use inside the loop */
+    float w[MAX_TOK][MAX_BLOCKS];
     float s[MAX_BLOCKS], z[MAX_BLOCKS], zterm[MAX_TOK];
     (void)groups;
     for (int64_t r = r0; r < r1; r++) {
@@ -356,13 +358,13 @@ static AVX512 INLINE void rows_avx512_bits(const hexq_gemv_task* t, const quanti
                                            const int bits, const int ntok) {
     const int64_t cols = t->cols, groups = cols / t->group, row_bytes = cols * bits / 8;
     const unpack64 u = unpack64_for(bits);
-    float w[MAX_TOK][MAX_BLOCKS]; /* on the stack: a _Thread_local array in a shared library costs a __tls_get_addr call per use inside the loop */
+    float w[MAX_TOK][MAX_BLOCKS];
     float s[MAX_BLOCKS], z[MAX_BLOCKS], zterm[MAX_TOK];
     (void)groups;
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t* row = t->codes + r * row_bytes;
         row_terms_avx512(t, xq, r, ntok, s, z, w, zterm);
-        __m512 total[MAX_TOK], odd[MAX_TOK]; /* two accumulators: the even and odd blocks' FMAs do not wait on each other */
+        __m512 total[MAX_TOK], odd[MAX_TOK]; /* even and odd blocks: their FMAs do not wait on each other */
         for (int k = 0; k < ntok; k++) total[k] = odd[k] = _mm512_setzero_ps();
         int64_t c = 0;
         for (; c + 64 <= cols; c += 64) {
