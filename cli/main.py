@@ -243,6 +243,7 @@ def print_run_stats(stats: dict) -> None:
             ("compute", f"{stats['kernel_path']}, {stats['threads']} thread(s): {stats['gemv_rows']} rows from the "
                         f"codes, {stats['expanded_experts']} experts and {stats['expanded_dense']} dense products "
                         "expanded"),
+            ("decode", stats["decode_path"]),
             ("expand from (tokens)", ", ".join(f"{kind} {'never' if n is None else n}"
                                                 for kind, n in stats["expand_from"].items())),
             ("peak cached", mb(stats["peak_bytes"])),
@@ -284,6 +285,9 @@ def run(
     kernels: Annotated[str, typer.Option("--kernels", help="How packed weights are computed: auto (the CPU kernels "
                                          "on the CPU, Triton on CUDA), cpu, triton, or torch (expand every matrix "
                                          "with torch ops).")] = "auto",
+    decode: Annotated[str, typer.Option("--decode", help="How a generated token is computed: auto (the native step "
+                                        "where it covers the run, else the transformers model), native, or "
+                                        "transformers.")] = "auto",
     warm: Annotated[str, typer.Option("--warm", help="Warm start: none, or placement scheme 1 (paths), 2 "
                                       "(frequency), 3 (two-stage, pack's).")] = "3",
     cost_model: Annotated[bool, typer.Option("--cost-model/--no-cost-model", help="Per-miss fill or transient "
@@ -328,7 +332,8 @@ def run(
     config = RuntimeConfig(memory_bytes=parse_bytes(memory) if memory is not None else None,
                            budget_bytes=parse_bytes(budget) if budget is not None else None, policy=policy,
                            prefetch=prefetch, prefetch_top_t=prefetch_top, mode=mode, device=device, dtype=dtype,
-                           cache=cache, warm=warm, admission=cost_model, kernels=kernels, threads=threads)
+                           cache=cache, warm=warm, admission=cost_model, kernels=kernels, threads=threads,
+                           decode=decode)
     with Runtime(artifact, config) as runtime:
         result: dict = {"artifact": str(artifact), "policy": policy, "mode": mode, "prefetch": prefetch,
                         "warm": warm, "cost_model": cost_model, "cache": cache}

@@ -51,6 +51,10 @@ from hexq.io import cache_dir
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels.c")
+# The library's sources: the GEMV, dequantization and pool (kernels.c), the native decode step (decode.c), and what
+# they share (kernels.h).
+SOURCES = (SOURCE, SOURCE.with_name("decode.c"))
+HEADER = SOURCE.with_name("kernels.h")
 FLAGS = ("-O3", "-ffp-contract=off", "-fPIC", "-shared", "-pthread")
 PATHS = ("scalar", "avx2", "avx512")  # the C enum's order
 OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -100,7 +104,8 @@ def _compiler() -> str | None:
 def library_path(compiler: str) -> Path:
     """Where the library built from this source with this compiler lives in hexq's cache folder."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, " ".join(FLAGS), platform.machine()]).encode())
+    texts = [path.read_text() for path in (*SOURCES, HEADER)]
+    key = hashlib.sha256("\0".join([*texts, version, " ".join(FLAGS), platform.machine()]).encode())
     return cache_dir() / "kernels" / f"hexq-cpu-{key.hexdigest()[:16]}.so"
 
 
@@ -108,8 +113,8 @@ def _build(compiler: str, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as folder:
         built = Path(folder) / target.name
-        subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE), "-lm"], check=True, capture_output=True,
-                       timeout=300)
+        subprocess.run([compiler, *FLAGS, "-o", str(built), *map(str, SOURCES), "-lm"], check=True,
+                       capture_output=True, timeout=300)
         os.replace(built, target)  # atomic: a concurrent process sees the old file or the complete new one
 
 

@@ -13,12 +13,12 @@
 #include <sys/syscall.h>
 #include <linux/futex.h>
 
+#include "kernels.h"
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 #define HEXQ_X86 1
 #endif
-
-enum { PATH_SCALAR = 0, PATH_AVX2 = 1, PATH_AVX512 = 2 };
 
 int hexq_paths(void) {
     int paths = 1 << PATH_SCALAR;
@@ -36,7 +36,7 @@ int hexq_paths(void) {
 
 /* ------------------------------------------------------------------------------------------ half precision */
 
-static inline float half_to_float(uint16_t h) {
+HIDDEN float half_to_float(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
     if (exp == 0) {
         if (mant == 0) {
@@ -58,35 +58,11 @@ static inline float half_to_float(uint16_t h) {
 
 /* ------------------------------------------------------------------------------------------ the task */
 
-/* y[t, r] = sum_c W[r, c] x[t, c] for r in [0, rows), t in [0, ntok), W = (q - zero) * scale per group of `group`
-   codes of a row; q: `bits`-bit codes, one little-endian bit stream, row-major (hexq.packed.bitpack); scale and
-   zero float16 [rows, cols / group]; x float32 [ntok, cols] (row stride x_stride), y float32 (row stride y_stride). */
-typedef struct {
-    const uint8_t* codes;
-    const uint16_t* scale;
-    const uint16_t* zero;
-    const float* x;
-    float* y;
-    int64_t rows, cols, group, x_stride, y_stride;
-    int32_t bits, ntok;
-} hexq_gemv_task;
-
 #define MAX_TOK 4
-#define BLOCK 32            /* activation block: one int16 scale per 32 values of x */
-#define MAX_BLOCKS 1024     /* blocks per row the kernels take (cols / 32) */
 /* The row functions keep their per-row arrays (w, s, z) on their own stack: a _Thread_local array in this shared
    library costs a __tls_get_addr call per use, inside the inner loop. */
 
-/* x of one task, quantized: xq = round(x / dx) in int16 per block of 32 values with dx = max|x| / 32767 (so every
-   value keeps 15 bits relative to its block's largest: relative error <= 2^-16 of that, far under float16 weights'
-   own), and each block's sum of xq for the zero term. */
-typedef struct {
-    int16_t* q;   /* [ntok, cols] */
-    float* dx;    /* [ntok, blocks] */
-    int32_t* sum; /* [ntok, blocks] */
-} quantized_x;
-
-static void quantize_x(const hexq_gemv_task* t, quantized_x* out) {
+HIDDEN void quantize_x(const hexq_gemv_task* t, quantized_x* out) {
     const int64_t blocks = t->cols / BLOCK;
     for (int k = 0; k < t->ntok; k++) {
         const float* x = t->x + k * t->x_stride;
@@ -410,9 +386,7 @@ static AVX512 void rows_avx512(const hexq_gemv_task* t, const quantized_x* xq, i
 }
 #endif
 
-typedef void (*rows_fn)(const hexq_gemv_task*, const quantized_x*, int64_t, int64_t);
-
-static rows_fn rows_for(int path) {
+HIDDEN rows_fn rows_for(int path) {
 #ifdef HEXQ_X86
     if (path == PATH_AVX512) return rows_avx512;
     if (path == PATH_AVX2) return rows_avx2;
@@ -620,7 +594,10 @@ static struct {
     _Atomic int64_t done[2]; /* items finished, per job slot */
     job jobs[2];
     int workers;
-} pool = {PTHREAD_MUTEX_INITIALIZER, 0, 0, {0, 0}, {{0, 0, 0}, {0, 0, 0}}, 0};
+    _Atomic int hot; /* pool_hot: workers spin instead of sleeping */
+} pool = {PTHREAD_MUTEX_INITIALIZER, 0, 0, {0, 0}, {{0, 0, 0}, {0, 0, 0}}, 0, 0};
+
+HIDDEN void pool_hot(int hot) { atomic_store(&pool.hot, hot); }
 
 static void futex_wait(_Atomic int* addr, int value) {
     syscall(SYS_futex, (int*)addr, FUTEX_WAIT_PRIVATE, value, NULL, NULL, 0);
@@ -654,7 +631,7 @@ static void* worker(void* arg) {
     for (;;) {
         int spins = 0, now;
         while ((now = atomic_load(&pool.generation)) == seen) {
-            if (++spins < SPIN) relax();
+            if (++spins < SPIN || atomic_load(&pool.hot)) relax();
             else futex_wait(&pool.generation, seen);
         }
         seen = now;
@@ -676,7 +653,7 @@ static void ensure_workers(int wanted) {
 }
 
 /* Run run(ctx, item) for every item in [0, items) on `threads` threads (the caller included). */
-static void parallel(void (*run)(void*, int64_t), void* ctx, int64_t items, int threads) {
+HIDDEN void parallel(void (*run)(void*, int64_t), void* ctx, int64_t items, int threads) {
     if (threads <= 1 || items <= 1) {
         for (int64_t i = 0; i < items; i++) run(ctx, i);
         return;

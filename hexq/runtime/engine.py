@@ -56,6 +56,7 @@ from hexq.runtime.compute import Compute, PackedLinear
 from hexq.runtime.cost import admit_fill, calibration_usage, usage_update
 from hexq.runtime.experts import USAGE_HORIZON, CachedExperts, RunState
 from hexq.runtime.model import build_model, dense_plan_bytes, expert_quantizers, skeleton
+from hexq.runtime.native import NativeDecoder, NotNative
 from hexq.runtime.policy import check_policy_widths, make_policy, policy_context
 from hexq.runtime.source import CACHE_FORMATS, ArtifactSource
 from hexq.runtime.stats import RunStats, peak_rss_bytes
@@ -67,6 +68,9 @@ MODES = ("cache", "ondemand")  # ondemand: no fast tier, every expert loaded fro
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 WARM = ("none", "1", "2", "3")  # placement schemes of 003 Algorithm 2 (hexq.algos.placement)
 KERNELS = ("auto", "cpu", "triton", "torch")
+# How a generated token is computed: the native step where it covers the runtime (hexq.runtime.native), else the
+# transformers model; "native" insists (an error naming why not), "transformers" is the reference path.
+DECODE = ("auto", "native", "transformers")
 # A served computation may differ from the float64 reference by what bf16 activations and weights round away (a
 # few 1e-3 relative); a wrong dequantization or kernel is off by O(1). Between the two: refuse to serve.
 SELF_CHECK_TOLERANCE = 0.05
@@ -79,7 +83,8 @@ class RuntimeConfig:
     memory_bytes: the whole budget (dense part + scratch + fast tier); budget_bytes: the fast tier alone (give at
     most one; neither: room for every expert). dtype: "bf16" or "fp32" for the dense part and expanded matrices.
     cache: what the fast tier holds, "packed", "bf16" or "fp32". warm: "none" or a placement scheme "1", "2", "3".
-    admission: the per-miss cost model (False: every miss fills, plain LRU). kernels: how packed matrices are
+    admission: the per-miss cost model (False: every miss fills, plain LRU). decode: how a generated token is
+    computed (DECODE). kernels: how packed matrices are
     computed - "auto" (the CPU kernels on the CPU, Triton on CUDA, where they can be had), "cpu", "triton" (on the CPU
     only under TRITON_INTERPRET=1: tests), or "torch" (expand every matrix with torch ops); threads: the CPU kernels'
     threads (None: every core).
@@ -100,6 +105,7 @@ class RuntimeConfig:
     admission: bool = True
     kernels: str = "auto"
     threads: int | None = None
+    decode: str = "auto"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -114,6 +120,8 @@ class RuntimeConfig:
             raise HexqError("give --memory (the whole process) or --budget (the experts alone), not both")
         if self.kernels not in KERNELS:
             raise HexqError(f"--kernels {self.kernels}: choose one of {', '.join(KERNELS)}")
+        if self.decode not in DECODE:
+            raise HexqError(f"--decode {self.decode}: choose one of {', '.join(DECODE)}")
         if self.threads is not None and self.threads < 1:
             raise HexqError(f"--threads {self.threads}: give at least 1")
 
@@ -216,6 +224,20 @@ class Runtime:
         self.context = context_length(self.model.config)
         self.self_check(modules[0])
         self.warm_experts = self.warm(config.warm) if config.mode == "cache" and not resident else 0
+        self.native, self.decode_path = self._decoder(config.decode)
+
+    def _decoder(self, decode: str) -> tuple[NativeDecoder | None, str]:
+        """(the native step or None, the decode path as --stats names it) for --decode (see DECODE)."""
+        if decode == "transformers":
+            return None, "transformers (--decode transformers)"
+        try:
+            native = NativeDecoder.of(self)
+        except NotNative as reason:
+            if decode == "native":
+                raise HexqError(f"--decode native: {reason}; use --decode auto") from None
+            return None, f"transformers ({reason})"
+        self.cache.reset_stats()  # the native step took every expert from the cache once
+        return native, "native"
 
     def self_check(self, experts: CachedExperts) -> None:
         """Compute one expert of the first MoE layer at every width it stores (on the served path: the resident
@@ -309,6 +331,7 @@ class Runtime:
                         bytes_read=self.artifact.bytes_read, warm_experts=self.warm_experts,
                         dtype=self.config.dtype, cache_format=self.config.cache, kernel_path=self.compute.path,
                         threads=kernels.threads if kernels is not None else torch.get_num_threads(),
+                        decode_path=self.decode_path,
                         gemv_rows=counters.gemv_rows, expanded_experts=counters.expanded_experts,
                         expanded_dense=counters.expanded_dense, expand_from=self.compute.expand_from(),
                         peak_rss_bytes=peak_rss_bytes(), **timing)
@@ -356,6 +379,9 @@ class Runtime:
         self.state.prefill = True
         logits, past = self._next_logits(ids, None)
         self.policy.end_prefill()
+        if self.native is not None:  # the prompt's KV cache moves into the native step's
+            self.native.start(past, ids.shape[1], ids.shape[1] + max_new_tokens)
+            past = None
         tokens: list[int] = []
         steps: list[float] = []  # seconds of each decode forward pass
         text = ""
@@ -376,7 +402,10 @@ class Runtime:
                 break
             self.state.prefill = False
             step = time.perf_counter()
-            logits, past = self._next_logits(torch.tensor([[token]], device=self.device), past)
+            if self.native is not None:
+                logits = self.native.step(token)
+            else:
+                logits, past = self._next_logits(torch.tensor([[token]], device=self.device), past)
             steps.append(time.perf_counter() - step)
         total = time.perf_counter() - started
         # the median decode step: one scheduler hiccup on a shared machine should not move the figure

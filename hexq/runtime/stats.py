@@ -16,8 +16,8 @@ class RunStats:
     budget_bytes the fast tier, peak_bytes its high-water mark; bytes_read what was read from the artifact's expert
     shards; peak_rss_bytes the process's VmHWM (None where /proc is missing). How it computed: cache_format (what
     the fast tier holds: packed codes, or bf16 / fp32 matrices), kernel_path (the CPU kernels' instruction-set path,
-    or torch), threads, and the compute counters (rows computed from the codes, experts and dense products
-    expanded)."""
+    or torch), decode_path (the native step, or the transformers model and why: hexq.runtime.native), threads, and
+    the compute counters (rows computed from the codes, experts and dense products expanded)."""
 
     budget_bytes: int
     expert_bytes: int
@@ -33,6 +33,7 @@ class RunStats:
     dtype: str = "bf16"
     cache_format: str = "packed"
     kernel_path: str = "torch"
+    decode_path: str = "transformers"
     threads: int = 1
     gemv_rows: int = 0
     expanded_experts: int = 0

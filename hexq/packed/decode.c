@@ -1,0 +1,616 @@
+/* hexq's native decode step: one token through every decoder layer of a GQA-attention + routed-experts model
+   (qwen3_moe, qwen2_moe, olmoe, mixtral) in one call, with no Python and no torch op inside; see
+   hexq/runtime/native.py for what it covers, how the model is described to it and why.
+
+   The step is a sequence of phases; each phase that has rows to spread (the q/k/v products, the heads of the
+   attention, o, the routed experts' gate_up, their down products, the head) runs on the persistent pool of
+   kernels.c, whose workers spin between phases while a step runs (pool_hot) instead of sleeping. What is between
+   phases (norms, RoPE, the router's softmax and top-k, the weighted sum) is a few thousand flops on one thread.
+
+   Activations stay in float32 from the embedding row to the logits. A packed matrix's input is quantized once per
+   input vector into int16 blocks (kernels.c quantize_x) and shared by every matrix that reads it: q, k and v; the
+   k experts' gate_up products (and the shared expert's); each expert's down product reads its own intermediate.
+   Where the recipe quantizes activations (W8A8), the input is first put on the recipe's grid exactly as
+   hexq.simulate.ActQuantizer computes it (act_quant), once per distinct grid. */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "kernels.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define DECODE_X86 1
+#define AVX2 __attribute__((target("avx2,fma,f16c,bmi2")))
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
+#endif
+
+/* ------------------------------------------------------------------------------------------ the model, as data */
+
+enum { MAT_NONE = 0, MAT_PACKED = 1, MAT_F32 = 2, MAT_BF16 = 3 };
+
+/* The recipe's activation grid on a matrix input (hexq.simulate.ActQuantizer); bits 0: none. */
+typedef struct {
+    int32_t bits, symmetric, dynamic;
+    float low, high; /* static range */
+} hexq_act;
+
+/* y = W x (+ bias): W packed (codes, float16 scale and zero per `group` codes of a row, `bits` wide) or a float32 /
+   bfloat16 matrix [rows, cols] in `data`. */
+typedef struct {
+    int32_t kind, bits;
+    int64_t rows, cols, group;
+    const void* data;
+    const uint16_t* scale;
+    const uint16_t* zero;
+    const float* bias; /* float32 [rows] or NULL */
+    hexq_act act;      /* the input's grid */
+} hexq_matrix;
+
+/* One routed expert as served: its two packed matrices at the served width (bits 0: skipped, its routing weight
+   renormalised onto the token's kept experts, hexq.simulate.served_weights). */
+typedef struct {
+    hexq_matrix gate_up, down;
+    int32_t bits;
+} hexq_expert;
+
+enum { QK_NONE = 0, QK_HEAD = 1, QK_WHOLE = 2 }; /* q/k RMSNorm: none, per head (qwen3), over the projection (olmoe) */
+
+typedef struct {
+    const float* input_norm;  /* [H] */
+    const float* post_norm;   /* [H] */
+    hexq_matrix q, k, v, o;
+    const float* q_norm;      /* per head [D] or whole [heads * D] (qk_norm) */
+    const float* k_norm;
+    int32_t qk_norm;
+    int32_t moe;              /* 1: router + routed experts (+ shared expert); 0: a dense MLP in `mlp_*` */
+    hexq_matrix router;       /* [E, H] */
+    const hexq_expert* experts; /* [E]; their matrices carry the recipe's expert activation grids */
+    hexq_matrix mlp_gate, mlp_up, mlp_down; /* a dense MLP, or the shared expert (kind MAT_NONE: none) */
+    hexq_matrix shared_gate;  /* [1, H]: sigmoid-scales the shared expert (kind MAT_NONE: none) */
+} hexq_layer;
+
+typedef struct {
+    int32_t layers, hidden, heads, kv_heads, head_dim, vocab;
+    int32_t num_experts, top_k, normalize, inter; /* inter: the widest routed expert's intermediate */
+    int32_t mlp_inter;        /* the widest dense MLP / shared expert intermediate (0: none) */
+    int32_t sliding_window;   /* 0: none; else a query attends to the last `sliding_window` positions */
+    float eps, scaling, rope_scaling, clip_qkv; /* clip_qkv 0: none */
+    const float* inv_freq;    /* [D / 2] RoPE frequencies */
+    int32_t embed_kind;       /* MAT_F32 or MAT_BF16 */
+    const void* embed;        /* [vocab, H] */
+    const float* final_norm;  /* [H] */
+    hexq_matrix head;         /* [vocab, H] */
+    const hexq_layer* layer;  /* [layers] */
+    float* k_cache;           /* [layers, kv_heads, max_pos, D] */
+    float* v_cache;
+    int64_t max_pos;
+} hexq_model;
+
+/* ------------------------------------------------------------------------------------------ small math */
+
+static void rms_norm(const float* x, const float* w, float* out, int64_t n, float eps) {
+    double ss = 0.0;
+    for (int64_t i = 0; i < n; i++) ss += (double)x[i] * x[i];
+    const float inv = 1.0f / sqrtf((float)(ss / (double)n) + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = w[i] * (x[i] * inv);
+}
+
+static inline float silu(float v) { return v / (1.0f + expf(-v)); }
+
+/* The grid parameters of hexq.algos.quant.grid_params for one row whose minimum and maximum are lo and hi. */
+static void grid_of(const hexq_act* a, float lo, float hi, float amax, float* scale, float* zero) {
+    const float qmax = (float)((1 << a->bits) - 1);
+    if (a->symmetric) {
+        const float m = fmaxf(amax, 1e-8f);
+        if (a->bits == 1) {
+            *scale = 2.0f * m / 2.0f;
+            *zero = 0.5f;
+        } else {
+            *scale = 2.0f * m / qmax;
+            *zero = (float)(((1 << a->bits) - 1 + 1) / 2);
+        }
+    } else if (a->bits == 1) {
+        *scale = fmaxf(hi - lo, 1e-8f);
+        *zero = -lo / *scale;
+    } else {
+        const float wmin = fminf(lo, 0.0f), wmax = fmaxf(hi, 0.0f);
+        *scale = fmaxf((wmax - wmin) / qmax, 1e-8f);
+        *zero = nearbyintf(-wmin / *scale);
+    }
+}
+
+/* x put on the activation grid (hexq.simulate.ActQuantizer: codes = clamp(round(x / scale + zero), 0, qmax), value
+   (codes - zero) * scale), dynamic per token or from the static range. */
+static void act_quant(const hexq_act* a, const float* x, float* out, int64_t n) {
+    float lo, hi, amax = 0.0f;
+    if (a->dynamic) {
+        lo = x[0];
+        hi = x[0];
+        for (int64_t i = 0; i < n; i++) {
+            lo = fminf(lo, x[i]);
+            hi = fmaxf(hi, x[i]);
+            amax = fmaxf(amax, fabsf(x[i]));
+        }
+    } else {
+        lo = a->low;
+        hi = a->high;
+        amax = fmaxf(fabsf(lo), fabsf(hi));
+    }
+    float scale, zero;
+    grid_of(a, lo, hi, amax, &scale, &zero);
+    const float qmax = (float)((1 << a->bits) - 1);
+    for (int64_t i = 0; i < n; i++) {
+        float q = nearbyintf(x[i] / scale + zero);
+        q = q < 0.0f ? 0.0f : q > qmax ? qmax : q;
+        out[i] = (q - zero) * scale;
+    }
+}
+
+static int same_act(const hexq_act* a, const hexq_act* b) {
+    return a->bits == b->bits && (!a->bits || (a->symmetric == b->symmetric && a->dynamic == b->dynamic
+                                               && a->low == b->low && a->high == b->high));
+}
+
+static inline float bf16_to_float(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* ------------------------------------------------------------------------------------------ float matrices */
+
+/* y[r] = W[r] . x for a float32 or bfloat16 W, rows [r0, r1). */
+static void rows_float_scalar(const hexq_matrix* m, const float* x, float* y, int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) {
+        float acc[8] = {0};
+        if (m->kind == MAT_F32) {
+            const float* w = (const float*)m->data + r * m->cols;
+            for (int64_t c = 0; c < m->cols; c++) acc[c & 7] += w[c] * x[c];
+        } else {
+            const uint16_t* w = (const uint16_t*)m->data + r * m->cols;
+            for (int64_t c = 0; c < m->cols; c++) acc[c & 7] += bf16_to_float(w[c]) * x[c];
+        }
+        y[r] = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    }
+}
+
+#ifdef DECODE_X86
+static AVX2 void rows_float_avx2(const hexq_matrix* m, const float* x, float* y, int64_t r0, int64_t r1) {
+    const int64_t cols = m->cols;
+    for (int64_t r = r0; r < r1; r++) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+        int64_t c = 0;
+        if (m->kind == MAT_F32) {
+            const float* w = (const float*)m->data + r * cols;
+            for (; c + 16 <= cols; c += 16) {
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + c), _mm256_loadu_ps(x + c), a0);
+                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + c + 8), _mm256_loadu_ps(x + c + 8), a1);
+            }
+        } else {
+            const uint16_t* w = (const uint16_t*)m->data + r * cols;
+            for (; c + 16 <= cols; c += 16) {
+                const __m256i h0 = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(w + c)));
+                const __m256i h1 = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(w + c + 8)));
+                a0 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(h0, 16)), _mm256_loadu_ps(x + c), a0);
+                a1 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(h1, 16)), _mm256_loadu_ps(x + c + 8), a1);
+            }
+        }
+        float lanes[8], total = 0.0f;
+        _mm256_storeu_ps(lanes, _mm256_add_ps(a0, a1));
+        for (int i = 0; i < 8; i++) total += lanes[i];
+        for (; c < cols; c++)
+            total += (m->kind == MAT_F32 ? ((const float*)m->data)[r * cols + c]
+                                         : bf16_to_float(((const uint16_t*)m->data)[r * cols + c])) * x[c];
+        y[r] = total;
+    }
+}
+
+static AVX512 void rows_float_avx512(const hexq_matrix* m, const float* x, float* y, int64_t r0, int64_t r1) {
+    const int64_t cols = m->cols;
+    for (int64_t r = r0; r < r1; r++) {
+        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+        for (int64_t c = 0; c < cols; c += 32) {
+            const int64_t left = cols - c;
+            const __mmask16 m0 = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);
+            const __mmask16 m1 = left >= 32 ? 0xffff : left <= 16 ? 0 : (__mmask16)((1u << (left - 16)) - 1);
+            __m512 w0, w1;
+            if (m->kind == MAT_F32) {
+                const float* w = (const float*)m->data + r * cols + c;
+                w0 = _mm512_maskz_loadu_ps(m0, w);
+                w1 = _mm512_maskz_loadu_ps(m1, w + 16);
+            } else {
+                const uint16_t* w = (const uint16_t*)m->data + r * cols + c;
+                w0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m0, w)), 16));
+                w1 = _mm512_castsi512_ps(
+                    _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m1, w + 16)), 16));
+            }
+            a0 = _mm512_fmadd_ps(w0, _mm512_maskz_loadu_ps(m0, x + c), a0);
+            a1 = _mm512_fmadd_ps(w1, _mm512_maskz_loadu_ps(m1, x + c + 16), a1);
+        }
+        y[r] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+    }
+}
+#endif
+
+typedef void (*float_rows_fn)(const hexq_matrix*, const float*, float*, int64_t, int64_t);
+
+static float_rows_fn float_rows_for(int path) {
+#ifdef DECODE_X86
+    if (path == PATH_AVX512) return rows_float_avx512;
+    if (path == PATH_AVX2) return rows_float_avx2;
+#endif
+    return rows_float_scalar;
+}
+
+/* ------------------------------------------------------------------------------------------ a phase of products */
+
+#define MAX_PRODUCTS 80     /* products in one phase: the k experts' (k <= 64) and the shared expert's */
+#define PHASE_ROWS 16       /* rows per pool item */
+
+/* One matrix-vector product of a phase: y = W x (+ bias), from x's int16 blocks (packed W) or x itself. */
+typedef struct {
+    const hexq_matrix* m;
+    const quantized_x* xq;
+    const float* x;
+    float* y;
+} product;
+
+typedef struct {
+    product items[MAX_PRODUCTS];
+    int64_t first[MAX_PRODUCTS + 1]; /* pool item where each product starts */
+    int n;
+    rows_fn packed_rows;
+    float_rows_fn float_rows;
+} phase;
+
+static void phase_add(phase* p, const hexq_matrix* m, const quantized_x* xq, const float* x, float* y) {
+    if (m->kind == MAT_NONE) return;
+    p->items[p->n] = (product){m, xq, x, y};
+    p->first[p->n + 1] = p->first[p->n] + (m->rows + PHASE_ROWS - 1) / PHASE_ROWS;
+    p->n++;
+}
+
+static void phase_item(void* arg, int64_t item) {
+    const phase* p = (const phase*)arg;
+    int lo = 0, hi = p->n - 1;
+    while (lo < hi) { /* the product holding this item */
+        const int mid = (lo + hi + 1) / 2;
+        if (p->first[mid] <= item) lo = mid; else hi = mid - 1;
+    }
+    const product* t = &p->items[lo];
+    const hexq_matrix* m = t->m;
+    const int64_t r0 = (item - p->first[lo]) * PHASE_ROWS;
+    const int64_t r1 = r0 + PHASE_ROWS < m->rows ? r0 + PHASE_ROWS : m->rows;
+    if (m->kind == MAT_PACKED) {
+        const hexq_gemv_task task = {(const uint8_t*)m->data, m->scale, m->zero, t->x, t->y, m->rows, m->cols,
+                                     m->group, m->cols, m->rows, m->bits, 1};
+        p->packed_rows(&task, t->xq, r0, r1);
+    } else {
+        p->float_rows(m, t->x, t->y, r0, r1);
+    }
+    if (m->bias)
+        for (int64_t r = r0; r < r1; r++) t->y[r] += m->bias[r];
+}
+
+static void phase_run(phase* p, int threads) {
+    if (p->n) parallel(phase_item, p, p->first[p->n], threads);
+    p->n = 0;
+}
+
+/* ------------------------------------------------------------------------------------------ scratch */
+
+/* An input vector as the products read it: on a matrix's activation grid (act_quant) where the recipe asks, and in
+   int16 blocks for the packed kernels. A set holds one copy per distinct grid among the matrices that read the same
+   vector (one for dynamic grids; static per-linear ranges may differ), each computed once per step. */
+#define GRIDS 4
+
+typedef struct {
+    float* value;  /* [cols] */
+    quantized_x q; /* int16 blocks of value */
+    hexq_act act;  /* the grid `value` is on */
+} input_buf;
+
+typedef struct {
+    input_buf b[GRIDS];
+    int64_t cols;
+    int used;
+} input_set;
+
+typedef struct {
+    float *x, *h, *q, *k, *v, *att, *o, *router, *scores, *hidden, *mid, *ye, *mlp_hidden, *mlp_mid, *mlp_y, *gate;
+    input_set in_h, in_att, in_moe, in_final, in_mid[64], in_mlp_mid;
+} scratch;
+
+#define ALIGN64(n) (((n) + 63) / 64 * 64)
+
+static uint8_t* carve(uint8_t** p, int64_t bytes) {
+    uint8_t* out = *p;
+    *p += ALIGN64(bytes);
+    return out;
+}
+
+static void input_init(input_set* set, uint8_t** p, int64_t cols, int grids) {
+    set->cols = cols;
+    set->used = 0;
+    for (int i = 0; i < grids; i++) {
+        input_buf* b = &set->b[i];
+        b->value = (float*)carve(p, cols * 4);
+        b->q.q = (int16_t*)carve(p, cols * 2);
+        b->q.dx = (float*)carve(p, cols / BLOCK * 4 + 4);
+        b->q.sum = (int32_t*)carve(p, cols / BLOCK * 4 + 4);
+    }
+}
+
+static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+/* Lays the scratch out from `base` (NULL: only counts) and returns its size in bytes. */
+static int64_t scratch_layout(const hexq_model* m, uint8_t* base, scratch* s) {
+    uint8_t* p = base;
+    const int64_t H = m->hidden, QD = (int64_t)m->heads * m->head_dim, KD = (int64_t)m->kv_heads * m->head_dim;
+    const int64_t I = max64(m->inter, BLOCK), MI = max64(m->mlp_inter, BLOCK), k = m->top_k;
+    scratch local;
+    if (!s) s = &local;
+    s->x = (float*)carve(&p, H * 4);
+    s->h = (float*)carve(&p, H * 4);
+    s->q = (float*)carve(&p, QD * 4);
+    s->k = (float*)carve(&p, KD * 4);
+    s->v = (float*)carve(&p, KD * 4);
+    s->att = (float*)carve(&p, QD * 4);
+    s->o = (float*)carve(&p, H * 4);
+    s->router = (float*)carve(&p, max64(m->num_experts, 1) * 4);
+    s->scores = (float*)carve(&p, (int64_t)m->heads * m->max_pos * 4);
+    s->hidden = (float*)carve(&p, k * 2 * I * 4);
+    s->mid = (float*)carve(&p, k * I * 4);
+    s->ye = (float*)carve(&p, k * H * 4);
+    s->mlp_hidden = (float*)carve(&p, 2 * MI * 4);
+    s->mlp_mid = (float*)carve(&p, MI * 4);
+    s->mlp_y = (float*)carve(&p, H * 4);
+    s->gate = (float*)carve(&p, 64);
+    input_init(&s->in_h, &p, H, 3);
+    input_init(&s->in_att, &p, QD, 1);
+    input_init(&s->in_moe, &p, H, GRIDS);
+    input_init(&s->in_final, &p, H, 1);
+    for (int j = 0; j < k && j < 64; j++) input_init(&s->in_mid[j], &p, I, 1);
+    input_init(&s->in_mlp_mid, &p, MI, 1);
+    return p - base;
+}
+
+/* Bytes of scratch hexq_decode needs for this model (it aligns the pointer it is given to 64 bytes itself). */
+int64_t hexq_decode_scratch(const hexq_model* m) { return scratch_layout(m, (uint8_t*)0, NULL) + 64; }
+
+/* Queue y = W x for matrix `m` reading vector `src` (`cols` values) through `set`: x on m's grid, computed once per
+   grid per step (set->used is reset where the vector changes). Returns -1 when the set has no room for another grid. */
+static int add_product(phase* p, input_set* set, const float* src, int64_t cols, const hexq_matrix* m, float* y) {
+    if (m->kind == MAT_NONE) return 0;
+    input_buf* b = NULL;
+    for (int i = 0; i < set->used; i++)
+        if (same_act(&set->b[i].act, &m->act)) b = &set->b[i];
+    if (!b) {
+        if (set->used == GRIDS) return -1;
+        b = &set->b[set->used++];
+        if (m->act.bits) act_quant(&m->act, src, b->value, cols);
+        else memcpy(b->value, src, (size_t)cols * 4);
+        b->act = m->act;
+        if (cols % BLOCK == 0) {
+            const hexq_gemv_task t = {0, 0, 0, b->value, 0, 0, cols, BLOCK, cols, 0, 1, 1};
+            quantize_x(&t, &b->q);
+        }
+    }
+    phase_add(p, m, &b->q, b->value, y);
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------------ attention */
+
+typedef struct {
+    const hexq_model* m;
+    const scratch* s;
+    int layer;
+    int64_t pos, start;
+} attention_ctx;
+
+/* One query head over positions [start, pos] of its KV head: softmax(q k^T * scaling) v. */
+static void attention_head(void* arg, int64_t head) {
+    const attention_ctx* c = (const attention_ctx*)arg;
+    const hexq_model* m = c->m;
+    const int64_t D = m->head_dim, group = m->heads / m->kv_heads, kvh = head / group;
+    const float* q = c->s->q + head * D;
+    const float* keys = m->k_cache + (((int64_t)c->layer * m->kv_heads + kvh) * m->max_pos) * D;
+    const float* values = m->v_cache + (((int64_t)c->layer * m->kv_heads + kvh) * m->max_pos) * D;
+    float* scores = c->s->scores + head * m->max_pos;
+    float top = -INFINITY;
+    for (int64_t t = c->start; t <= c->pos; t++) {
+        float dot = 0.0f;
+        for (int64_t i = 0; i < D; i++) dot += q[i] * keys[t * D + i];
+        scores[t] = dot * m->scaling;
+        top = fmaxf(top, scores[t]);
+    }
+    float total = 0.0f;
+    for (int64_t t = c->start; t <= c->pos; t++) {
+        scores[t] = expf(scores[t] - top);
+        total += scores[t];
+    }
+    float* out = c->s->att + head * D;
+    for (int64_t i = 0; i < D; i++) out[i] = 0.0f;
+    for (int64_t t = c->start; t <= c->pos; t++) {
+        const float p = scores[t] / total;
+        for (int64_t i = 0; i < D; i++) out[i] += p * values[t * D + i];
+    }
+}
+
+/* RoPE on one head's D values (rotate_half convention: pairs (i, i + D/2)). */
+static void rope(float* x, int64_t D, const float* inv_freq, int64_t pos, float scaling) {
+    const int64_t half = D / 2;
+    for (int64_t i = 0; i < half; i++) {
+        const float angle = (float)pos * inv_freq[i];
+        const float cs = cosf(angle) * scaling, sn = sinf(angle) * scaling;
+        const float a = x[i], b = x[i + half];
+        x[i] = a * cs - b * sn;
+        x[i + half] = b * cs + a * sn;
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ routing */
+
+/* The family's softmax top-k (ties to the lower expert id), renormalised if asked; then the served weights: the
+   skipped (0-bit) experts' mass shared by the kept ones (hexq.simulate.renormalized_weights). */
+static int route_token(const hexq_model* m, const hexq_layer* L, const float* logits, int* ids, float* weights) {
+    const int E = m->num_experts, k = m->top_k;
+    float top = -INFINITY, total = 0.0f;
+    for (int e = 0; e < E; e++) top = fmaxf(top, logits[e]);
+    float probs[1024];
+    for (int e = 0; e < E; e++) {
+        probs[e] = expf(logits[e] - top);
+        total += probs[e];
+    }
+    for (int e = 0; e < E; e++) probs[e] /= total;
+    unsigned char taken[1024] = {0};
+    float sum = 0.0f;
+    for (int j = 0; j < k; j++) {
+        int best = -1;
+        for (int e = 0; e < E; e++)
+            if (!taken[e] && (best < 0 || probs[e] > probs[best])) best = e;
+        taken[best] = 1;
+        ids[j] = best;
+        weights[j] = probs[best];
+        sum += probs[best];
+    }
+    if (m->normalize)
+        for (int j = 0; j < k; j++) weights[j] /= sum;
+    float all = 0.0f, kept = 0.0f;
+    for (int j = 0; j < k; j++) {
+        all += weights[j];
+        if (L->experts[ids[j]].bits) kept += weights[j];
+    }
+    int n = 0;
+    for (int j = 0; j < k; j++) {
+        if (!L->experts[ids[j]].bits) continue;
+        ids[n] = ids[j];
+        weights[n] = kept > 0.0f ? weights[j] * (all / kept) : 0.0f;
+        n++;
+    }
+    return n; /* kept experts, first n of ids / weights */
+}
+
+/* ------------------------------------------------------------------------------------------ the step */
+
+static void gated(const float* gate_up, float* mid, int64_t inter) {
+    for (int64_t i = 0; i < inter; i++) mid[i] = silu(gate_up[i]) * gate_up[inter + i];
+}
+
+/* x += W_down (silu(W_gate h) * (W_up h)) for a dense MLP; in a MoE layer the same for the shared expert (scaled by
+   its sigmoid gate) beside the routed experts, whose products join the shared expert's phases. */
+static void layer_ffn(const hexq_model* m, const hexq_layer* L, scratch* s, phase* p, int threads) {
+    const int64_t H = m->hidden, mlp_inter = L->mlp_gate.rows;
+    const int dense = L->mlp_gate.kind != MAT_NONE;
+    s->in_moe.used = 0;
+    add_product(p, &s->in_moe, s->h, H, &L->mlp_gate, s->mlp_hidden);
+    add_product(p, &s->in_moe, s->h, H, &L->mlp_up, s->mlp_hidden + mlp_inter);
+    add_product(p, &s->in_moe, s->h, H, &L->shared_gate, s->gate);
+    int ids[64], n = 0;
+    float weights[64];
+    int64_t inter = 0;
+    if (L->moe) {
+        p->float_rows(&L->router, s->h, s->router, 0, L->router.rows); /* [E] logits: one small product here */
+        n = route_token(m, L, s->router, ids, weights);
+        for (int j = 0; j < n; j++) { /* every kept expert's gate_up: one input, one phase */
+            const hexq_expert* e = &L->experts[ids[j]];
+            inter = e->gate_up.rows / 2;
+            add_product(p, &s->in_moe, s->h, H, &e->gate_up, s->hidden + j * 2 * m->inter);
+        }
+    }
+    phase_run(p, threads);
+    for (int j = 0; j < n; j++) { /* SiLU-mul, then every expert's down product on its own intermediate */
+        gated(s->hidden + j * 2 * m->inter, s->mid + j * m->inter, inter);
+        s->in_mid[j].used = 0;
+        add_product(p, &s->in_mid[j], s->mid + j * m->inter, inter, &L->experts[ids[j]].down, s->ye + j * H);
+    }
+    if (dense) {
+        gated(s->mlp_hidden, s->mlp_mid, mlp_inter);
+        s->in_mlp_mid.used = 0;
+        add_product(p, &s->in_mlp_mid, s->mlp_mid, mlp_inter, &L->mlp_down, s->mlp_y);
+    }
+    phase_run(p, threads);
+    for (int j = 0; j < n; j++)
+        for (int64_t i = 0; i < H; i++) s->x[i] += weights[j] * s->ye[j * H + i];
+    if (dense) {
+        const float g = L->shared_gate.kind == MAT_NONE ? 1.0f : 1.0f / (1.0f + expf(-s->gate[0]));
+        for (int64_t i = 0; i < H; i++) s->x[i] += g * s->mlp_y[i];
+    }
+}
+
+static void layer_attention(const hexq_model* m, const hexq_layer* L, int layer, scratch* s, phase* p, int threads,
+                            int64_t pos) {
+    const int64_t H = m->hidden, D = m->head_dim, QD = (int64_t)m->heads * D, KD = (int64_t)m->kv_heads * D;
+    rms_norm(s->x, L->input_norm, s->h, H, m->eps);
+    s->in_h.used = 0;
+    add_product(p, &s->in_h, s->h, H, &L->q, s->q);
+    add_product(p, &s->in_h, s->h, H, &L->k, s->k);
+    add_product(p, &s->in_h, s->h, H, &L->v, s->v);
+    phase_run(p, threads);
+    if (L->qk_norm == QK_WHOLE) {
+        rms_norm(s->q, L->q_norm, s->q, QD, m->eps);
+        rms_norm(s->k, L->k_norm, s->k, KD, m->eps);
+    }
+    if (m->clip_qkv > 0.0f) {
+        const float c = m->clip_qkv;
+        for (int64_t i = 0; i < QD; i++) s->q[i] = fminf(fmaxf(s->q[i], -c), c);
+        for (int64_t i = 0; i < KD; i++) s->k[i] = fminf(fmaxf(s->k[i], -c), c);
+        for (int64_t i = 0; i < KD; i++) s->v[i] = fminf(fmaxf(s->v[i], -c), c);
+    }
+    for (int64_t h = 0; h < m->heads; h++) {
+        if (L->qk_norm == QK_HEAD) rms_norm(s->q + h * D, L->q_norm, s->q + h * D, D, m->eps);
+        rope(s->q + h * D, D, m->inv_freq, pos, m->rope_scaling);
+    }
+    for (int64_t h = 0; h < m->kv_heads; h++) {
+        if (L->qk_norm == QK_HEAD) rms_norm(s->k + h * D, L->k_norm, s->k + h * D, D, m->eps);
+        rope(s->k + h * D, D, m->inv_freq, pos, m->rope_scaling);
+        const int64_t at = (((int64_t)layer * m->kv_heads + h) * m->max_pos + pos) * D;
+        memcpy(m->k_cache + at, s->k + h * D, (size_t)D * 4);
+        memcpy(m->v_cache + at, s->v + h * D, (size_t)D * 4);
+    }
+    const int64_t start = m->sliding_window > 0 && pos - m->sliding_window + 1 > 0 ? pos - m->sliding_window + 1 : 0;
+    attention_ctx ctx = {m, s, layer, pos, start};
+    parallel(attention_head, &ctx, m->heads, threads);
+    s->in_att.used = 0;
+    add_product(p, &s->in_att, s->att, QD, &L->o, s->o);
+    phase_run(p, threads);
+    for (int64_t i = 0; i < H; i++) s->x[i] += s->o[i];
+}
+
+/* One token at position `pos` (the KV cache holds positions [0, pos)): logits [vocab] float32. Returns 0, or -1 for
+   a position past the cache, a path this CPU does not run, or a model the step does not take. */
+int hexq_decode(const hexq_model* m, int32_t token, int64_t pos, float* logits, int path, int threads,
+                uint8_t* scratch_bytes) {
+    if (!(hexq_paths() >> path & 1) || pos < 0 || pos >= m->max_pos || token < 0 || token >= m->vocab
+        || m->top_k > 64 || m->num_experts > 1024)
+        return -1;
+    scratch s;
+    scratch_layout(m, (uint8_t*)(((uintptr_t)scratch_bytes + 63) / 64 * 64), &s);
+    phase p;
+    memset(&p, 0, sizeof(p));
+    p.packed_rows = rows_for(path);
+    p.float_rows = float_rows_for(path);
+    const int64_t H = m->hidden;
+    if (m->embed_kind == MAT_F32) {
+        memcpy(s.x, (const float*)m->embed + (int64_t)token * H, (size_t)H * 4);
+    } else {
+        const uint16_t* row = (const uint16_t*)m->embed + (int64_t)token * H;
+        for (int64_t i = 0; i < H; i++) s.x[i] = bf16_to_float(row[i]);
+    }
+    pool_hot(1);
+    for (int layer = 0; layer < m->layers; layer++) {
+        const hexq_layer* L = &m->layer[layer];
+        layer_attention(m, L, layer, &s, &p, threads, pos);
+        rms_norm(s.x, L->post_norm, s.h, H, m->eps);
+        layer_ffn(m, L, &s, &p, threads);
+    }
+    rms_norm(s.x, m->final_norm, s.h, H, m->eps);
+    s.in_final.used = 0;
+    add_product(&p, &s.in_final, s.h, H, &m->head, logits);
+    phase_run(&p, threads);
+    pool_hot(0);
+    return 0;
+}

@@ -1,0 +1,50 @@
+/* What hexq's two kernel sources (kernels.c: the GEMV, the dequantization and the thread pool; decode.c: the native
+   decode step) share. Everything here is hidden: the library exports only the hexq_* entry points. */
+#ifndef HEXQ_KERNELS_H
+#define HEXQ_KERNELS_H
+#include <stdint.h>
+
+#define HIDDEN __attribute__((visibility("hidden")))
+
+enum { PATH_SCALAR = 0, PATH_AVX2 = 1, PATH_AVX512 = 2 };
+
+/* y[t, r] = sum_c W[r, c] x[t, c] for r in [0, rows), t in [0, ntok), W = (q - zero) * scale per group of `group`
+   codes of a row; q: `bits`-bit codes, one little-endian bit stream, row-major (hexq.packed.bitpack); scale and
+   zero float16 [rows, cols / group]; x float32 [ntok, cols] (row stride x_stride), y float32 (row stride y_stride). */
+typedef struct {
+    const uint8_t* codes;
+    const uint16_t* scale;
+    const uint16_t* zero;
+    const float* x;
+    float* y;
+    int64_t rows, cols, group, x_stride, y_stride;
+    int32_t bits, ntok;
+} hexq_gemv_task;
+
+#define MAX_TOK 4
+#define BLOCK 32            /* activation block: one int16 scale per 32 values of x */
+#define MAX_BLOCKS 1024     /* blocks per row the kernels take (cols / 32) */
+
+/* x of one task, quantized: xq = round(x / dx) in int16 per block of 32 values with dx = max|x| / 32767 (so every
+   value keeps 15 bits relative to its block's largest: relative error <= 2^-16 of that, far under float16 weights'
+   own), and each block's sum of xq for the zero term. */
+typedef struct {
+    int16_t* q;   /* [ntok, cols] */
+    float* dx;    /* [ntok, blocks] */
+    int32_t* sum; /* [ntok, blocks] */
+} quantized_x;
+
+/* rows [r0, r1) of a task's y from its quantized x, on one instruction-set path */
+typedef void (*rows_fn)(const hexq_gemv_task*, const quantized_x*, int64_t, int64_t);
+
+int hexq_paths(void);
+HIDDEN float half_to_float(uint16_t h);
+HIDDEN void quantize_x(const hexq_gemv_task* t, quantized_x* out);
+HIDDEN rows_fn rows_for(int path);
+/* run(ctx, item) for every item in [0, items) on `threads` threads (the caller included), on the persistent pool */
+HIDDEN void parallel(void (*run)(void*, int64_t), void* ctx, int64_t items, int threads);
+/* While hot, the pool's workers spin between jobs instead of sleeping: a decode step's phases follow each other
+   within microseconds, and a futex wake per phase would cost more than most phases. */
+HIDDEN void pool_hot(int hot);
+
+#endif

@@ -1,0 +1,284 @@
+"""The native decode step: one call into hexq/packed/decode.c per generated token, with no Python and no torch op
+between the layers.
+
+Why. A decode step through the transformers model is a Python program of a few hundred torch ops and ~6 kernel
+calls per layer, each waking the kernels' thread pool: on a real-shaped layer that costs more than the kernels. The
+native step runs a whole token - embedding row, per layer RMSNorm, q/k/v (the family's q/k norms and biases), RoPE,
+the KV cache, attention, o, the router (softmax top-k and the family's renormalisation), the routed experts at their
+served widths from their packed codes (every kept expert's gate_up in one pool phase, their down products in a
+second), the shared expert or dense MLP, the weighted sum; the final norm and the head - in one threaded region
+whose workers spin between phases (kernels.c `parallel`, `pool_hot`). Activations are float32 throughout; a packed
+matrix's input is put on the recipe's activation grid (W8A8) once and quantized into int16 blocks once, shared by
+every matrix that reads it.
+
+What it covers (`unsupported`, one place, says why a runtime does not take it; `--stats` names the path): the
+families whose decoder is GQA attention + softmax-top-k routed experts (qwen3_moe, qwen2_moe, olmoe, mixtral), with
+SiLU experts and a RoPE whose frequencies do not depend on the sequence length, served on the CPU kernels with
+every routed expert resident in the packed cache at the static allocation (`hexq run` without --memory/--budget
+below the experts' bytes and with --policy static). Everything else - the cache path with misses, the dynamic
+policies, deepseek's MLA, phimoe, Triton - keeps the transformers path. The prompt is prefilled by the transformers
+path (expanding experts into BLAS where the cost model says so) and its KV cache copied into the native one.
+
+The weights are the model's own tensors (no copy, except the norms' float32 weights: a few KB per layer); the
+experts are the cache's resident packed versions, pinned for the decoder's lifetime.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from hexq.adapters import SOFTMAX_TOPK, adapter_for
+from hexq.packed.cpu import gemv_takes
+from hexq.runtime.compute import PackedLinear
+
+FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral")
+STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # inv_freq fixed at load (not "dynamic": it grows with length)
+MAT_NONE, MAT_PACKED, MAT_F32, MAT_BF16 = 0, 1, 2, 3
+QK_NONE, QK_HEAD, QK_WHOLE = 0, 1, 2
+MAX_TOP_K, MAX_EXPERTS = 64, 1024  # decode.c's fixed arrays
+
+
+class Act(ctypes.Structure):
+    _fields_ = [("bits", ctypes.c_int32), ("symmetric", ctypes.c_int32), ("dynamic", ctypes.c_int32),
+                ("low", ctypes.c_float), ("high", ctypes.c_float)]
+
+
+class Matrix(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int32), ("bits", ctypes.c_int32), ("rows", ctypes.c_int64),
+                ("cols", ctypes.c_int64), ("group", ctypes.c_int64), ("data", ctypes.c_void_p),
+                ("scale", ctypes.c_void_p), ("zero", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("act", Act)]
+
+
+class Expert(ctypes.Structure):
+    _fields_ = [("gate_up", Matrix), ("down", Matrix), ("bits", ctypes.c_int32)]
+
+
+class Layer(ctypes.Structure):
+    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("q", Matrix), ("k", Matrix),
+                ("v", Matrix), ("o", Matrix), ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
+                ("qk_norm", ctypes.c_int32), ("moe", ctypes.c_int32), ("router", Matrix),
+                ("experts", ctypes.c_void_p), ("mlp_gate", Matrix), ("mlp_up", Matrix), ("mlp_down", Matrix),
+                ("shared_gate", Matrix)]
+
+
+class Model(ctypes.Structure):
+    _fields_ = [("layers", ctypes.c_int32), ("hidden", ctypes.c_int32), ("heads", ctypes.c_int32),
+                ("kv_heads", ctypes.c_int32), ("head_dim", ctypes.c_int32), ("vocab", ctypes.c_int32),
+                ("num_experts", ctypes.c_int32), ("top_k", ctypes.c_int32), ("normalize", ctypes.c_int32),
+                ("inter", ctypes.c_int32), ("mlp_inter", ctypes.c_int32), ("sliding_window", ctypes.c_int32),
+                ("eps", ctypes.c_float), ("scaling", ctypes.c_float), ("rope_scaling", ctypes.c_float),
+                ("clip_qkv", ctypes.c_float), ("inv_freq", ctypes.c_void_p), ("embed_kind", ctypes.c_int32),
+                ("embed", ctypes.c_void_p), ("final_norm", ctypes.c_void_p), ("head", Matrix),
+                ("layer", ctypes.c_void_p), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
+                ("max_pos", ctypes.c_int64)]
+
+
+class NotNative(Exception):
+    """Why a runtime keeps the transformers path (the message is what --stats shows)."""
+
+
+def _act(quantizer) -> Act:
+    if quantizer is None:
+        return Act(0, 0, 0, 0.0, 0.0)
+    return Act(quantizer.bits, int(quantizer.symmetric), int(quantizer.dynamic), quantizer.low, quantizer.high)
+
+
+class NativeDecoder:
+    """The native step over a built Runtime (see the module docstring). Build it with `NativeDecoder.of(runtime)`,
+    which raises NotNative with the reason when the runtime is not covered."""
+
+    def __init__(self, runtime) -> None:
+        self.runtime = runtime
+        self.kernels = runtime.compute.kernels
+        self.library = self.kernels.library
+        self.library.hexq_decode.restype = ctypes.c_int
+        self.library.hexq_decode.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p,
+                                             ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+        self.library.hexq_decode_scratch.restype = ctypes.c_int64
+        self.library.hexq_decode_scratch.argtypes = [ctypes.c_void_p]
+        self._keep: list = []  # every tensor and ctypes array the C structs point into
+        self.model = self._describe()
+        self.max_pos = 0
+        self.positions = 0  # tokens in the KV cache
+
+    @classmethod
+    def of(cls, runtime) -> NativeDecoder:
+        unsupported(runtime)
+        return cls(runtime)
+
+    # --- describing the model to C
+
+    def _tensor(self, tensor: torch.Tensor | None) -> int | None:
+        if tensor is None:
+            return None
+        tensor = tensor.detach().contiguous()
+        self._keep.append(tensor)
+        return tensor.data_ptr()
+
+    def _float32(self, tensor: torch.Tensor | None) -> int | None:
+        return None if tensor is None else self._tensor(tensor.detach().float())
+
+    def _matrix(self, module) -> Matrix:
+        if module is None:
+            return Matrix()
+        path = self.kernels.path
+        if isinstance(module, PackedLinear):
+            w = module.weight_packed
+            if not gemv_takes(w.shape, w.bits, w.scale.shape[-1], path):
+                raise NotNative(f"a {w.bits}-bit {w.shape[0]}x{w.shape[1]} linear is not on the kernels' grid")
+            return Matrix(MAT_PACKED, w.bits, w.shape[0], w.shape[1], w.shape[1] // w.scale.shape[-1],
+                          self._tensor(w.codes), self._tensor(w.scale), self._tensor(w.zero),
+                          self._float32(module.bias), _act(module.quantizer))
+        weight = module.weight
+        kind = {torch.float32: MAT_F32, torch.bfloat16: MAT_BF16}.get(weight.dtype)
+        if kind is None:
+            raise NotNative(f"a {weight.dtype} linear")
+        bias = getattr(module, "bias", None)
+        return Matrix(kind, 0, weight.shape[0], weight.shape[1], 0, self._tensor(weight), None, None,
+                      self._float32(bias), _act(None))
+
+    def _packed(self, weight, quantizer) -> Matrix:
+        if not gemv_takes(weight.shape, weight.bits, weight.scale.shape[-1], self.kernels.path):
+            raise NotNative(f"a {weight.bits}-bit expert matrix {weight.shape[0]}x{weight.shape[1]} is not on the "
+                            "kernels' grid")
+        return Matrix(MAT_PACKED, weight.bits, weight.shape[0], weight.shape[1],
+                      weight.shape[1] // weight.scale.shape[-1], self._tensor(weight.codes),
+                      self._tensor(weight.scale), self._tensor(weight.zero), None, _act(quantizer))
+
+    def _experts(self, row: int, module) -> tuple[int, int]:
+        """The layer's experts at their allocation, from the cache (pinned for good): (pointer, intermediate)."""
+        runtime = self.runtime
+        bits_row = runtime.artifact.allocation[row]
+        runtime.cache.pin(row, range(len(bits_row)))
+        table = (Expert * len(bits_row))()
+        inter = 0
+        input_quant, mid_quant = module.quantizers
+        for expert, bits in enumerate(bits_row):
+            if not bits:
+                continue
+            weights = runtime.cache.get(row, expert, bits)
+            if weights.transient or not weights.packed:
+                raise NotNative("an expert is not resident in the packed cache")
+            table[expert] = Expert(self._packed(weights.gate_up, input_quant),
+                                   self._packed(weights.down, mid_quant), weights.bits)
+            self._keep.append(weights)
+            inter = max(inter, weights.gate_up.shape[0] // 2)
+        self._keep.append(table)
+        return ctypes.addressof(table), inter
+
+    def _describe(self) -> Model:
+        runtime = self.runtime
+        config = runtime.model.config
+        adapter = adapter_for(config.model_type)
+        base = runtime.model.model
+        rows = {layer: row for row, layer in enumerate(runtime.artifact.moe_layers)}
+        first = base.layers[0].self_attn
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        head_dim = first.head_dim
+        layers = (Layer * len(base.layers))()
+        inter = mlp_inter = 0
+        normalize = {"always": True, "never": False}.get(adapter.routing.normalize,
+                                                         bool(getattr(config, "norm_topk_prob", False)))
+        for index, layer in enumerate(base.layers):
+            attn = getattr(layer, adapter.attention)
+            entry = layers[index]
+            entry.input_norm = self._float32(getattr(layer, adapter.input_norm).weight)
+            entry.post_norm = self._float32(getattr(layer, adapter.post_attention_norm).weight)
+            for name in ("q", "k", "v", "o"):
+                setattr(entry, name, self._matrix(getattr(attn, f"{name}_proj")))
+            q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+            if q_norm is not None:
+                entry.qk_norm = QK_HEAD if q_norm.weight.numel() == head_dim else QK_WHOLE
+                entry.q_norm, entry.k_norm = self._float32(q_norm.weight), self._float32(k_norm.weight)
+            block = getattr(layer, adapter.moe)
+            if index in rows:
+                entry.moe = 1
+                entry.router = self._matrix(getattr(block, adapter.router))
+                entry.experts, width = self._experts(rows[index], getattr(block, adapter.experts))
+                inter = max(inter, width)
+                mlp = getattr(block, adapter.shared_expert) if adapter.shared_expert else None
+                gate = getattr(block, adapter.shared_expert_gate) if adapter.shared_expert_gate else None
+                entry.shared_gate = self._matrix(gate)
+            else:
+                mlp = block
+            if mlp is not None:
+                entry.mlp_gate, entry.mlp_up = self._matrix(mlp.gate_proj), self._matrix(mlp.up_proj)
+                entry.mlp_down = self._matrix(mlp.down_proj)
+                mlp_inter = max(mlp_inter, entry.mlp_gate.rows)
+        self._keep.append(layers)
+        rotary = base.rotary_emb
+        embed = base.embed_tokens.weight
+        window = getattr(first, "sliding_window", None) or 0
+        model = Model(len(base.layers), config.hidden_size, heads, kv_heads, head_dim, config.vocab_size,
+                      runtime.artifact.num_experts, config.num_experts_per_tok, int(normalize), inter, mlp_inter,
+                      int(window), float(base.norm.variance_epsilon), float(first.scaling),
+                      float(getattr(rotary, "attention_scaling", 1.0)), float(getattr(config, "clip_qkv", None) or 0),
+                      self._float32(rotary.inv_freq), MAT_BF16 if embed.dtype == torch.bfloat16 else MAT_F32,
+                      self._tensor(embed), self._float32(base.norm.weight), self._matrix(runtime.model.lm_head),
+                      ctypes.addressof(layers), None, None, 0)
+        return model
+
+    # --- serving
+
+    def start(self, past, positions: int, capacity: int) -> None:
+        """A new sequence whose first `positions` tokens the transformers path prefilled into `past` (its KV cache):
+        room for `capacity` positions, the prompt's keys and values copied in (as float32)."""
+        m = self.model
+        if capacity > self.max_pos:
+            shape = (m.layers, m.kv_heads, capacity, m.head_dim)
+            self.k_cache = torch.zeros(shape, dtype=torch.float32)
+            self.v_cache = torch.zeros(shape, dtype=torch.float32)
+            self.scratch = None
+            self.max_pos = m.max_pos = capacity
+            m.k_cache, m.v_cache = self.k_cache.data_ptr(), self.v_cache.data_ptr()
+            self.scratch = torch.empty(self.library.hexq_decode_scratch(ctypes.byref(m)), dtype=torch.uint8)
+        for index in range(m.layers):
+            keys, values = past.layers[index].keys, past.layers[index].values
+            self.k_cache[index, :, :positions] = keys[0, :, :positions].float()
+            self.v_cache[index, :, :positions] = values[0, :, :positions].float()
+        self.positions = positions
+
+    def step(self, token: int) -> torch.Tensor:
+        """Logits [vocab] float32 of `token` at the next position (its keys and values join the cache)."""
+        if self.positions >= self.max_pos:
+            raise ValueError(f"the native KV cache holds {self.max_pos} positions")
+        logits = torch.empty(self.model.vocab, dtype=torch.float32)
+        code = self.library.hexq_decode(ctypes.byref(self.model), token, self.positions, logits.data_ptr(),
+                                        self.kernels._path_index, self.kernels.threads, self.scratch.data_ptr())
+        if code != 0:
+            raise ValueError(f"the native decode step refused token {token} at position {self.positions}")
+        self.positions += 1
+        return logits
+
+
+def unsupported(runtime) -> None:
+    """Raise NotNative naming the first reason `runtime` is served by the transformers path instead (see the module
+    docstring); return when the native step covers it."""
+    config, artifact = runtime.config, runtime.artifact
+    model_config = runtime.model.config
+    model_type = model_config.model_type
+    if model_type not in FAMILIES:
+        raise NotNative(f"{model_type} is not a family the native step covers ({', '.join(FAMILIES)})")
+    if runtime.compute.kernels is None:
+        raise NotNative("no CPU kernels (" + ("--kernels torch" if config.kernels == "torch" else
+                                              "triton" if runtime.compute.triton else "the build failed") + ")")
+    if config.policy != "static":
+        raise NotNative(f"the {config.policy} policy chooses widths per token in Python")
+    if config.mode != "cache" or config.cache != "packed":
+        raise NotNative(f"--cache {config.cache} / mode {config.mode}: the step reads packed resident experts")
+    if runtime.budget_bytes < runtime.expert_bytes:
+        raise NotNative("not every expert fits the fast tier (the cache path loads misses in Python)")
+    if adapter_for(model_type).routing.kind != SOFTMAX_TOPK:
+        raise NotNative("the router is not softmax top-k")
+    if getattr(model_config, "hidden_act", "silu") != "silu":
+        raise NotNative(f"{model_config.hidden_act} experts (the step computes SiLU)")
+    rope = (getattr(model_config, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope not in STATIC_ROPE:
+        raise NotNative(f"{rope} RoPE")
+    if model_config.num_experts_per_tok > MAX_TOP_K or artifact.num_experts > MAX_EXPERTS:
+        raise NotNative(f"top-{model_config.num_experts_per_tok} of {artifact.num_experts} experts")
+    head = runtime.model.lm_head
+    if not isinstance(head, PackedLinear) and head.weight.dtype not in (torch.float32, torch.bfloat16):
+        raise NotNative(f"a {head.weight.dtype} head")

@@ -1,0 +1,161 @@
+"""The native decode step (hexq/packed/decode.c through hexq.runtime.native) against the transformers path it stands
+in for, on every family it covers, every kernel path this CPU runs, mixed widths and skipped experts.
+
+The bound. Both paths compute every packed matrix with the same kernels from the same int16 activation blocks; what
+differs is float32 rounding order (norms, attention, softmax: ~1e-7 relative per operation) and, where the recipe
+quantizes activations (W8A8, dynamic per token), which side of a rounding boundary an activation lands on: a value
+that flips moves by one grid step, 1/255 of its token's range. Measured on these models: 3e-5 relative L2 on the
+logits without activation quantization, up to 6e-3 with W8A8. The bound is one W8A8 step (1/255 = 3.9e-3) times
+the few flips a step sees, 2e-2; a real defect (a wrong RoPE, router renormalisation, skipped weight, q/k norm,
+shared-expert gate) moves the logits by O(1) (each was tried: see the mutation notes in the closing note of the
+change). Greedy tokens must agree wherever the transformers path's top two logits are not a near tie.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from hexq.errors import HexqError
+from hexq.packed.cpu import available_paths, load_cpu_kernels
+from hexq.runtime.compute import Profiles
+from hexq.runtime.engine import Runtime
+from tests.conftest import REFERENCE_MODELS, save_tiny_model, small_recipe
+
+KERNELS = load_cpu_kernels()
+pytestmark = pytest.mark.skipif(KERNELS is None and os.environ.get("CI") != "true",
+                                reason="no C compiler: the native step needs the CPU kernels")
+BOUND = 2e-2
+STEPS = 10
+PROMPT = torch.randint(1, 8192, (1, 9), generator=torch.Generator().manual_seed(5))
+
+
+def compare(artifact, steps: int = STEPS, **options) -> float:
+    """The worst relative L2 distance between the native step's logits and the transformers path's over `steps`
+    greedy steps after PROMPT (both fed the transformers path's tokens)."""
+    with Runtime(artifact, dtype="fp32", **options) as runtime:
+        assert runtime.decode_path == "native", runtime.decode_path
+        runtime.compute.profiles = Profiles()  # the transformers path from the codes too, whatever the cost model says
+        logits, past = runtime._next_logits(PROMPT, None)
+        runtime.native.start(past, PROMPT.shape[1], PROMPT.shape[1] + steps)
+        token, worst = int(logits.argmax()), 0.0
+        for _ in range(steps):
+            got = runtime.native.step(token)
+            want, past = runtime._next_logits(torch.tensor([[token]]), past)
+            worst = max(worst, float((got - want).norm() / want.norm()))
+            top2 = want.topk(2).values
+            if float(top2[0] - top2[1]) > 1e-2 * float(want.abs().max()):
+                assert int(got.argmax()) == int(want.argmax())
+            token = int(want.argmax())
+    return worst
+
+
+def test_native_step_is_the_transformers_step(packed_artifact):
+    """Qwen3-MoE, widths 1-4 mixed in every layer, W8A8 attention."""
+    assert compare(packed_artifact) <= BOUND
+
+
+def test_skipped_experts_renormalised_as_served(skipping_artifact):
+    """0-bit experts: their routing weight goes to the token's kept experts (hexq.simulate.served_weights)."""
+    assert compare(skipping_artifact) <= BOUND
+
+
+@pytest.fixture(scope="module")
+def a16_artifact(tmp_path_factory):
+    """The wide Qwen3-MoE of conftest's wide_calibration with activations in full precision everywhere (no W8A8
+    grid: the two paths then differ by float32 summation order alone), mixed 2.5 bits."""
+    from dataclasses import replace
+
+    from hexq.calib.pipeline import calibrate
+    from hexq.pack import Budget, pack
+    from hexq.recipe import ActivationQuant, Smoothing
+
+    folder = tmp_path_factory.mktemp("a16")
+    model = save_tiny_model(folder / "model", "qwen3_moe", hidden_size=64, moe_intermediate_size=64,
+                            intermediate_size=128, head_dim=16)
+    recipe = replace(small_recipe("experts-mixed"), smoothing=Smoothing(method="none"),
+                     activations=ActivationQuant(bits=None))
+    calibrate(model, recipe, "bundled", folder / "cal")
+    pack(folder / "cal", folder / "model.hexq", budget=Budget(avg_bits=2.5))
+    return folder / "model.hexq"
+
+
+def test_without_activation_quantization_only_rounding_order_differs(a16_artifact):
+    """No W8A8 grid: the two paths agree to float32 summation order through 4 layers (measured 3e-5 on the reference
+    Qwen3-MoE; 1e-4 allowed)."""
+    assert compare(a16_artifact) <= 1e-4
+
+
+@pytest.mark.parametrize("path", ["scalar", "avx2", "avx512"])
+def test_every_kernel_path(a16_artifact, path):
+    """Every instruction-set path this CPU runs gives the native step the same logits (they differ only in float32
+    summation order: 1e-5 relative)."""
+    if KERNELS is None or path not in available_paths(KERNELS.library):
+        pytest.skip(f"this CPU does not run the {path} path")
+    logits = {}
+    for name in ("scalar", path):
+        os.environ["HEXQ_CPU_PATH"] = name
+        try:
+            with Runtime(a16_artifact, dtype="fp32") as runtime:
+                assert runtime.compute.path == name and runtime.decode_path == "native"
+                _, past = runtime._next_logits(PROMPT, None)
+                runtime.native.start(past, PROMPT.shape[1], PROMPT.shape[1] + 3)
+                logits[name] = torch.stack([runtime.native.step(t) for t in (17, 400, 9)])
+        finally:
+            os.environ.pop("HEXQ_CPU_PATH")
+    assert float((logits[path] - logits["scalar"]).norm() / logits["scalar"].norm()) <= 1e-4
+
+
+# Families at widths the kernels take (multiples of 32): qwen2_moe with a dense first layer, a shared expert and its
+# gate, q/k/v biases; olmoe with q/k norms over the whole projection; mixtral.
+FAMILIES = {
+    "qwen2_moe": dict(hidden_size=64, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+                      intermediate_size=128, head_dim=16, mlp_only_layers=[0]),
+    "olmoe": dict(hidden_size=64, intermediate_size=64),
+    "mixtral": dict(hidden_size=64, intermediate_size=64),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family_artifact(request, tmp_path_factory):
+    from hexq.calib.pipeline import calibrate
+    from hexq.pack import Budget, pack
+
+    folder = tmp_path_factory.mktemp(request.param)
+    model = save_tiny_model(folder / "model", request.param, **FAMILIES[request.param])
+    calibrate(model, small_recipe("experts-mixed"), "bundled", folder / "cal")
+    pack(folder / "cal", folder / "model.hexq", budget=Budget(avg_bits=2.5))
+    return folder / "model.hexq"
+
+
+def test_every_family(family_artifact):
+    assert compare(family_artifact) <= BOUND
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(REFERENCE_MODELS))
+def test_reference_models(name, tmp_path):
+    """The trained reference models, mixed 2.5 bits."""
+    from hexq.calib.pipeline import calibrate
+    from hexq.pack import Budget, pack
+
+    calibrate(REFERENCE_MODELS[name], small_recipe("experts-mixed"), "bundled", tmp_path / "cal")
+    pack(tmp_path / "cal", tmp_path / "model.hexq", budget=Budget(avg_bits=2.5))
+    assert compare(tmp_path / "model.hexq", steps=16) <= BOUND
+
+
+def test_generate_uses_the_native_step_and_says_why_not(packed_artifact):
+    """`hexq run --prompt` decodes natively where it can, with the same greedy text as the transformers path, and
+    names the reason where it cannot; --decode native refuses what it does not cover."""
+    texts = {}
+    for decode in ("auto", "transformers"):
+        with Runtime(packed_artifact, dtype="fp32", decode=decode) as runtime:
+            texts[decode], stats = runtime.generate("It is a truth universally acknowledged", 12)
+            assert stats.decode_path == ("native" if decode == "auto" else "transformers (--decode transformers)")
+    assert texts["auto"] == texts["transformers"]
+    with Runtime(packed_artifact, cache="bf16") as runtime:
+        assert runtime.decode_path.startswith("transformers (--cache bf16")
+    with pytest.raises(HexqError, match="--decode native: not every expert fits"):
+        Runtime(packed_artifact, budget_bytes=40_000, decode="native")
