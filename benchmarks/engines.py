@@ -1,23 +1,24 @@
-"""Decode speed of `hexq run` against llama.cpp on the same real-shaped checkpoint, measured in one run.
+"""Decode and prefill speed of `hexq run` against llama.cpp on the same real-shaped checkpoint, measured in one run.
 
     python benchmarks/engines.py --checkpoint CKPT --llama-cpp DIR
     python benchmarks/engines.py --checkpoint CKPT --llama-cpp DIR --cgroup --repeats 3
 
 CKPT: a checkpoint from scripts/make_checkpoint.py (e.g. `--family qwen3_moe --size published --layers 6 --vocab
 8192`). DIR: llama.cpp's source tree (the one llama-cpp-python vendors: convert_hf_to_gguf.py, gguf-py) with its
-tools built in DIR/build/bin (llama-quantize); the `llama_cpp` package (`pip install hexq[gguf]`) runs the GGUFs.
+tools built in DIR/build/bin (llama-quantize, llama-bench).
 
-What runs (every row a fresh process, --threads threads, nothing else running; a 128-token held-out austen prompt,
---decode greedy tokens; tokens/s = 1 / median decode step; the median over --repeats processes):
-  hexq packed        `hexq run` on the 3- and 4-bit artifacts: the fast tier holds the packed codes, the CPU kernels
-                     compute from them (the default)
-  hexq bf16 cache    the same artifacts with `--cache bf16`: every expert expanded to bf16 (the previous design)
-  llama.cpp          its own GGUFs of the checkpoint: convert_hf_to_gguf.py (bf16), then llama-quantize Q4_0 and
-                     Q3_K_S, run through llama_cpp with the same prompt tokens
-  llama.cpp on hexq's GGUF export
-                     the 4-bit artifact written by `hexq export --format gguf` (experts Q4_1 holding its codes,
-                     attention Q8_0), run through llama_cpp as the rows above (the export's own check, a perplexity
-                     comparison, is skipped here: tests/test_gguf.py and the README's GGUF section cover it)
+What runs (every row a fresh process, --threads threads, nothing else running; the median over --repeats processes):
+  hexq, native decode     `hexq run` on the 3- and 4-bit artifacts, every expert resident in the packed cache: a
+                          128-token held-out austen prompt prefilled by the transformers path, then --decode greedy
+                          tokens by the native step (hexq.runtime.native); tokens/s = 1 / median decode step,
+                          prefill tokens/s = prompt tokens / time to the first token
+  hexq, transformers decode
+                          the same with `--decode transformers`: each token through the transformers model with the
+                          kernels called per matrix (the path the native step replaces)
+  llama.cpp               its own GGUFs of the checkpoint (convert_hf_to_gguf.py to bf16, then llama-quantize Q4_0
+                          and Q3_K_S) and hexq's GGUF export of the 4-bit artifact (experts Q4_1 holding its codes,
+                          attention Q8_0), timed by llama-bench: decode tg --decode at depth 128 (the KV cache holding
+                          a prompt's worth of positions, as for hexq), prefill pp128
 Artifacts: the checkpoint calibrated with round-to-nearest replicas (decode speed does not depend on how the codes
 were chosen) on 16 windows, packed at 3.0 and 4.0 bits (the 4-bit one with `--bank export`: the 4-bit replica of
 every 8-bit expert, which the GGUF export writes for it).
@@ -29,8 +30,8 @@ expert tensors' bytes / num_experts * top_k). Memory read bandwidth: torch.sum o
 --threads threads (median of 5). The share of it an engine uses = bytes per token * tokens/s / bandwidth.
 
 With --cgroup, once more cold inside a memory cgroup of --memory-fraction of the bf16 model (page cache counted, as on
-a machine with less memory than the model; benchmarks/runtime.py has the mechanism): hexq --memory (packed), hexq
---memory --cache bf16, and llama.cpp (mmap, its default).
+a machine with less memory than the model; benchmarks/runtime.py has the mechanism): hexq --memory (packed cache:
+not every expert fits, so the transformers decode path with the cache) and llama.cpp's Q3_K_S (mmap, its default).
 """
 
 from __future__ import annotations
@@ -87,40 +88,35 @@ def child_hexq(spec: dict) -> dict:
     artifact = Path(spec["artifact"])
     if spec["cold"]:
         drop_page_cache(files_under(artifact))
-    runtime = Runtime(artifact, memory_bytes=spec.get("memory"), cache=spec["cache"], threads=spec["threads"])
+    runtime = Runtime(artifact, memory_bytes=spec.get("memory"), cache=spec["cache"], threads=spec["threads"],
+                      decode=spec["path"])
     if spec.get("memory") is None:
         runtime.fill_all()
     _, stats = runtime.generate(runtime.tokenizer.decode(spec["prompt"]), spec["decode"])
     runtime.close()
     return {"tpot_ms": 1000 * stats.tpot_seconds, "peak_rss_mib": vm_hwm() / 2**20,
+            "prefill_tps": len(spec["prompt"]) / stats.ttft_seconds, "decode_path": stats.decode_path,
+            "native_profile": stats.native_profile,
             "kernel": stats.kernel_path, "cache": stats.cache_format, "dense_mib": stats.dense_bytes / 2**20,
             "experts_mib": stats.budget_bytes / 2**20}
 
 
 def child_llama(spec: dict) -> dict:
-    import ctypes
-
-    import llama_cpp
-    import numpy
+    """llama.cpp's own benchmark tool on one GGUF: decode (tg at depth PROMPT_TOKENS: the KV cache holds a prompt's
+    worth of positions, as in the hexq rows) and prefill (pp of PROMPT_TOKENS), one repetition each (the process is
+    repeated by `repeated`); peak RSS of the tool's processes."""
+    import resource
 
     if spec["cold"]:
         drop_page_cache([Path(spec["gguf"])])
-    model = llama_cpp.Llama(spec["gguf"], n_ctx=PROMPT_TOKENS + spec["decode"] + 8, n_threads=spec["threads"],
-                            n_threads_batch=spec["threads"], n_batch=PROMPT_TOKENS, verbose=False)
-    vocab = model.n_vocab()
-
-    def last_logits():
-        pointer = llama_cpp.llama_get_logits_ith(model.ctx, -1)
-        return numpy.ctypeslib.as_array(ctypes.cast(pointer, ctypes.POINTER(ctypes.c_float)), shape=(vocab,))
-
-    model.eval(spec["prompt"])
-    steps = []
-    for _ in range(spec["decode"]):
-        token = int(last_logits().argmax())
-        started = time.perf_counter()
-        model.eval([token])
-        steps.append(time.perf_counter() - started)
-    return {"tpot_ms": 1000 * statistics.median(steps), "peak_rss_mib": vm_hwm() / 2**20}
+    bench = [str(Path(spec["llama_bin"]) / "llama-bench"), "-m", spec["gguf"], "-t", str(spec["threads"]), "-r",
+             "1", "-o", "json"]
+    decode = json.loads(subprocess.run([*bench, "-p", "0", "-n", str(spec["decode"]), "-d", str(PROMPT_TOKENS)],
+                                       capture_output=True, text=True, check=True).stdout)
+    prefill = json.loads(subprocess.run([*bench, "-p", str(PROMPT_TOKENS), "-n", "0"], capture_output=True,
+                                        text=True, check=True).stdout)
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    return {"tpot_ms": 1000 / decode[0]["avg_ts"], "prefill_tps": prefill[0]["avg_ts"], "peak_rss_mib": peak / 2**20}
 
 
 def child_bandwidth(spec: dict) -> dict:
@@ -281,6 +277,7 @@ def main() -> int:
     args.work.mkdir(parents=True, exist_ok=True)
     artifacts = hexq_artifacts(args.checkpoint, args.work)
     ggufs = llama_ggufs(args.checkpoint, args.llama_cpp, args.work)
+    llama_bin = args.llama_cpp / "build" / "bin"
     ggufs["llama.cpp on hexq's GGUF export (4-bit)"] = hexq_gguf(artifacts["hexq 4-bit"], args.work)
     config = json.loads((args.checkpoint / "config.json").read_text())
     top_k, experts = config["num_experts_per_tok"], config.get("num_experts", config.get("num_local_experts"))
@@ -291,15 +288,15 @@ def main() -> int:
     results["bandwidth_gbps"] = run_child({"kind": "bandwidth", "threads": args.threads})["read_gbps"]
     for name, artifact in artifacts.items():
         traffic = bytes_per_token_hexq(artifact)
-        for cache in ("packed", "bf16"):
-            row = repeated(base | {"kind": "hexq", "artifact": str(artifact), "cache": cache}, args.repeats)
-            row |= {"engine": f"{name}, {cache} cache", "bytes_per_token_mb": traffic["total"] / 1e6
-                    if cache == "packed" else None}
+        for path in ("native", "transformers"):
+            row = repeated(base | {"kind": "hexq", "artifact": str(artifact), "cache": "packed", "path": path},
+                           args.repeats)
+            row |= {"engine": f"{name}, {path} decode", "bytes_per_token_mb": traffic["total"] / 1e6}
             results["rows"].append(row)
             write_results(args.out, results, run)
     for name, gguf in ggufs.items():
         traffic = bytes_per_token_gguf(gguf, top_k, experts)
-        row = repeated(base | {"kind": "llama", "gguf": str(gguf)}, args.repeats)
+        row = repeated(base | {"kind": "llama", "gguf": str(gguf), "llama_bin": str(llama_bin)}, args.repeats)
         results["rows"].append(row | {"engine": name, "bytes_per_token_mb": traffic["total"] / 1e6,
                                       "file_mib": gguf.stat().st_size / 2**20})
         write_results(args.out, results, run)
@@ -309,10 +306,9 @@ def main() -> int:
         memory = int(model_bytes * args.memory_fraction)
         overhead = 600 * 2**20  # interpreter, torch and the model skeleton (benchmarks/runtime.py measures it)
         for name, spec in (("hexq 3-bit --memory, packed cache", {"kind": "hexq", "artifact": str(
-                                artifacts["hexq 3-bit"]), "cache": "packed", "memory": memory}),
-                           ("hexq 3-bit --memory, bf16 cache", {"kind": "hexq", "artifact": str(
-                               artifacts["hexq 3-bit"]), "cache": "bf16", "memory": memory}),
-                           ("llama.cpp Q3_K_S, mmap", {"kind": "llama", "gguf": str(ggufs["llama.cpp Q3_K_S"])})):
+                                artifacts["hexq 3-bit"]), "cache": "packed", "memory": memory, "path": "auto"}),
+                           ("llama.cpp Q3_K_S, mmap", {"kind": "llama", "gguf": str(ggufs["llama.cpp Q3_K_S"]),
+                                                       "llama_bin": str(llama_bin)})):
             row = repeated(base | spec | {"cold": True}, args.repeats, memory + overhead, root) if root else {
                 "error": "no writable memory cgroup"}
             results["rows"].append(row | {"engine": name, "cgroup_limit_mib": (memory + overhead) / 2**20})
@@ -330,20 +326,20 @@ def ratios(results: dict) -> dict:
     if exported and q4:
         out["llama.cpp on hexq's GGUF export (4-bit) / llama.cpp Q4_0 tokens/s"] = (exported["tokens_per_s"]
                                                                                    / q4["tokens_per_s"])
-    for name in ("hexq 3-bit, packed cache", "hexq 4-bit, packed cache"):
-        ours, old = rows.get(name), rows.get(name.replace("packed", "bf16"))
+    for name in ("hexq 3-bit, native decode", "hexq 4-bit, native decode"):
+        ours, old = rows.get(name), rows.get(name.replace("native", "transformers"))
         if ours and q4:
             out[f"{name} / llama.cpp Q4_0 tokens/s"] = ours["tokens_per_s"] / q4["tokens_per_s"]
+            out[f"{name} / llama.cpp Q4_0 prefill tokens/s"] = ours["prefill_tps"] / q4["prefill_tps"]
         if ours and old:
-            out[f"{name} / the same with the bf16 cache, tokens/s"] = ours["tokens_per_s"] / old["tokens_per_s"]
+            out[f"{name} / the transformers decode path, tokens/s"] = ours["tokens_per_s"] / old["tokens_per_s"]
         if ours:
             out[f"{name}: share of the read bandwidth"] = (ours["bytes_per_token_mb"] * 1e6 * ours["tokens_per_s"]
                                                            / (results["bandwidth_gbps"] * 1e9))
-    cold = {k: v for k, v in rows.items() if "--memory" in k or "mmap" in k}
-    packed, bf16 = cold.get("hexq 3-bit --memory, packed cache"), cold.get("hexq 3-bit --memory, bf16 cache")
-    llama = cold.get("llama.cpp Q3_K_S, mmap")
-    if packed and bf16:
-        out["cgroup: hexq packed / hexq bf16 cache tokens/s"] = packed["tokens_per_s"] / bf16["tokens_per_s"]
+    if q4:
+        out["llama.cpp Q4_0: share of the read bandwidth"] = (q4["bytes_per_token_mb"] * 1e6 * q4["tokens_per_s"]
+                                                              / (results["bandwidth_gbps"] * 1e9))
+    packed, llama = rows.get("hexq 3-bit --memory, packed cache"), rows.get("llama.cpp Q3_K_S, mmap")
     if packed and llama:
         out["cgroup: hexq packed / llama.cpp mmap tokens/s"] = packed["tokens_per_s"] / llama["tokens_per_s"]
     return out
@@ -352,14 +348,16 @@ def ratios(results: dict) -> dict:
 def render(results: dict) -> str:
     lines = [f"Decode, {results['threads']} threads, {results['prompt_tokens']}-token prompt, {results['decode']} "
              f"tokens (median of the processes' median steps); read bandwidth {results['bandwidth_gbps']:.1f} GB/s",
-             "| engine | tokens/s | bytes/token (MB) | peak RSS (MiB) |", "|---|---|---|---|"]
+             "| engine | decode tokens/s | prefill tokens/s | bytes/token (MB) | peak RSS (MiB) |",
+             "|---|---|---|---|---|"]
     for row in results["rows"]:
         if "error" in row:
-            lines.append(f"| {row['engine']} | error: {row['error'][:120]} | | |")
+            lines.append(f"| {row['engine']} | error: {row['error'][:120]} | | | |")
             continue
         mb = row.get("bytes_per_token_mb")
-        lines.append(f"| {row['engine']} | {row['tokens_per_s']:.2f} | {'' if mb is None else f'{mb:.0f}'} | "
-                     f"{row['peak_rss_mib']:.0f} |")
+        prefill = row.get("prefill_tps")
+        lines.append(f"| {row['engine']} | {row['tokens_per_s']:.2f} | {'' if prefill is None else f'{prefill:.0f}'} "
+                     f"| {'' if mb is None else f'{mb:.0f}'} | {row['peak_rss_mib']:.0f} |")
     lines += [f"- {key}: {value:.3f}" for key, value in results.get("ratios", {}).items()]
     return "\n".join(lines)
 

@@ -260,6 +260,10 @@ def print_run_stats(stats: dict) -> None:
         rows += [("TTFT", f"{stats['ttft_seconds'] * 1000:.1f} ms"),
                  ("TPOT", "-" if stats["tpot_seconds"] is None else f"{stats['tpot_seconds'] * 1000:.1f} ms"),
                  ("tokens/s", f"{stats['tokens_per_second']:.1f}")]
+    profile = stats.get("native_profile")
+    if profile and profile["steps"]:
+        rows.append(("native step (ms)", f"products {profile['products'] * 1e3:.2f}, attention "
+                                         f"{profile['attention'] * 1e3:.2f}, glue {profile['glue'] * 1e3:.2f}"))
     for name, value in rows:
         table.add_row(name, value)
     err_console.print(table)

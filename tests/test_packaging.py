@@ -73,6 +73,10 @@ def test_wheel_holds_every_subpackage_module_and_bundled_file(installed):
     assert "experts-mixed.yaml" in recipes and len(slices) == 3
     assert {f"hexq/recipes/{name}" for name in recipes} <= names
     assert {f"hexq/calib_data/{name}" for name in slices} <= names
+    # the CPU kernels are compiled from these at first use: without one, every kernel path is gone
+    kernel_sources = {str(p.relative_to(ROOT)) for pattern in ("*.c", "*.h") for p in (ROOT / "hexq").rglob(pattern)}
+    assert {"hexq/packed/kernels.c", "hexq/packed/decode.c", "hexq/packed/kernels.h"} <= kernel_sources
+    assert kernel_sources <= names
 
 
 def test_installed_package_finds_recipes_and_calibration_text_outside_the_checkout(installed, tmp_path):

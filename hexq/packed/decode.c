@@ -15,6 +15,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 #include "kernels.h"
 
@@ -122,7 +123,8 @@ static void grid_of(const hexq_act* a, float lo, float hi, float amax, float* sc
 
 /* x put on the activation grid (hexq.simulate.ActQuantizer: codes = clamp(round(x / scale + zero), 0, qmax), value
    (codes - zero) * scale), dynamic per token or from the static range. */
-static void act_quant(const hexq_act* a, const float* x, float* out, int64_t n) {
+static inline __attribute__((always_inline)) void act_quant_body(const hexq_act* a, const float* x, float* out,
+                                                                 int64_t n) {
     float lo, hi, amax = 0.0f;
     if (a->dynamic) {
         lo = x[0];
@@ -145,6 +147,25 @@ static void act_quant(const hexq_act* a, const float* x, float* out, int64_t n) 
         q = q < 0.0f ? 0.0f : q > qmax ? qmax : q;
         out[i] = (q - zero) * scale;
     }
+}
+
+static void act_quant_portable(const hexq_act* a, const float* x, float* out, int64_t n) {
+    act_quant_body(a, x, out, n);
+}
+#ifdef DECODE_X86
+static AVX2 void act_quant_avx2(const hexq_act* a, const float* x, float* out, int64_t n) { /* see quantize_x */
+    act_quant_body(a, x, out, n);
+}
+#endif
+
+static void act_quant(const hexq_act* a, const float* x, float* out, int64_t n) {
+#ifdef DECODE_X86
+    if (cpu_has_avx2()) {
+        act_quant_avx2(a, x, out, n);
+        return;
+    }
+#endif
+    act_quant_portable(a, x, out, n);
 }
 
 static int same_act(const hexq_act* a, const hexq_act* b) {
@@ -294,8 +315,34 @@ static void phase_item(void* arg, int64_t item) {
         for (int64_t r = r0; r < r1; r++) t->y[r] += m->bias[r];
 }
 
+/* Where a step's time goes (hexq_decode_profile): seconds in the pool's product phases, in the attention phase, and
+   in the whole step; what is left is the single-threaded glue between phases. */
+static struct {
+    double products, attention, total;
+    int64_t steps;
+} profile;
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* Copies {products, attention, total seconds, steps} since the last call into out[4] and starts again. */
+void hexq_decode_profile(double* out) {
+    out[0] = profile.products;
+    out[1] = profile.attention;
+    out[2] = profile.total;
+    out[3] = (double)profile.steps;
+    memset(&profile, 0, sizeof(profile));
+}
+
 static void phase_run(phase* p, int threads) {
-    if (p->n) parallel(phase_item, p, p->first[p->n], threads);
+    if (p->n) {
+        const double start = now();
+        parallel(phase_item, p, p->first[p->n], threads);
+        profile.products += now() - start;
+    }
     p->n = 0;
 }
 
@@ -320,6 +367,7 @@ typedef struct {
 
 typedef struct {
     float *x, *h, *q, *k, *v, *att, *o, *router, *scores, *hidden, *mid, *ye, *mlp_hidden, *mlp_mid, *mlp_y, *gate;
+    float *cos, *sin; /* RoPE at this step's position [D/2] */
     input_set in_h, in_att, in_moe, in_final, in_mid[64], in_mlp_mid;
 } scratch;
 
@@ -368,6 +416,8 @@ static int64_t scratch_layout(const hexq_model* m, uint8_t* base, scratch* s) {
     s->mlp_mid = (float*)carve(&p, MI * 4);
     s->mlp_y = (float*)carve(&p, H * 4);
     s->gate = (float*)carve(&p, 64);
+    s->cos = (float*)carve(&p, m->head_dim * 2);
+    s->sin = (float*)carve(&p, m->head_dim * 2);
     input_init(&s->in_h, &p, H, 3);
     input_init(&s->in_att, &p, QD, 1);
     input_init(&s->in_moe, &p, H, GRIDS);
@@ -411,9 +461,18 @@ typedef struct {
     int64_t pos, start;
 } attention_ctx;
 
+/* a . b over n floats in 8 independent partial sums (so the compiler vectorizes it for the ISA of its caller). */
+static inline __attribute__((always_inline)) float dot8(const float* a, const float* b, int64_t n) {
+    float acc[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) acc[j] += a[i + j] * b[i + j];
+    for (; i < n; i++) acc[0] += a[i] * b[i];
+    return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
 /* One query head over positions [start, pos] of its KV head: softmax(q k^T * scaling) v. */
-static void attention_head(void* arg, int64_t head) {
-    const attention_ctx* c = (const attention_ctx*)arg;
+static inline __attribute__((always_inline)) void attention_body(const attention_ctx* c, int64_t head) {
     const hexq_model* m = c->m;
     const int64_t D = m->head_dim, group = m->heads / m->kv_heads, kvh = head / group;
     const float* q = c->s->q + head * D;
@@ -422,9 +481,7 @@ static void attention_head(void* arg, int64_t head) {
     float* scores = c->s->scores + head * m->max_pos;
     float top = -INFINITY;
     for (int64_t t = c->start; t <= c->pos; t++) {
-        float dot = 0.0f;
-        for (int64_t i = 0; i < D; i++) dot += q[i] * keys[t * D + i];
-        scores[t] = dot * m->scaling;
+        scores[t] = dot8(q, keys + t * D, D) * m->scaling;
         top = fmaxf(top, scores[t]);
     }
     float total = 0.0f;
@@ -434,21 +491,27 @@ static void attention_head(void* arg, int64_t head) {
     }
     float* out = c->s->att + head * D;
     for (int64_t i = 0; i < D; i++) out[i] = 0.0f;
+    const float inv = 1.0f / total;
     for (int64_t t = c->start; t <= c->pos; t++) {
-        const float p = scores[t] / total;
-        for (int64_t i = 0; i < D; i++) out[i] += p * values[t * D + i];
+        const float p = scores[t] * inv;
+        const float* v = values + t * D;
+        for (int64_t i = 0; i < D; i++) out[i] += p * v[i];
     }
 }
 
-/* RoPE on one head's D values (rotate_half convention: pairs (i, i + D/2)). */
-static void rope(float* x, int64_t D, const float* inv_freq, int64_t pos, float scaling) {
+static void attention_head(void* arg, int64_t head) { attention_body((const attention_ctx*)arg, head); }
+#ifdef DECODE_X86
+static AVX2 void attention_head_avx2(void* arg, int64_t head) { attention_body((const attention_ctx*)arg, head); }
+#endif
+
+/* RoPE on one head's D values (rotate_half convention: pairs (i, i + D/2)) with the position's cos and sin [D/2]
+   (the same for every head and layer: computed once per step). */
+static void rope(float* x, int64_t D, const float* cs, const float* sn) {
     const int64_t half = D / 2;
     for (int64_t i = 0; i < half; i++) {
-        const float angle = (float)pos * inv_freq[i];
-        const float cs = cosf(angle) * scaling, sn = sinf(angle) * scaling;
         const float a = x[i], b = x[i + half];
-        x[i] = a * cs - b * sn;
-        x[i + half] = b * cs + a * sn;
+        x[i] = a * cs[i] - b * sn[i];
+        x[i + half] = b * cs[i] + a * sn[i];
     }
 }
 
@@ -512,8 +575,9 @@ static void layer_ffn(const hexq_model* m, const hexq_layer* L, scratch* s, phas
     int ids[64], n = 0;
     float weights[64];
     int64_t inter = 0;
-    if (L->moe) {
-        p->float_rows(&L->router, s->h, s->router, 0, L->router.rows); /* [E] logits: one small product here */
+    if (L->moe) { /* the router's [E] logits first, on the pool with the shared expert's products */
+        add_product(p, &s->in_moe, s->h, H, &L->router, s->router);
+        phase_run(p, threads);
         n = route_token(m, L, s->router, ids, weights);
         for (int j = 0; j < n; j++) { /* every kept expert's gate_up: one input, one phase */
             const hexq_expert* e = &L->experts[ids[j]];
@@ -542,7 +606,7 @@ static void layer_ffn(const hexq_model* m, const hexq_layer* L, scratch* s, phas
 }
 
 static void layer_attention(const hexq_model* m, const hexq_layer* L, int layer, scratch* s, phase* p, int threads,
-                            int64_t pos) {
+                            int64_t pos, int path) {
     const int64_t H = m->hidden, D = m->head_dim, QD = (int64_t)m->heads * D, KD = (int64_t)m->kv_heads * D;
     rms_norm(s->x, L->input_norm, s->h, H, m->eps);
     s->in_h.used = 0;
@@ -562,18 +626,24 @@ static void layer_attention(const hexq_model* m, const hexq_layer* L, int layer,
     }
     for (int64_t h = 0; h < m->heads; h++) {
         if (L->qk_norm == QK_HEAD) rms_norm(s->q + h * D, L->q_norm, s->q + h * D, D, m->eps);
-        rope(s->q + h * D, D, m->inv_freq, pos, m->rope_scaling);
+        rope(s->q + h * D, D, s->cos, s->sin);
     }
     for (int64_t h = 0; h < m->kv_heads; h++) {
         if (L->qk_norm == QK_HEAD) rms_norm(s->k + h * D, L->k_norm, s->k + h * D, D, m->eps);
-        rope(s->k + h * D, D, m->inv_freq, pos, m->rope_scaling);
+        rope(s->k + h * D, D, s->cos, s->sin);
         const int64_t at = (((int64_t)layer * m->kv_heads + h) * m->max_pos + pos) * D;
         memcpy(m->k_cache + at, s->k + h * D, (size_t)D * 4);
         memcpy(m->v_cache + at, s->v + h * D, (size_t)D * 4);
     }
     const int64_t start = m->sliding_window > 0 && pos - m->sliding_window + 1 > 0 ? pos - m->sliding_window + 1 : 0;
     attention_ctx ctx = {m, s, layer, pos, start};
+    const double began = now();
+#ifdef DECODE_X86
+    parallel(path == PATH_SCALAR ? attention_head : attention_head_avx2, &ctx, m->heads, threads);
+#else
     parallel(attention_head, &ctx, m->heads, threads);
+#endif
+    profile.attention += now() - began;
     s->in_att.used = 0;
     add_product(p, &s->in_att, s->att, QD, &L->o, s->o);
     phase_run(p, threads);
@@ -600,10 +670,16 @@ int hexq_decode(const hexq_model* m, int32_t token, int64_t pos, float* logits, 
         const uint16_t* row = (const uint16_t*)m->embed + (int64_t)token * H;
         for (int64_t i = 0; i < H; i++) s.x[i] = bf16_to_float(row[i]);
     }
+    for (int64_t i = 0; i < m->head_dim / 2; i++) { /* float32 angle, as the transformers rotary embedding */
+        const float angle = (float)pos * m->inv_freq[i];
+        s.cos[i] = cosf(angle) * m->rope_scaling;
+        s.sin[i] = sinf(angle) * m->rope_scaling;
+    }
+    const double began = now();
     pool_hot(1);
     for (int layer = 0; layer < m->layers; layer++) {
         const hexq_layer* L = &m->layer[layer];
-        layer_attention(m, L, layer, &s, &p, threads, pos);
+        layer_attention(m, L, layer, &s, &p, threads, pos, path);
         rms_norm(s.x, L->post_norm, s.h, H, m->eps);
         layer_ffn(m, L, &s, &p, threads);
     }
@@ -612,5 +688,7 @@ int hexq_decode(const hexq_model* m, int32_t token, int64_t pos, float* logits, 
     add_product(&p, &s.in_final, s.h, H, &m->head, logits);
     phase_run(&p, threads);
     pool_hot(0);
+    profile.total += now() - began;
+    profile.steps++;
     return 0;
 }

@@ -62,7 +62,7 @@ HIDDEN float half_to_float(uint16_t h) {
 /* The row functions keep their per-row arrays (w, s, z) on their own stack: a _Thread_local array in this shared
    library costs a __tls_get_addr call per use, inside the inner loop. */
 
-HIDDEN void quantize_x(const hexq_gemv_task* t, quantized_x* out) {
+static inline __attribute__((always_inline)) void quantize_x_body(const hexq_gemv_task* t, quantized_x* out) {
     const int64_t blocks = t->cols / BLOCK;
     for (int k = 0; k < t->ntok; k++) {
         const float* x = t->x + k * t->x_stride;
@@ -81,6 +81,38 @@ HIDDEN void quantize_x(const hexq_gemv_task* t, quantized_x* out) {
             out->sum[k * blocks + b] = sum;
         }
     }
+}
+
+static void quantize_x_portable(const hexq_gemv_task* t, quantized_x* out) { quantize_x_body(t, out); }
+#if defined(__x86_64__)
+/* The same source compiled for AVX2: nearbyintf becomes vroundps (on the baseline ISA it is a libm call per value),
+   the same numbers bit for bit. */
+__attribute__((target("avx2,fma"))) static void quantize_x_avx2(const hexq_gemv_task* t, quantized_x* out) {
+    quantize_x_body(t, out);
+}
+#endif
+
+HIDDEN int cpu_has_avx2(void) {
+#if defined(__x86_64__)
+    static int has = -1;
+    if (has < 0) {
+        __builtin_cpu_init();
+        has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    }
+    return has;
+#else
+    return 0;
+#endif
+}
+
+HIDDEN void quantize_x(const hexq_gemv_task* t, quantized_x* out) {
+#if defined(__x86_64__)
+    if (cpu_has_avx2()) {
+        quantize_x_avx2(t, out);
+        return;
+    }
+#endif
+    quantize_x_portable(t, out);
 }
 
 /* Per row: w_b = scale * dx of every block (block b in group b*32/group) and the zero term sum_b w_b * zero * sum_b,
@@ -207,32 +239,68 @@ static AVX2 INLINE void row_terms_avx2(const hexq_gemv_task* t, const quantized_
     }
 }
 
+/* 16 codes of `bits` bits as 16 int16 lanes, without pdep: each 128-bit half of the register holds 8 codes, which
+   lie in the first bits + 1 bytes at its source (the second half's source is `bits` bytes on); a byte shuffle puts
+   the two bytes that cover code j into 16-bit lane j, a multiply by 2^(7 - shift) and a shift right by 7 move the
+   code to bit 0 (AVX2 has no per-lane 16-bit shift), a mask clears the rest. 4 vector ops per 16 codes against two
+   pdeps, two inserts and a widening. */
+typedef struct {
+    __m256i index, multiplier, mask;
+} unpack16;
+
+static AVX2 INLINE unpack16 unpack16_for(int bits) {
+    uint8_t index[32];
+    int16_t multiplier[16];
+    for (int lane = 0; lane < 2; lane++)
+        for (int j = 0; j < 8; j++) {
+            const int bit = j * bits;
+            index[16 * lane + 2 * j] = (uint8_t)(bit >> 3);
+            index[16 * lane + 2 * j + 1] = (uint8_t)((bit >> 3) + 1);
+            multiplier[8 * lane + j] = (int16_t)(1 << (7 - (bit & 7)));
+        }
+    unpack16 u;
+    u.index = _mm256_loadu_si256((const __m256i*)index);
+    u.multiplier = _mm256_loadu_si256((const __m256i*)multiplier);
+    u.mask = _mm256_set1_epi16((short)((1 << bits) - 1));
+    return u;
+}
+
+static AVX2 INLINE __m256i codes16(const unpack16* u, const uint8_t* p, const int bits) {
+    if (bits == 8) return _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p)); /* bytes are the codes */
+    const __m256i raw = _mm256_loadu2_m128i((const __m128i*)(p + bits), (const __m128i*)p);
+    const __m256i lanes = _mm256_shuffle_epi8(raw, u->index);
+    return _mm256_and_si256(_mm256_srli_epi16(_mm256_mullo_epi16(lanes, u->multiplier), 7), u->mask);
+}
+
 static AVX2 INLINE void rows_avx2_bits(const hexq_gemv_task* t, const quantized_x* xq, int64_t r0, int64_t r1,
                                        const int bits, const int ntok) {
-    const int64_t cols = t->cols, groups = cols / t->group, blocks = cols / BLOCK, row_bytes = cols * bits / 8;
+    const int64_t cols = t->cols, blocks = cols / BLOCK, row_bytes = cols * bits / 8;
     const uint8_t* end = t->codes + t->rows * row_bytes;
+    const unpack16 u = unpack16_for(bits);
     float w[MAX_TOK][MAX_BLOCKS];
     float s[MAX_BLOCKS], z[MAX_BLOCKS], zterm[MAX_TOK];
-    (void)groups;
+    uint8_t padded[MAX_BLOCKS * 32 + 32]; /* a row whose last loads would read past the codes: copied here */
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t* row = t->codes + r * row_bytes;
+        if (row + row_bytes + 16 > end) { /* codes16 reads up to 16 bytes past its codes' start + bits */
+            memcpy(padded, row, (size_t)row_bytes);
+            memset(padded + row_bytes, 0, 32);
+            row = padded;
+        }
         row_terms_avx2(t, xq, r, ntok, s, z, w, zterm);
         __m256 total[MAX_TOK];
         for (int k = 0; k < ntok; k++) total[k] = _mm256_setzero_ps();
         for (int64_t b = 0; b < blocks; b++) {
-            __m256i dot[MAX_TOK];
-            for (int k = 0; k < ntok; k++) dot[k] = _mm256_setzero_si256();
-            for (int h = 0; h < 2; h++) { /* 16 codes: two pdeps, widened to int16, one madd per token */
-                const int64_t c = b * BLOCK + 16 * h;
-                const __m128i bytes = _mm_set_epi64x((long long)eight_codes(row + (c + 8) / 8 * bits, end, bits),
-                                                     (long long)eight_codes(row + c / 8 * bits, end, bits));
-                const __m256i q = _mm256_cvtepu8_epi16(bytes);
-                for (int k = 0; k < ntok; k++)
-                    dot[k] = _mm256_add_epi32(dot[k], _mm256_madd_epi16(
-                        q, _mm256_loadu_si256((const __m256i*)(xq->q + k * cols + c))));
+            const int64_t c = b * BLOCK;
+            const __m256i q0 = codes16(&u, row + c / 8 * bits, bits);
+            const __m256i q1 = codes16(&u, row + (c + 16) / 8 * bits, bits);
+            for (int k = 0; k < ntok; k++) {
+                const int16_t* x = xq->q + k * cols + c;
+                const __m256i dot = _mm256_add_epi32(
+                    _mm256_madd_epi16(q0, _mm256_loadu_si256((const __m256i*)x)),
+                    _mm256_madd_epi16(q1, _mm256_loadu_si256((const __m256i*)(x + 16))));
+                total[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(w[k][b]), total[k]);
             }
-            for (int k = 0; k < ntok; k++)
-                total[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[k]), _mm256_set1_ps(w[k][b]), total[k]);
         }
         for (int k = 0; k < ntok; k++) t->y[k * t->y_stride + r] = hsum256(total[k]) - zterm[k];
     }

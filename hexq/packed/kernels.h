@@ -40,6 +40,8 @@ typedef void (*rows_fn)(const hexq_gemv_task*, const quantized_x*, int64_t, int6
 int hexq_paths(void);
 HIDDEN float half_to_float(uint16_t h);
 HIDDEN void quantize_x(const hexq_gemv_task* t, quantized_x* out);
+/* Whether this CPU runs AVX2 and FMA: scalar helpers take a copy compiled for them (the same numbers, faster). */
+HIDDEN int cpu_has_avx2(void);
 HIDDEN rows_fn rows_for(int path);
 /* run(ctx, item) for every item in [0, items) on `threads` threads (the caller included), on the persistent pool */
 HIDDEN void parallel(void (*run)(void*, int64_t), void* ctx, int64_t items, int threads);

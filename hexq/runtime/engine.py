@@ -381,6 +381,7 @@ class Runtime:
         self.policy.end_prefill()
         if self.native is not None:  # the prompt's KV cache moves into the native step's
             self.native.start(past, ids.shape[1], ids.shape[1] + max_new_tokens)
+            self.native.profile()  # counted from here
             past = None
         tokens: list[int] = []
         steps: list[float] = []  # seconds of each decode forward pass
@@ -410,7 +411,8 @@ class Runtime:
         total = time.perf_counter() - started
         # the median decode step: one scheduler hiccup on a shared machine should not move the figure
         tpot = statistics.median(steps) if steps else None
-        return text, self.stats(ttft_seconds=ttft, tpot_seconds=tpot,
+        profile = self.native.profile() if self.native is not None else None
+        return text, self.stats(ttft_seconds=ttft, tpot_seconds=tpot, native_profile=profile,
                                 tokens_per_second=len(tokens) / total if total > 0 else None,
                                 generated_tokens=len(tokens))
 

@@ -96,6 +96,7 @@ class NativeDecoder:
         self.library.hexq_decode.restype = ctypes.c_int
         self.library.hexq_decode.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p,
                                              ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+        self.library.hexq_decode_profile.argtypes = [ctypes.c_void_p]
         self.library.hexq_decode_scratch.restype = ctypes.c_int64
         self.library.hexq_decode_scratch.argtypes = [ctypes.c_void_p]
         self._keep: list = []  # every tensor and ctypes array the C structs point into
@@ -251,6 +252,17 @@ class NativeDecoder:
             raise ValueError(f"the native decode step refused token {token} at position {self.positions}")
         self.positions += 1
         return logits
+
+
+    def profile(self) -> dict[str, float]:
+        """Seconds per step since the last call: in the pool's matrix products ("products"), in attention, and
+        outside both ("glue": norms, RoPE, routing, the weighted sums on one thread), with the step count."""
+        out = (ctypes.c_double * 4)()
+        self.library.hexq_decode_profile(out)
+        products, attention, total, steps = out
+        per = 1 / steps if steps else 0.0
+        return {"products": products * per, "attention": attention * per,
+                "glue": (total - products - attention) * per, "steps": int(steps)}
 
 
 def unsupported(runtime) -> None:

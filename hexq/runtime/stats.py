@@ -44,6 +44,7 @@ class RunStats:
     tpot_seconds: float | None = None
     tokens_per_second: float | None = None
     generated_tokens: int = 0
+    native_profile: dict | None = None  # the native step's seconds per step (hexq.runtime.native.profile)
 
     def as_dict(self) -> dict:
         cache = asdict(self.cache)
