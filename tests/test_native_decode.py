@@ -22,11 +22,10 @@ from hexq.errors import HexqError
 from hexq.packed.cpu import available_paths, load_cpu_kernels
 from hexq.runtime.compute import Profiles
 from hexq.runtime.engine import Runtime
-from tests.conftest import REFERENCE_MODELS, save_tiny_model, small_recipe
+from tests.conftest import REFERENCE_MODELS, needs_kernels, save_tiny_model, small_recipe
 
 KERNELS = load_cpu_kernels()
-pytestmark = pytest.mark.skipif(KERNELS is None and os.environ.get("CI") != "true",
-                                reason="no C compiler: the native step needs the CPU kernels")
+pytestmark = needs_kernels(KERNELS)
 BOUND = 2e-2
 STEPS = 10
 PROMPT = torch.randint(1, 8192, (1, 9), generator=torch.Generator().manual_seed(5))

@@ -10,10 +10,33 @@ from hexq.algos.quant import QuantMeta, QuantSpec, dequantize, quantize
 from hexq.packed import cpu
 from hexq.packed.bitpack import dequantize_into, pack_bits
 from hexq.packed.cpu import GemvJob, gemv_takes, load_cpu_kernels
+from tests.conftest import IN_CI, needs_kernels
 
 KERNELS = load_cpu_kernels()
-pytestmark = pytest.mark.skipif(KERNELS is None, reason="no C compiler: the CPU kernels cannot be built here")
+pytestmark = needs_kernels(KERNELS)
 PATHS = cpu.available_paths(KERNELS.library) if KERNELS else []
+
+
+def test_kernels_build():
+    """The kernels build from the installed sources with the system compiler (CI fails here, with the reason, rather
+    than skipping every kernel test)."""
+    assert KERNELS is not None, ("the CPU kernels did not build (no C compiler, or a compile error: see the warning "
+                                 "logged by hexq.packed.cpu)")
+
+
+def test_every_path_the_cpu_has_is_offered():
+    """Each instruction-set path is offered exactly when the CPU has its instructions (so a path cannot silently go
+    missing: the tests force every offered one)."""
+    import platform
+    import re
+
+    flags = set()
+    if platform.machine() == "x86_64":
+        with open("/proc/cpuinfo") as handle:
+            flags = set(re.findall(r"\w+", handle.read().split("flags", 1)[1].split("\n", 1)[0]))
+    want = ["scalar"] + ["avx2"] * ({"avx2", "fma", "bmi2", "f16c"} <= flags)
+    want += ["avx512"] * ({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vbmi", "avx512_vnni"} <= flags)
+    assert PATHS == want or not IN_CI and KERNELS is None
 
 
 def packed_matrix(rows: int, cols: int, bits: int, group: int, symmetric: bool, seed: int):

@@ -18,7 +18,7 @@ from hexq.packed.cpu import available_paths, load_cpu_kernels
 from hexq.runtime.compute import Compute, Profiles
 from hexq.runtime.engine import Runtime
 from hexq.runtime.model import artifact_model
-from tests.conftest import DEVICES
+from tests.conftest import DEVICES, needs_kernels
 
 KERNELS = load_cpu_kernels()
 IDS = torch.randint(0, 8192, (260,), generator=torch.Generator().manual_seed(3))
@@ -87,7 +87,7 @@ def test_skipped_experts_are_served_as_eval_computes_them(skipping_artifact, ski
         assert float((logits - want_logits).norm() / want_logits.norm()) <= 1e-3
 
 
-@pytest.mark.skipif(KERNELS is None, reason="no C compiler: the CPU kernels cannot be built here")
+@needs_kernels(KERNELS)
 @pytest.mark.parametrize("path", available_paths(KERNELS.library) if KERNELS else [])
 def test_every_cpu_path_serves_the_same_model(packed_artifact, eval_perplexity, path, monkeypatch):
     monkeypatch.setenv("HEXQ_CPU_PATH", path)

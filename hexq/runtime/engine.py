@@ -430,11 +430,11 @@ def compute_scratch_nbytes(artifact: Artifact, streamed, dtype: torch.dtype, tor
 
 def compute_backend(kernels: str, device: torch.device, threads: int | None):
     """(CPU kernels or None, whether Triton computes) for --kernels on `device` (see RuntimeConfig)."""
-    from hexq.packed import triton as gpu  # here, not at the top: importing triton takes about a second
-
     if kernels == "torch":
         return None, False
     if kernels == "triton" or kernels == "auto" and device.type == "cuda":
+        from hexq.packed import triton as gpu  # only here: importing triton takes ~1 s and ~100 MB a CPU run never uses
+
         interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
         if gpu.available() and (device.type == "cuda" or interpreted):
             return None, True
