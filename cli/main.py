@@ -187,6 +187,9 @@ def pack_command(
                                              "'export': the 4-bit replica of every expert hexq export must "
                                              "project (8-bit ones). Comma-separated. Default: the allocation "
                                              "only.")] = None,
+    allow_skipping: Annotated[bool, typer.Option("--allow-skipping", help="Accept a budget below every expert at the "
+                                                 "smallest stored width: met only by skipping experts (0 bits).")]
+    = False,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing artifact.")] = False,
 ) -> None:
     """Importance, hot-expert placement, bit allocation and one packed, checksummed artifact."""
@@ -207,8 +210,9 @@ def pack_command(
 
         base = settings or recipe_from_dict(read_manifest(calibration)["recipe"]).pack
         settings = replace(base, schedule=schedule)
-    chosen = (Budget(total_bytes=parse_bytes(expert_bytes)) if expert_bytes is not None
-              else Budget(avg_bits=bits) if bits is not None else None)
+    chosen = (Budget(total_bytes=parse_bytes(expert_bytes), allow_skipping=allow_skipping)
+              if expert_bytes is not None else Budget(avg_bits=bits, allow_skipping=allow_skipping)
+              if bits is not None else Budget(allow_skipping=True) if allow_skipping else None)
     banked = tuple(item.strip() for item in bank.split(",") if item.strip()) if bank else ()
     with progress_bar() as bar:
         task = bar.add_task(f"pack {calibration.name}", total=None)
@@ -221,6 +225,9 @@ def pack_command(
                   f"{summary.average_bits:.3f} bits on average, experts at the allocation "
                   f"{format_bytes(summary.allocated_bytes)}, artifact {format_bytes(summary.artifact_bytes)} "
                   f"({summary.seconds:.1f}s)")
+    if summary.empty_layers:
+        err_console.print(f"warning: the allocation skips every routed expert of layer(s) "
+                          f"{', '.join(map(str, summary.empty_layers))}: those layers serve no MoE output")
 
 
 app.command()(inspect)

@@ -75,10 +75,13 @@ Progress = Callable[[str, int, int], None]
 
 @dataclass(frozen=True)
 class Budget:
-    """What the allocation must fit: an average width per layer, or one byte total for all routed experts."""
+    """What the allocation must fit: an average width per layer, or one byte total for all routed experts.
+    allow_skipping: accept a budget below every expert at the smallest non-zero width, which only skipping experts
+    (0 bits) can meet."""
 
     avg_bits: float | None = None
     total_bytes: int | None = None
+    allow_skipping: bool = False
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,7 @@ class PackSummary:
     allocated_bytes: int
     artifact_bytes: int
     seconds: float
+    empty_layers: tuple[int, ...] = ()  # MoE layers whose allocation skips every routed expert
 
 
 # ------------------------------------------------------------------------------------------ pure decisions
@@ -106,11 +110,17 @@ def allocate_layers(losses: list[torch.Tensor], orders: list[list[int]], setting
                     costs: list[int]) -> list[list[int]]:
     """Widths [L][E] by expert id: avg_bits per layer, or the byte total split by the recipe's schedule."""
     bits = settings.bits
+    smallest = min((b for b in bits if b), default=0)
+    skipping = ("only skipping experts meets it (a layer may lose every routed expert); pass --allow-skipping to "
+                "pack it anyway")
     if budget.total_bytes is None:
         avg = settings.avg_bits if budget.avg_bits is None else budget.avg_bits
         if not min(bits) <= avg <= max(bits):
             raise HexqError(f"average-bit budget {avg} is outside the allowed widths {list(bits)}; the minimum that "
                             f"fits is {min(bits)}")
+        if 0 in bits and avg < smallest and not budget.allow_skipping:
+            raise HexqError(f"average-bit budget {avg} is below the smallest stored width ({smallest} bits): "
+                            + skipping)
         if settings.order == "free":
             return [allocate_free(loss, bits, bits, avg_bit_budget(avg, loss.shape[0])) for loss in losses]
         return [allocate_avg_bits(loss, bits, order, avg) for loss, order in zip(losses, orders, strict=True)]
@@ -118,6 +128,10 @@ def allocate_layers(losses: list[torch.Tensor], orders: list[list[int]], setting
     weights = ([1.0] * num_layers if settings.schedule == "uniform"
                else cosine_retention(num_layers, settings.cosine_lambda))
     minimum = num_layers * num_experts * costs[0]
+    fitting = num_layers * num_experts * costs[bits.index(smallest)] if smallest else 0
+    if 0 in bits and budget.total_bytes < fitting and not budget.allow_skipping:
+        raise HexqError(f"byte budget {budget.total_bytes} is below every expert at {smallest} bits ({fitting} "
+                        "bytes): " + skipping)
     if budget.total_bytes < minimum:
         raise HexqError(f"byte budget {budget.total_bytes} is infeasible: the minimum that fits is {minimum} bytes "
                         f"(every expert at {bits[0]} bits)")
@@ -358,8 +372,9 @@ def pack(calib_dir: str | Path, out: str | Path, settings: Pack | None = None, b
                            "bf16_expert_bytes": bf16_bytes,
                            "files_bytes": sum(f["bytes"] for f in writer.files.values())},
         })
+    empty = tuple(layer for layer, row in zip(moe_layers, plan.allocation, strict=True) if not any(row))
     return PackSummary(out, num_layers, num_experts, plan.average_bits, used,
-                       sum(f.stat().st_size for f in out.rglob("*") if f.is_file()), time.time() - started)
+                       sum(f.stat().st_size for f in out.rglob("*") if f.is_file()), time.time() - started, empty)
 
 
 def top_tensors(streamed) -> tuple[dict, dict[str, str]]:

@@ -99,6 +99,18 @@ def test_pack_bits_zero_is_refused_not_replaced_by_the_recipe_s(mixed_calibratio
     assert not (tmp_path / "a.hexq").exists()
 
 
+def test_pack_below_the_smallest_width_needs_allow_skipping(mixed_calibration, tmp_path):
+    """With 0-bit experts allowed (experts-mixed's pack widths 0-8), an average below 1 bit is met only by skipping
+    experts: refused in one line naming the flag; with --allow-skipping it packs, warning about every layer whose
+    routed experts are all skipped."""
+    args = ("pack", mixed_calibration[0], "--recipe", "experts-mixed", "-o", tmp_path / "a.hexq")
+    one_line_error(run(*args, "--bits", "0.5"), "below the smallest stored width (1 bits)", "--allow-skipping")
+    assert not (tmp_path / "a.hexq").exists()
+    done = run(*args, "--bits", "0", "--allow-skipping")
+    assert done.exit_code == 0, done.output
+    assert "skips every routed expert of layer(s) 0, 1" in " ".join(done.output.split())
+
+
 def test_device_is_validated_before_any_work(tmp_path):
     for command in (["calibrate", tmp_path, "-o", tmp_path / "out"], ["eval", tmp_path], ["run", tmp_path, "-p", "x"]):
         one_line_error(run(*command, "--device", "banana"), "--device banana")
