@@ -1,11 +1,12 @@
-"""The benchmark suite: run every benchmark, write benchmarks/results/*.json, and regenerate README's tables.
+"""The benchmark suite: run every benchmark, write benchmarks/results/*.json, and regenerate the tables of README.md and
+docs/.
 
     python benchmarks/run_all.py                 # everything (hours on 2 CPU cores; calibrate_table is the long one)
     python benchmarks/run_all.py --only runtime pack_quality
-    python benchmarks/run_all.py --render-only   # rewrite README's tables from the JSON already there
+    python benchmarks/run_all.py --render-only   # rewrite the tables from the JSON already there
 
-README.md holds each table between `<!-- bench:NAME -->` and `<!-- /bench:NAME -->`; this script replaces what is
-between the markers. Under each table it writes what the results file says about the run that made it (the
+README.md and docs/*.md hold each table between `<!-- bench:NAME -->` and `<!-- /bench:NAME -->`; this script replaces
+what is between the markers. Under each table it writes what the results file says about the run that made it (the
 "provenance" records of benchmarks/provenance.py: exact command, date, duration, machine); a file without them is
 shown as "provenance not recorded", never with this machine's details.
 """
@@ -141,19 +142,33 @@ def provenance_line(name: str, results: dict) -> str:
     return f"{label}: {'; '.join(describe_run(run) for run in runs)}. Results in {where}."
 
 
-def update_readme(names: list[str]) -> None:
-    readme = ROOT / "README.md"
-    text = readme.read_text()
-    for name in names:
-        path = RESULTS / BENCHMARKS[name][1]
-        if not path.exists():
-            continue
-        results = json.loads(path.read_text())
-        block = f"<!-- bench:{name} -->\n{render(name, results)}\n\n{provenance_line(name, results)}\n"
-        pattern = re.compile(rf"<!-- bench:{name} -->.*?(?=<!-- /bench:{name} -->)", re.S)
-        if pattern.search(text):
-            text = pattern.sub(lambda _m, b=block: b, text)
-    write_bytes_atomic(readme, text.encode())
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]  # the files whose tables are rendered here
+
+
+def rendered_block(name: str) -> str | None:
+    """What stands between a table's markers: the table rendered from its results file and the provenance line, or
+    None when the file does not exist."""
+    path = RESULTS / BENCHMARKS[name][1]
+    if not path.exists():
+        return None
+    results = json.loads(path.read_text())
+    return f"{render(name, results)}\n\n{provenance_line(name, results)}\n"
+
+
+def update_docs(names: list[str]) -> None:
+    """Re-render the tables `names` wherever README.md and docs/*.md hold their markers."""
+    for doc in DOCS:
+        text = original = doc.read_text()
+        for name in names:
+            if f"<!-- bench:{name} -->" not in text:
+                continue
+            block = rendered_block(name)
+            if block is None:
+                continue
+            pattern = re.compile(rf"<!-- bench:{name} -->\n.*?(?=<!-- /bench:{name} -->)", re.S)
+            text = pattern.sub(lambda _m, b=block, n=name: f"<!-- bench:{n} -->\n{b}", text)
+        if text != original:
+            write_bytes_atomic(doc, text.encode())
 
 
 def main() -> None:
@@ -168,8 +183,8 @@ def main() -> None:
                       "results are rendered")
                 continue
             subprocess.run([sys.executable, str(ROOT / "benchmarks" / BENCHMARKS[name][0])], check=True, cwd=ROOT)
-    update_readme(args.only)
-    print(f"README tables updated: {', '.join(args.only)}")
+    update_docs(args.only)
+    print(f"tables updated in README.md and docs/: {', '.join(args.only)}")
 
 
 if __name__ == "__main__":

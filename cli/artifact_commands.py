@@ -69,7 +69,8 @@ def export(
                                          "(each layer's type from its allocation), q4, q3_k, q2_k or q8_0.")
                          ] = "auto",
     source: Annotated[Path | None, typer.Option("--source", help="The full-precision checkpoint the artifact was "
-                                                "made from (default: the path the artifact records).")] = None,
+                                                "made from, a folder or a hub id (default: the path the artifact "
+                                                "records).")] = None,
     windows: Annotated[int, typer.Option("--windows", "-n", help="Held-out windows the check compares logits "
                                          "on.", min=1)] = 8,
     seqlen: SeqlenOpt = 256,
@@ -85,7 +86,10 @@ def export(
     can express, and check it against the model hexq run serves."""
     from hexq.export.command import export_artifact
     from hexq.io import write_json_atomic
+    from hexq.models import resolve_model
     from hexq.units import format_bytes, parse_bytes
+
+    source = None if source is None else resolve_model(source)
 
     if format_ not in ("compressed-tensors", "gguf"):
         raise HexqError(f"unknown --format {format_!r}; choose compressed-tensors or gguf")

@@ -23,9 +23,11 @@ err_console = Console(stderr=True)
 
 DEFAULT_EVAL_DATA = ["wikitext2", "austen", "pydocs", "foldoc"]
 
-ModelArg = Annotated[Path, typer.Argument(help="Local HuggingFace MoE model folder.", show_default=False)]
-EvalTargetArg = Annotated[Path, typer.Argument(help="HuggingFace MoE model folder, or a hexq calibration folder "
-                                               "(evaluated as its quantized model).", show_default=False)]
+ModelArg = Annotated[Path, typer.Argument(help="HuggingFace MoE model: a local folder, or a hub id (owner/name: the "
+                                          "local hub cache first, else downloaded).", show_default=False)]
+RevisionOpt = Annotated[str | None, typer.Option("--revision", help="Branch, tag or commit of a hub id.")]
+EvalTargetArg = Annotated[Path, typer.Argument(help="HuggingFace MoE model (folder or hub id), or a hexq calibration "
+                                               "folder (evaluated as its quantized model).", show_default=False)]
 SeqlenOpt = Annotated[int, typer.Option("--seqlen", "-L", help="Window length in tokens.", min=2)]
 WindowsOpt = Annotated[int | None, typer.Option("--windows", "-n", help="Evaluate at most this many windows "
                                                 "per text (default: all).", min=1)]

@@ -22,6 +22,7 @@ from hexq_cli.common import (
     ForceOpt,
     JsonOpt,
     ModelArg,
+    RevisionOpt,
     SeqlenOpt,
     WindowsOpt,
     app,
@@ -61,16 +62,20 @@ def calibrate(
                                                       "a GPTQ replica on this serving grid for hexq export "
                                                       "(vllm: 4-bit symmetric groups of 128); sets the recipe's "
                                                       "experts.export_target.")] = None,
+    revision: RevisionOpt = None,
 ) -> None:
     """Smoothing search, GPTQ, per-expert replica banks and loss tables, streamed one layer at a time."""
     from dataclasses import replace
 
     from hexq.calib.pipeline import calibrate as run_calibration
     from hexq.devices import resolve_device
+    from hexq.models import resolve_model
     from hexq.recipe_files import load_recipe
     from hexq.units import parse_bytes
 
     resolve_device(device)  # a bad --device fails before anything is read
+    shown = Path(str(model)).name
+    model = resolve_model(model, revision)
     limit = parse_bytes(activation_memory)
     chosen = load_recipe(recipe)
     if samples or seqlen:
@@ -80,7 +85,7 @@ def calibrate(
     if export_target is not None:
         chosen = replace(chosen, experts=replace(chosen.experts, export_target=export_target))
     with progress_bar() as bar:
-        report = staged(bar, f"calibrate {model.name} ({chosen.name}): layers")
+        report = staged(bar, f"calibrate {shown} ({chosen.name}): layers")
         summary = run_calibration(model, chosen, data, out, device, batch_size, report, limit, force)
     if summary.resumed_from == -1:
         console.print(f"{out} already holds this calibration (same model, data and recipe); nothing to do")
@@ -112,12 +117,16 @@ def eval_command(
                                            "e.g. 0.5% or 0.005.")] = "0.5%",
     write_baseline: Annotated[Path | None, typer.Option("--write-baseline", help="Record the results as a "
                                                         "baseline file (explicit; never automatic).")] = None,
+    revision: RevisionOpt = None,
 ) -> None:
     """Perplexity with the GPTQ protocol (exp of mean token NLL), streamed one layer at a time; with --baseline, a
     regression gate for CI."""
     from hexq.devices import resolve_device
     from hexq.eval import baseline as gate
     from hexq.eval.run import evaluate_model
+    from hexq.models import resolve_model
+
+    model = resolve_model(model, revision)
     from hexq.io import write_json_atomic
     from hexq.units import parse_bytes
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -14,6 +15,41 @@ from hexq.errors import HexqError
 from hexq.io import file_sha256
 
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # owner/name, as the hub spells a repository
+
+
+def resolve_model(name: str | Path, revision: str | None = None) -> Path:
+    """The local folder of a model given as a folder, or as a hub id (owner/name) that is not a folder here: the
+    snapshot in the local hub cache first, else downloaded (safetensors shards, config, tokenizer, generation
+    config) where the network and HF_HUB_OFFLINE allow, as llm-compressor and auto-round resolve ids. Shards are
+    still read one at a time from that folder. A one-line error when the id is in no cache and cannot be fetched."""
+    folder = Path(name)
+    if folder.exists() or not HUB_ID.match(str(name)) or revision is None and folder.is_absolute():
+        if revision is not None:
+            raise HexqError(f"--revision {revision} applies to a hub id, and {name} is a local folder")
+        return folder
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.py"]
+    try:
+        return Path(snapshot_download(str(name), revision=revision, local_files_only=True, allow_patterns=patterns))
+    except LocalEntryNotFoundError:
+        pass
+    try:
+        return Path(snapshot_download(str(name), revision=revision, allow_patterns=patterns))
+    except LocalEntryNotFoundError:
+        raise HexqError(f"{name} is neither a local folder nor in the hub cache ({hub_cache()}), and the hub cannot "
+                        "be reached (HF_HUB_OFFLINE is set or the network is off)") from None
+    except (HfHubHTTPError, OSError, ValueError) as error:
+        raise HexqError(f"{name}: not a local folder, and the hub did not give it: {str(error).splitlines()[0]}") \
+            from None
+
+
+def hub_cache() -> str:
+    from huggingface_hub import constants
+
+    return str(constants.HF_HUB_CACHE)
 
 
 def read_model_config(folder: Path) -> dict:
