@@ -1,0 +1,180 @@
+"""The mutation run: named semantic breakages of hexq, applied one at a time, each against the default-suite tests
+that stand guard over it. A mutant is killed when those tests fail; one that survives is a bug the suite would let
+land green, and makes this script exit 1.
+
+    python scripts/mutants.py                 # every mutant (about 15 minutes on 2 cores)
+    python scripts/mutants.py --only gptq-error-feedback-dropped rope-sign
+    python scripts/mutants.py --list
+
+Each mutant replaces one exact piece of source (which must occur exactly once, so a refactor that moves it is an
+error here, not a silent pass) and runs `pytest -x` on its test files in a fresh process (C mutants rebuild the
+kernels: the library is keyed by a hash of its sources). The source is restored in a `finally`, also on Ctrl-C, and
+the script refuses to start on a file with uncommitted changes it would mutate, so nothing of yours can be lost.
+Only default-suite tests are used (no `slow` ones): what `make test` runs is what must catch each breakage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    file: str
+    old: str
+    new: str
+    tests: tuple[str, ...]  # pytest arguments: files or node ids of the default suite
+
+
+MUTANTS = [
+    # ------------------------------------------------------------------ calibration math
+    Mutant("gptq-error-feedback-dropped", "hexq/algos/gptq.py",
+           "            Wt[:, i2:].baddbmm_(U[:, i1:i2, i2:].mT, err_blk, alpha=-1)",
+           "            pass", ("tests/test_gptq.py",)),
+    Mutant("hessian-damping-wrong", "hexq/algos/hessian.py",
+           "    diag.add_(damp * diag_mean)  # in place: no dense identity",
+           "    diag.add_(100 * damp * diag_mean)", ("tests/test_gptq.py",)),
+    Mutant("replica-zero-point-off-by-one", "hexq/algos/quant.py",
+           "        zero = torch.round(-wmin / scale)",
+           "        zero = torch.round(-wmin / scale) + 1", ("tests/test_gptq.py", "tests/test_gptq_bank.py")),
+    Mutant("smoothing-scale-inverted-on-the-norm", "hexq/calib/fold.py",
+           "    _rescale_(group.norm.weight, s, divide=True)",
+           "    _rescale_(group.norm.weight, s, divide=False)", ("tests/test_smoothing.py",)),
+    # ------------------------------------------------------------------ packing
+    Mutant("allocation-ignores-the-loss-table", "hexq/algos/allocation.py",
+           "    return allocate(loss, bits, order, costs=list(bits), budget=avg_bit_budget(avg_bits, loss.shape[0]))",
+           "    return allocate(torch.zeros_like(loss), bits, order, costs=list(bits), "
+           "budget=avg_bit_budget(avg_bits, loss.shape[0]))", ("tests/test_allocation.py",)),
+    Mutant("skipped-weight-not-renormalised", "hexq/simulate.py",
+           "    scale = torch.where(kept_mass > 0, total / kept_mass.masked_fill(kept_mass == 0, 1), "
+           "torch.zeros_like(total))",
+           "    scale = torch.where(kept_mass > 0, torch.ones_like(total), torch.zeros_like(total))",
+           ("tests/test_skip.py",)),
+    Mutant("manifest-checksum-not-verified", "hexq/artifact/reader.py",
+           "        if actual != entry[\"sha256\"]:",
+           "        if False:", ("tests/test_pack.py",)),
+    Mutant("resume-reuses-another-recipe", "hexq/calib/store.py",
+           "    if progress.get(\"fingerprint\") != fingerprint:\n        return None",
+           "    if progress.get(\"fingerprint\", {}).get(\"model\") != fingerprint[\"model\"]:\n        return None",
+           ("tests/test_calibrate.py", "tests/test_killed_runs.py")),
+    # ------------------------------------------------------------------ export
+    Mutant("gguf-rope-permutation-dropped", "hexq/export/gguf/arch.py",
+           "    return index.transpose(1, 2).reshape(rows)",
+           "    return index.reshape(rows)", ("tests/test_gguf.py",)),
+    # ------------------------------------------------------------------ the runtime
+    Mutant("cache-serves-a-lower-width", "hexq/runtime/cache.py",
+           "        if v is None or v.bits < bits:",
+           "        if v is None:", ("tests/test_runtime_cache.py",)),
+    Mutant("online-policy-widths-ignored", "hexq/runtime/policy.py",
+           "        plan = self._static if self._plan is None else self._plan\n"
+           "        return _widths_by_expert(plan[layer], indices)",
+           "        plan = self._static\n        return _widths_by_expert(plan[layer], indices)",
+           ("tests/test_policy.py",)),
+    # ------------------------------------------------------------------ the kernels (C)
+    Mutant("kernel-scale-from-the-wrong-group", "hexq/packed/kernels.c",
+           "            const float wb = s[b / per_group] * dx[b];",
+           "            const float wb = s[(b + 1) % blocks / per_group] * dx[b];", ("tests/test_packed_cpu.py",)),
+    Mutant("avx2-unpack-shift-off-by-one", "hexq/packed/kernels.c",
+           "            multiplier[8 * lane + j] = (int16_t)(1 << (7 - (bit & 7)));",
+           "            multiplier[8 * lane + j] = (int16_t)(1 << (6 - (bit & 7) + ((bit & 7) == 7)));",
+           ("tests/test_packed_cpu.py",)),
+    Mutant("activation-block-scale-wrong", "hexq/packed/kernels.c",
+           "            const float dx = amax / 32767.0f, inv",
+           "            const float dx = amax / 32000.0f, inv", ("tests/test_packed_cpu.py",)),
+    Mutant("dequant-zero-point-ignored", "hexq/packed/kernels.c",
+           "            if (out_kind == 0) ((float*)out)[i] = (q - z) * s;",
+           "            if (out_kind == 0) ((float*)out)[i] = q * s;", ("tests/test_packed_cpu.py",)),
+    # ------------------------------------------------------------------ the native decode step (C)
+    Mutant("native-top-k-not-renormalised", "hexq/packed/decode.c",
+           "    if (m->normalize)\n        for", "    if (0)\n        for", ("tests/test_native_decode.py",)),
+    Mutant("native-rope-sign", "hexq/packed/decode.c",
+           "        x[i + half] = b * cs[i] + a * sn[i];", "        x[i + half] = b * cs[i] - a * sn[i];",
+           ("tests/test_native_decode.py",)),
+    Mutant("native-skipped-weight-not-renormalised", "hexq/packed/decode.c",
+           "        weights[n] = kept > 0.0f ? weights[j] * (all / kept) : 0.0f;", "        weights[n] = weights[j];",
+           ("tests/test_native_decode.py",)),
+    Mutant("native-shared-expert-gate-ignored", "hexq/packed/decode.c",
+           "1.0f / (1.0f + expf(-s->gate[0]))", "1.0f", ("tests/test_native_decode.py",)),
+    Mutant("native-whole-qk-norm-dropped", "hexq/packed/decode.c",
+           "    if (L->qk_norm == QK_WHOLE) {", "    if (0) {", ("tests/test_native_decode.py",)),
+    Mutant("native-w8a8-grid-dropped", "hexq/packed/decode.c",
+           "        if (m->act.bits) act_quant(&m->act, src, b->value, cols);",
+           "        if (0) act_quant(&m->act, src, b->value, cols);", ("tests/test_native_decode.py",)),
+    Mutant("native-kv-cache-position", "hexq/packed/decode.c",
+           "        const int64_t at = (((int64_t)layer * m->kv_heads + h) * m->max_pos + pos) * D;",
+           "        const int64_t at = (((int64_t)layer * m->kv_heads + h) * m->max_pos + (pos ? pos - 1 : 0)) * D;",
+           ("tests/test_native_decode.py",)),
+    # ------------------------------------------------------------------ pack's guard
+    Mutant("pack-accepts-an-average-below-every-width", "hexq/pack.py",
+           "        if 0 in bits and avg < smallest and not budget.allow_skipping:",
+           "        if False:", ("tests/test_cli.py",)),
+]
+
+
+def dirty(files: set[str]) -> list[str]:
+    """Files among `files` with uncommitted changes (the run would otherwise restore them over your edits' base)."""
+    status = subprocess.run(["git", "status", "--porcelain", "--", *files], cwd=ROOT, capture_output=True, text=True)
+    return [line[3:] for line in status.stdout.splitlines()]
+
+
+def run_mutant(mutant: Mutant) -> tuple[bool, str, float]:
+    """(killed, by what, seconds): the mutant applied, its tests run, the source restored."""
+    path = ROOT / mutant.file
+    original = path.read_text()
+    count = original.count(mutant.old)
+    if count != 1:
+        raise SystemExit(f"mutant {mutant.name}: its source occurs {count} times in {mutant.file} (expected once); "
+                         "update the mutant")
+    started = time.perf_counter()
+    try:
+        path.write_text(original.replace(mutant.old, mutant.new))
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m",
+                               "not slow", *mutant.tests], cwd=ROOT, capture_output=True, text=True)
+    finally:
+        path.write_text(original)
+    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", done.stdout, re.M)
+    killed = done.returncode != 0
+    by = failed[0] if failed else (f"exit {done.returncode}" if killed else "-")
+    return killed, by, time.perf_counter() - started
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="run these mutants only")
+    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    args = parser.parse_args()
+    chosen = [m for m in MUTANTS if not args.only or m.name in args.only]
+    unknown = set(args.only or ()) - {m.name for m in MUTANTS}
+    if unknown:
+        parser.error(f"unknown mutants: {', '.join(sorted(unknown))}")
+    if args.list:
+        for m in chosen:
+            print(f"{m.name:45s} {m.file:28s} {' '.join(m.tests)}")
+        return 0
+    changed = dirty({m.file for m in chosen})
+    if changed:
+        print(f"error: uncommitted changes in {', '.join(changed)}: commit or stash them first", file=sys.stderr)
+        return 2
+    print("| mutant | file | killed by | seconds |\n|---|---|---|---|", flush=True)
+    survivors = []
+    for mutant in chosen:
+        killed, by, seconds = run_mutant(mutant)
+        if not killed:
+            survivors.append(mutant.name)
+        print(f"| {mutant.name} | {mutant.file} | {by if killed else 'SURVIVED'} | {seconds:.0f} |", flush=True)
+    print(f"\n{len(chosen) - len(survivors)} of {len(chosen)} mutants killed"
+          + (f"; survivors: {', '.join(survivors)}" if survivors else ""))
+    return 1 if survivors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
