@@ -77,7 +77,7 @@ Progress = Callable[[str, int, int], None]
 class Budget:
     """What the allocation must fit: an average width per layer, or one byte total for all routed experts.
     allow_skipping: accept a budget below every expert at the smallest non-zero width, which only skipping experts
-    (0 bits) can meet."""
+    (0 bits) can meet (a recipe's own pack.avg_bits is taken as meant; `hexq pack --bits` must say so)."""
 
     avg_bits: float | None = None
     total_bytes: int | None = None
@@ -258,7 +258,7 @@ def pack(calib_dir: str | Path, out: str | Path, settings: Pack | None = None, b
     recipe = recipe_from_dict(manifest["recipe"])
     settings = settings or recipe.pack
     recipe = replace(recipe, pack=settings)  # the artifact records the pack settings it was made with
-    budget = budget or Budget(avg_bits=settings.avg_bits)
+    budget = budget or Budget(avg_bits=settings.avg_bits, allow_skipping=True)  # the recipe's own choice
     model_path = check_calibration(manifest, calib_dir, settings)
     keep_export = settings.export_replicas or "export" in bank
     bank = tuple(item for item in bank if item != "export")

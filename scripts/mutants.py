@@ -65,7 +65,7 @@ MUTANTS = [
     Mutant("resume-reuses-another-recipe", "hexq/calib/store.py",
            "    if progress.get(\"fingerprint\") != fingerprint:\n        return None",
            "    if progress.get(\"fingerprint\", {}).get(\"model\") != fingerprint[\"model\"]:\n        return None",
-           ("tests/test_calibrate.py", "tests/test_killed_runs.py")),
+           ("tests/test_killed_runs.py",)),
     # ------------------------------------------------------------------ export
     Mutant("gguf-rope-permutation-dropped", "hexq/export/gguf/arch.py",
            "    return index.transpose(1, 2).reshape(rows)",
@@ -74,11 +74,17 @@ MUTANTS = [
     Mutant("cache-serves-a-lower-width", "hexq/runtime/cache.py",
            "        if v is None or v.bits < bits:",
            "        if v is None:", ("tests/test_runtime_cache.py",)),
-    Mutant("online-policy-widths-ignored", "hexq/runtime/policy.py",
+    Mutant("context-policy-widths-ignored", "hexq/runtime/policy.py",
            "        plan = self._static if self._plan is None else self._plan\n"
            "        return _widths_by_expert(plan[layer], indices)",
            "        plan = self._static\n        return _widths_by_expert(plan[layer], indices)",
            ("tests/test_policy.py",)),
+    Mutant("online-policy-hot-set-ignored", "hexq/runtime/policy.py",
+           "        widths = torch.where(self.hot[layer], self.high_bits, self.low_bits)",
+           "        widths = torch.where(self.hot[layer] & False, self.high_bits, self.low_bits)",
+           ("tests/test_policy.py",)),
+    Mutant("depth-policy-rank-ignored", "hexq/runtime/policy.py",
+           "        high = rank < self.kept_slots(layer, k)", "        high = rank < k", ("tests/test_policy.py",)),
     # ------------------------------------------------------------------ the kernels (C)
     Mutant("kernel-scale-from-the-wrong-group", "hexq/packed/kernels.c",
            "            const float wb = s[b / per_group] * dx[b];",

@@ -81,6 +81,12 @@ def test_kill_9_during_calibrate_then_the_rerun_resumes(tiny_qwen3moe, tmp_path)
     partial = tmp_path / ".cal.partial"
     assert not out.exists() and (partial / "layer_000.safetensors").is_file()
     assert not (partial / "layer_001.safetensors").exists()
+    # the unfinished layers belong to this recipe: another recipe (here another damping) may not resume them
+    from dataclasses import replace
+
+    other = replace(mixed_recipe(), weights=replace(mixed_recipe().weights, damp=0.02))
+    with pytest.raises(HexqError, match="unfinished calibration of a different recipe"):
+        calibrate(tiny_qwen3moe, other, "bundled", out)
     summary = calibrate(tiny_qwen3moe, mixed_recipe(), "bundled", out)
     assert summary.resumed_from == 1 and (out / "manifest.json").is_file() and not partial.exists()
 
