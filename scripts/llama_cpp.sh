@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Build llama.cpp's llama-perplexity and llama-tokenize from the source llama-cpp-python 0.3.36 vendors (a pinned
+# sdist from PyPI), once, into .cache/llama.cpp/0.3.36; print the folder holding the tools. tests/test_llama_cpp.py
+# runs them on hexq's GGUF exports (HEXQ_LLAMA_CPP_BIN); .ci/run calls this first. About 4 minutes on 2 cores.
+set -euo pipefail
+VERSION=0.3.36
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+DEST="$ROOT/.cache/llama.cpp/$VERSION"
+SRC="$DEST/llama_cpp_python-$VERSION/vendor/llama.cpp"
+BIN="$SRC/build/bin"
+PYTHON="${PYTHON:-$ROOT/.venv/bin/python}"
+[ -x "$PYTHON" ] || PYTHON=python3
+if [ -x "$BIN/llama-perplexity" ] && [ -x "$BIN/llama-tokenize" ]; then
+    echo "$BIN"
+    exit 0
+fi
+command -v cmake >/dev/null || { echo "error: cmake is needed to build llama.cpp's tools" >&2; exit 1; }
+mkdir -p "$DEST"
+if [ ! -d "$SRC" ]; then
+    "$PYTHON" -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$DEST" >&2
+    tar xzf "$DEST/llama_cpp_python-$VERSION.tar.gz" -C "$DEST"
+fi
+# ggml's AMX matmul crashed with SIGILL on the Intel CPUs hexq is tested on: build without it there.
+FLAGS=""
+if grep -q "amx" /proc/cpuinfo 2>/dev/null; then FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"; fi
+cmake -S "$SRC" -B "$SRC/build" -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF \
+      -DCMAKE_BUILD_TYPE=Release -DCMAKE_C_FLAGS="$FLAGS" -DCMAKE_CXX_FLAGS="$FLAGS" >&2
+cmake --build "$SRC/build" -j"$(nproc)" --target llama-perplexity llama-tokenize >&2
+echo "$BIN"
