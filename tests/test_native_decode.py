@@ -108,6 +108,34 @@ def test_every_kernel_path(a16_artifact, path):
     assert float((logits[path] - logits["scalar"]).norm() / logits["scalar"].norm()) <= 1e-4
 
 
+@pytest.fixture(scope="module")
+def symmetric_g128_artifact(tmp_path_factory):
+    """Experts quantized symmetric in groups of 128 (a Qwen3-MoE 128 wide), widths 1-8 allowed and the allocation
+    free to give any of them: the other grid the kernels take."""
+    from dataclasses import replace
+
+    from hexq.calib.pipeline import calibrate
+    from hexq.pack import Budget, pack
+    from hexq.recipe import Pack, WeightQuant
+
+    folder = tmp_path_factory.mktemp("g128")
+    model = save_tiny_model(folder / "model", "qwen3_moe", hidden_size=128, moe_intermediate_size=128,
+                            intermediate_size=128, head_dim=32)
+    recipe = small_recipe("experts-mixed", weights=WeightQuant(group_size=128, symmetric=True))
+    recipe = replace(recipe, pack=Pack(bits=(1, 2, 3, 4, 8), avg_bits=2.5, order="free"))
+    calibrate(model, recipe, "bundled", folder / "cal")
+    pack(folder / "cal", folder / "model.hexq", budget=Budget(avg_bits=2.5))
+    return folder / "model.hexq"
+
+
+def test_symmetric_groups_of_128(symmetric_g128_artifact):
+    from hexq.artifact.reader import Artifact
+
+    widths = {b for row in Artifact(symmetric_g128_artifact).allocation for b in row}
+    assert len(widths) >= 2, widths
+    assert compare(symmetric_g128_artifact) <= BOUND
+
+
 # Families at widths the kernels take (multiples of 32): qwen2_moe with a dense first layer, a shared expert and its
 # gate, q/k/v biases; olmoe with q/k norms over the whole projection; mixtral.
 FAMILIES = {
