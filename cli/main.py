@@ -40,6 +40,20 @@ def version() -> None:
     console.print(f"hexq {__version__}")
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        version()
+        raise typer.Exit()
+
+
+@app.callback()
+def main_options(
+    show_version: Annotated[bool, typer.Option("--version", help="Print hexq's version and exit.",
+                                               callback=_print_version, is_eager=True)] = False,
+) -> None:
+    """Quantize, calibrate and serve Mixture-of-Experts language models."""
+
+
 @app.command()
 @handle_errors
 def calibrate(

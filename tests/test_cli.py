@@ -13,6 +13,13 @@ def run(*args):
     return runner.invoke(app, [str(a) for a in args])
 
 
+def test_version_option():
+    from hexq import __version__
+
+    result = run("--version")
+    assert result.exit_code == 0 and f"hexq {__version__}" in result.output
+
+
 def test_every_command_has_help():
     result = run("--help")
     assert result.exit_code == 0
