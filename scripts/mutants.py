@@ -86,6 +86,10 @@ MUTANTS = [
            ("tests/test_policy.py",)),
     Mutant("depth-policy-rank-ignored", "hexq/runtime/policy.py",
            "        high = rank < self.kept_slots(layer, k)", "        high = rank < k", ("tests/test_policy.py",)),
+    Mutant("runtime-asks-another-width", "hexq/runtime/experts.py",
+           "                weights = self.cache.get(self.layer, expert, width, fill=expert in admitted)",
+           "                weights = self.cache.get(self.layer, expert, max(width, 3), fill=expert in admitted)",
+           ("tests/test_policy_serving.py",)),
     # ------------------------------------------------------------------ the kernels (C)
     Mutant("kernel-scale-from-the-wrong-group", "hexq/packed/kernels.c",
            "            const float wb = s[b / per_group] * dx[b];",
