@@ -5,7 +5,6 @@ cache serves each at that width or above (a higher resident copy is reused, neve
 from __future__ import annotations
 
 import pytest
-import torch
 
 from hexq.runtime.engine import Runtime
 
