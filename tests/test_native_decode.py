@@ -3,18 +3,22 @@ in for, on every family it covers, every kernel path this CPU runs, mixed widths
 
 The bound. Both paths compute every packed matrix with the same kernels from the same int16 activation blocks (the
 transformers path is made to compute from the codes too); what differs is float32 rounding order in norms,
-attention and softmax (~1e-7 relative per operation), and where the recipe quantizes activations (W8A8, dynamic per
+attention and softmax (~1e-7 relative per operation), and, where the recipe quantizes activations (W8A8, dynamic per
 token), which side of a rounding boundary an activation lands on when those differences meet a near tie: a value
-that flips moves by one grid step, 1/255 of its token's range, one element among thousands. Measured on these
-models: at most 8e-6 relative L2 on the logits over 10 steps, W8A8 included. The bound, 1e-3, leaves room for a few
-flips; every defect tried moves the logits by more than 1e-2 (dropping the W8A8 grid: 1.3e-2; a wrong RoPE,
-router renormalisation, skipped weight, q/k norm, shared-expert gate or KV position: O(1); scripts/mutants.py runs
-them). Greedy tokens must agree wherever the transformers path's top two logits are not a near tie.
+that flips moves by one grid step, 1/255 of its token's range, and a flipped key or value stays in the KV cache. So
+each native step starts from the transformers path's KV cache, and a step agrees to rounding order (measured <= 8e-6
+relative L2 on the logits on the random models; TYPICAL allows 1e-4) unless a flip happened in it (measured 3.3e-3
+in one of 16 steps of the reference Mixtral, carried on; FLIPS allows 2e-2 for any step). A defect moves every step:
+the median is held to TYPICAL (dropping the W8A8 grid: ~1.3e-2 each step; a wrong RoPE, router renormalisation,
+skipped weight, q/k norm, shared-expert gate or KV position: O(1); scripts/mutants.py runs them). Without activation
+quantization no flip can happen: the native step then keeps its own KV cache for every step, each held to 1e-4.
+Greedy tokens must agree wherever the transformers path's top two logits are not a near tie.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 
 import pytest
 import torch
@@ -27,39 +31,49 @@ from tests.conftest import REFERENCE_MODELS, needs_kernels, save_tiny_model, sma
 
 KERNELS = load_cpu_kernels()
 pytestmark = needs_kernels(KERNELS)
-BOUND = 1e-3
+TYPICAL, FLIPS = 1e-4, 2e-2
 STEPS = 10
 PROMPT = torch.randint(1, 8192, (1, 9), generator=torch.Generator().manual_seed(5))
 
 
-def compare(artifact, steps: int = STEPS, **options) -> float:
-    """The worst relative L2 distance between the native step's logits and the transformers path's over `steps`
-    greedy steps after PROMPT (both fed the transformers path's tokens)."""
-    with Runtime(artifact, dtype="fp32", **options) as runtime:
+def compare(artifact, steps: int = STEPS, carry: bool = False) -> list[float]:
+    """The relative L2 distance between the native step's logits and the transformers path's at each of `steps` greedy
+    steps after PROMPT (both fed the transformers path's tokens). Each native step starts from the transformers
+    path's KV cache, so that a W8A8 flip in one step is not carried into the next; with `carry` the native step keeps
+    its own cache throughout (held to rounding order where no flip can happen)."""
+    errors = []
+    with Runtime(artifact, dtype="fp32") as runtime:
         assert runtime.decode_path == "native", runtime.decode_path
         runtime.compute.profiles = Profiles()  # the transformers path from the codes too, whatever the cost model says
         logits, past = runtime._next_logits(PROMPT, None)
         runtime.native.start(past, PROMPT.shape[1], PROMPT.shape[1] + steps)
-        token, worst = int(logits.argmax()), 0.0
-        for _ in range(steps):
+        token = int(logits.argmax())
+        for step in range(steps):
+            if not carry:
+                runtime.native.start(past, PROMPT.shape[1] + step, PROMPT.shape[1] + steps)
             got = runtime.native.step(token)
             want, past = runtime._next_logits(torch.tensor([[token]]), past)
-            worst = max(worst, float((got - want).norm() / want.norm()))
+            errors.append(float((got - want).norm() / want.norm()))
             top2 = want.topk(2).values
             if float(top2[0] - top2[1]) > 1e-2 * float(want.abs().max()):
                 assert int(got.argmax()) == int(want.argmax())
             token = int(want.argmax())
-    return worst
+    return errors
+
+
+def agrees(errors: list[float], typical: float = TYPICAL, flips: float = FLIPS) -> bool:
+    """The median step within float32 rounding order (`typical`), and every step within `flips`."""
+    return statistics.median(errors) <= typical and max(errors) <= flips
 
 
 def test_native_step_is_the_transformers_step(packed_artifact):
     """Qwen3-MoE, widths 1-4 mixed in every layer, W8A8 attention."""
-    assert compare(packed_artifact) <= BOUND
+    assert agrees(compare(packed_artifact))
 
 
 def test_skipped_experts_renormalised_as_served(skipping_artifact):
     """0-bit experts: their routing weight goes to the token's kept experts (hexq.simulate.served_weights)."""
-    assert compare(skipping_artifact) <= BOUND
+    assert agrees(compare(skipping_artifact))
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +99,7 @@ def a16_artifact(tmp_path_factory):
 def test_without_activation_quantization_only_rounding_order_differs(a16_artifact):
     """No W8A8 grid: the two paths agree to float32 summation order through 4 layers (measured 3e-5 on the reference
     Qwen3-MoE; 1e-4 allowed)."""
-    assert compare(a16_artifact) <= 1e-4
+    assert agrees(compare(a16_artifact, carry=True), flips=1e-4)
 
 
 @pytest.mark.parametrize("path", ["scalar", "avx2", "avx512"])
@@ -133,7 +147,7 @@ def test_symmetric_groups_of_128(symmetric_g128_artifact):
 
     widths = {b for row in Artifact(symmetric_g128_artifact).allocation for b in row}
     assert len(widths) >= 2, widths
-    assert compare(symmetric_g128_artifact) <= BOUND
+    assert agrees(compare(symmetric_g128_artifact))
 
 
 # Families at widths the kernels take (multiples of 32): qwen2_moe with a dense first layer, a shared expert and its
@@ -159,7 +173,7 @@ def family_artifact(request, tmp_path_factory):
 
 
 def test_every_family(family_artifact):
-    assert compare(family_artifact) <= BOUND
+    assert agrees(compare(family_artifact))
 
 
 @pytest.mark.slow
@@ -171,7 +185,7 @@ def test_reference_models(name, tmp_path):
 
     calibrate(REFERENCE_MODELS[name], small_recipe("experts-mixed"), "bundled", tmp_path / "cal")
     pack(tmp_path / "cal", tmp_path / "model.hexq", budget=Budget(avg_bits=2.5))
-    assert compare(tmp_path / "model.hexq", steps=16) <= BOUND
+    assert agrees(compare(tmp_path / "model.hexq", steps=16))
 
 
 def test_generate_uses_the_native_step_and_says_why_not(packed_artifact):
