@@ -138,13 +138,12 @@ def eval_command(
     from hexq.devices import resolve_device
     from hexq.eval import baseline as gate
     from hexq.eval.run import evaluate_model
-    from hexq.models import resolve_model
-
-    model = resolve_model(model, revision)
     from hexq.io import write_json_atomic
+    from hexq.models import resolve_model
     from hexq.units import parse_bytes
 
-    resolved = resolve_device(device)
+    resolved = resolve_device(device)  # a bad --device fails before anything is read
+    model = resolve_model(model, revision)
     limit = parse_bytes(activation_memory)
     if baseline is not None and write_baseline is not None:
         raise HexqError("give --baseline (compare) or --write-baseline (record), not both")
@@ -233,9 +232,11 @@ def pack_command(
 
         base = settings or recipe_from_dict(read_manifest(calibration)["recipe"]).pack
         settings = replace(base, schedule=schedule)
-    chosen = (Budget(total_bytes=parse_bytes(expert_bytes), allow_skipping=allow_skipping)
-              if expert_bytes is not None else Budget(avg_bits=bits, allow_skipping=allow_skipping)
-              if bits is not None else Budget(allow_skipping=True) if allow_skipping else None)
+    chosen = None  # the recipe's own pack.avg_bits, taken as meant
+    if expert_bytes is not None:
+        chosen = Budget(total_bytes=parse_bytes(expert_bytes), allow_skipping=allow_skipping)
+    elif bits is not None:
+        chosen = Budget(avg_bits=bits, allow_skipping=allow_skipping)
     banked = tuple(item.strip() for item in bank.split(",") if item.strip()) if bank else ()
     with progress_bar() as bar:
         task = bar.add_task(f"pack {calibration.name}", total=None)

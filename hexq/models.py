@@ -24,7 +24,7 @@ def resolve_model(name: str | Path, revision: str | None = None) -> Path:
     config) where the network and HF_HUB_OFFLINE allow, as llm-compressor and auto-round resolve ids. Shards are
     still read one at a time from that folder. A one-line error when the id is in no cache and cannot be fetched."""
     folder = Path(name)
-    if folder.exists() or not HUB_ID.match(str(name)) or revision is None and folder.is_absolute():
+    if folder.exists() or not HUB_ID.match(str(name)):
         if revision is not None:
             raise HexqError(f"--revision {revision} applies to a hub id, and {name} is a local folder")
         return folder

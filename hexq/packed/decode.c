@@ -48,11 +48,10 @@ typedef struct {
     hexq_act act;      /* the input's grid */
 } hexq_matrix;
 
-/* One routed expert as served: its two packed matrices at the served width (bits 0: skipped, its routing weight
-   renormalised onto the token's kept experts, hexq.simulate.served_weights). */
+/* One routed expert as served: its two packed matrices at the served width (kind MAT_NONE: skipped, its routing
+   weight renormalised onto the token's kept experts, hexq.simulate.served_weights). */
 typedef struct {
     hexq_matrix gate_up, down;
-    int32_t bits;
 } hexq_expert;
 
 enum { QK_NONE = 0, QK_HEAD = 1, QK_WHOLE = 2 }; /* q/k RMSNorm: none, per head (qwen3), over the projection (olmoe) */
@@ -104,12 +103,12 @@ static void grid_of(const hexq_act* a, float lo, float hi, float amax, float* sc
     const float qmax = (float)((1 << a->bits) - 1);
     if (a->symmetric) {
         const float m = fmaxf(amax, 1e-8f);
-        if (a->bits == 1) {
-            *scale = 2.0f * m / 2.0f;
+        if (a->bits == 1) { /* levels +-max/2 */
+            *scale = m;
             *zero = 0.5f;
         } else {
             *scale = 2.0f * m / qmax;
-            *zero = (float)(((1 << a->bits) - 1 + 1) / 2);
+            *zero = (float)(1 << (a->bits - 1)); /* (qmax + 1) / 2 */
         }
     } else if (a->bits == 1) {
         *scale = fmaxf(hi - lo, 1e-8f);
@@ -350,8 +349,10 @@ static void phase_run(phase* p, int threads) {
 
 /* An input vector as the products read it: on a matrix's activation grid (act_quant) where the recipe asks, and in
    int16 blocks for the packed kernels. A set holds one copy per distinct grid among the matrices that read the same
-   vector (one for dynamic grids; static per-linear ranges may differ), each computed once per step. */
-#define GRIDS 4
+   vector (one for dynamic grids; static per-linear ranges may differ), each computed once per step; it has a buffer
+   per kind of reader (q, k, v; a dense MLP's or shared expert's gate and up, its gate, the router, the routed
+   experts), so a grid always finds one. */
+#define MAX_READERS 5
 
 typedef struct {
     float* value;  /* [cols] */
@@ -360,8 +361,7 @@ typedef struct {
 } input_buf;
 
 typedef struct {
-    input_buf b[GRIDS];
-    int64_t cols;
+    input_buf b[MAX_READERS];
     int used;
 } input_set;
 
@@ -379,10 +379,9 @@ static uint8_t* carve(uint8_t** p, int64_t bytes) {
     return out;
 }
 
-static void input_init(input_set* set, uint8_t** p, int64_t cols, int grids) {
-    set->cols = cols;
+static void input_init(input_set* set, uint8_t** p, int64_t cols, int readers) {
     set->used = 0;
-    for (int i = 0; i < grids; i++) {
+    for (int i = 0; i < readers; i++) {
         input_buf* b = &set->b[i];
         b->value = (float*)carve(p, cols * 4);
         b->q.q = (int16_t*)carve(p, cols * 2);
@@ -420,7 +419,7 @@ static int64_t scratch_layout(const hexq_model* m, uint8_t* base, scratch* s) {
     s->sin = (float*)carve(&p, m->head_dim * 2);
     input_init(&s->in_h, &p, H, 3);
     input_init(&s->in_att, &p, QD, 1);
-    input_init(&s->in_moe, &p, H, GRIDS);
+    input_init(&s->in_moe, &p, H, MAX_READERS);
     input_init(&s->in_final, &p, H, 1);
     for (int j = 0; j < k && j < 64; j++) input_init(&s->in_mid[j], &p, I, 1);
     input_init(&s->in_mlp_mid, &p, MI, 1);
@@ -431,14 +430,13 @@ static int64_t scratch_layout(const hexq_model* m, uint8_t* base, scratch* s) {
 int64_t hexq_decode_scratch(const hexq_model* m) { return scratch_layout(m, (uint8_t*)0, NULL) + 64; }
 
 /* Queue y = W x for matrix `m` reading vector `src` (`cols` values) through `set`: x on m's grid, computed once per
-   grid per step (set->used is reset where the vector changes). Returns -1 when the set has no room for another grid. */
-static int add_product(phase* p, input_set* set, const float* src, int64_t cols, const hexq_matrix* m, float* y) {
-    if (m->kind == MAT_NONE) return 0;
+   grid per step (set->used is reset where the vector changes). */
+static void add_product(phase* p, input_set* set, const float* src, int64_t cols, const hexq_matrix* m, float* y) {
+    if (m->kind == MAT_NONE) return;
     input_buf* b = NULL;
     for (int i = 0; i < set->used; i++)
         if (same_act(&set->b[i].act, &m->act)) b = &set->b[i];
     if (!b) {
-        if (set->used == GRIDS) return -1;
         b = &set->b[set->used++];
         if (m->act.bits) act_quant(&m->act, src, b->value, cols);
         else memcpy(b->value, src, (size_t)cols * 4);
@@ -449,7 +447,6 @@ static int add_product(phase* p, input_set* set, const float* src, int64_t cols,
         }
     }
     phase_add(p, m, &b->q, b->value, y);
-    return 0;
 }
 
 /* ------------------------------------------------------------------------------------------ attention */
@@ -545,11 +542,11 @@ static int route_token(const hexq_model* m, const hexq_layer* L, const float* lo
     float all = 0.0f, kept = 0.0f;
     for (int j = 0; j < k; j++) {
         all += weights[j];
-        if (L->experts[ids[j]].bits) kept += weights[j];
+        if (L->experts[ids[j]].gate_up.kind != MAT_NONE) kept += weights[j];
     }
     int n = 0;
     for (int j = 0; j < k; j++) {
-        if (!L->experts[ids[j]].bits) continue;
+        if (L->experts[ids[j]].gate_up.kind == MAT_NONE) continue;
         ids[n] = ids[j];
         weights[n] = kept > 0.0f ? weights[j] * (all / kept) : 0.0f;
         n++;

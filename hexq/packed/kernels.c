@@ -36,7 +36,7 @@ int hexq_paths(void) {
 
 /* ------------------------------------------------------------------------------------------ half precision */
 
-HIDDEN float half_to_float(uint16_t h) {
+static inline float half_to_float(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
     if (exp == 0) {
         if (mant == 0) {

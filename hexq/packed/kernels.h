@@ -21,7 +21,6 @@ typedef struct {
     int32_t bits, ntok;
 } hexq_gemv_task;
 
-#define MAX_TOK 4
 #define BLOCK 32            /* activation block: one int16 scale per 32 values of x */
 #define MAX_BLOCKS 1024     /* blocks per row the kernels take (cols / 32) */
 
@@ -38,7 +37,6 @@ typedef struct {
 typedef void (*rows_fn)(const hexq_gemv_task*, const quantized_x*, int64_t, int64_t);
 
 int hexq_paths(void);
-HIDDEN float half_to_float(uint16_t h);
 HIDDEN void quantize_x(const hexq_gemv_task* t, quantized_x* out);
 /* Whether this CPU runs AVX2 and FMA: scalar helpers take a copy compiled for them (the same numbers, faster). */
 HIDDEN int cpu_has_avx2(void);

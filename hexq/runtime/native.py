@@ -52,7 +52,7 @@ class Matrix(ctypes.Structure):
 
 
 class Expert(ctypes.Structure):
-    _fields_ = [("gate_up", Matrix), ("down", Matrix), ("bits", ctypes.c_int32)]
+    _fields_ = [("gate_up", Matrix), ("down", Matrix)]
 
 
 class Layer(ctypes.Structure):
@@ -100,8 +100,7 @@ class NativeDecoder:
         self.library.hexq_decode_scratch.restype = ctypes.c_int64
         self.library.hexq_decode_scratch.argtypes = [ctypes.c_void_p]
         self._keep: list = []  # every tensor and ctypes array the C structs point into
-        self.model = self._describe()
-        self.max_pos = 0
+        self.model = self._describe()  # its max_pos: the KV cache's positions (0 until `start`)
         self.positions = 0  # tokens in the KV cache
 
     @classmethod
@@ -124,14 +123,8 @@ class NativeDecoder:
     def _matrix(self, module) -> Matrix:
         if module is None:
             return Matrix()
-        path = self.kernels.path
         if isinstance(module, PackedLinear):
-            w = module.weight_packed
-            if not gemv_takes(w.shape, w.bits, w.scale.shape[-1], path):
-                raise NotNative(f"a {w.bits}-bit {w.shape[0]}x{w.shape[1]} linear is not on the kernels' grid")
-            return Matrix(MAT_PACKED, w.bits, w.shape[0], w.shape[1], w.shape[1] // w.scale.shape[-1],
-                          self._tensor(w.codes), self._tensor(w.scale), self._tensor(w.zero),
-                          self._float32(module.bias), _act(module.quantizer))
+            return self._packed(module.weight_packed, module.quantizer, module.bias)
         weight = module.weight
         kind = {torch.float32: MAT_F32, torch.bfloat16: MAT_BF16}.get(weight.dtype)
         if kind is None:
@@ -140,13 +133,13 @@ class NativeDecoder:
         return Matrix(kind, 0, weight.shape[0], weight.shape[1], 0, self._tensor(weight), None, None,
                       self._float32(bias), _act(None))
 
-    def _packed(self, weight, quantizer) -> Matrix:
+    def _packed(self, weight, quantizer, bias: torch.Tensor | None = None) -> Matrix:
         if not gemv_takes(weight.shape, weight.bits, weight.scale.shape[-1], self.kernels.path):
-            raise NotNative(f"a {weight.bits}-bit expert matrix {weight.shape[0]}x{weight.shape[1]} is not on the "
-                            "kernels' grid")
+            raise NotNative(f"a {weight.bits}-bit {weight.shape[0]}x{weight.shape[1]} matrix is not on the kernels' "
+                            "grid")
         return Matrix(MAT_PACKED, weight.bits, weight.shape[0], weight.shape[1],
                       weight.shape[1] // weight.scale.shape[-1], self._tensor(weight.codes),
-                      self._tensor(weight.scale), self._tensor(weight.zero), None, _act(quantizer))
+                      self._tensor(weight.scale), self._tensor(weight.zero), self._float32(bias), _act(quantizer))
 
     def _experts(self, row: int, module) -> tuple[int, int]:
         """The layer's experts at their allocation, from the cache (pinned for good): (pointer, intermediate)."""
@@ -162,9 +155,7 @@ class NativeDecoder:
             weights = runtime.cache.get(row, expert, bits)
             if weights.transient or not weights.packed:
                 raise NotNative("an expert is not resident in the packed cache")
-            table[expert] = Expert(self._packed(weights.gate_up, input_quant),
-                                   self._packed(weights.down, mid_quant), weights.bits)
-            self._keep.append(weights)
+            table[expert] = Expert(self._packed(weights.gate_up, input_quant), self._packed(weights.down, mid_quant))
             inter = max(inter, weights.gate_up.shape[0] // 2)
         self._keep.append(table)
         return ctypes.addressof(table), inter
@@ -227,12 +218,11 @@ class NativeDecoder:
         """A new sequence whose first `positions` tokens the transformers path prefilled into `past` (its KV cache):
         room for `capacity` positions, the prompt's keys and values copied in (as float32)."""
         m = self.model
-        if capacity > self.max_pos:
+        if capacity > m.max_pos:
             shape = (m.layers, m.kv_heads, capacity, m.head_dim)
             self.k_cache = torch.zeros(shape, dtype=torch.float32)
             self.v_cache = torch.zeros(shape, dtype=torch.float32)
-            self.scratch = None
-            self.max_pos = m.max_pos = capacity
+            m.max_pos = capacity
             m.k_cache, m.v_cache = self.k_cache.data_ptr(), self.v_cache.data_ptr()
             self.scratch = torch.empty(self.library.hexq_decode_scratch(ctypes.byref(m)), dtype=torch.uint8)
         for index in range(m.layers):
@@ -243,8 +233,8 @@ class NativeDecoder:
 
     def step(self, token: int) -> torch.Tensor:
         """Logits [vocab] float32 of `token` at the next position (its keys and values join the cache)."""
-        if self.positions >= self.max_pos:
-            raise ValueError(f"the native KV cache holds {self.max_pos} positions")
+        if self.positions >= self.model.max_pos:
+            raise ValueError(f"the native KV cache holds {self.model.max_pos} positions")
         logits = torch.empty(self.model.vocab, dtype=torch.float32)
         code = self.library.hexq_decode(ctypes.byref(self.model), token, self.positions, logits.data_ptr(),
                                         self.kernels._path_index, self.kernels.threads, self.scratch.data_ptr())
@@ -252,7 +242,6 @@ class NativeDecoder:
             raise ValueError(f"the native decode step refused token {token} at position {self.positions}")
         self.positions += 1
         return logits
-
 
     def profile(self) -> dict[str, float]:
         """Seconds per step since the last call: in the pool's matrix products ("products"), in attention, and
@@ -291,6 +280,4 @@ def unsupported(runtime) -> None:
         raise NotNative(f"{rope} RoPE")
     if model_config.num_experts_per_tok > MAX_TOP_K or artifact.num_experts > MAX_EXPERTS:
         raise NotNative(f"top-{model_config.num_experts_per_tok} of {artifact.num_experts} experts")
-    head = runtime.model.lm_head
-    if not isinstance(head, PackedLinear) and head.weight.dtype not in (torch.float32, torch.bfloat16):
-        raise NotNative(f"a {head.weight.dtype} head")
+    # a matrix of another dtype or off the kernels' grid is named while the model is described (NativeDecoder._matrix)
