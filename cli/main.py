@@ -3,7 +3,6 @@ commands share; hexq modules are imported inside each command, for start-up time
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Annotated
 
@@ -32,6 +31,24 @@ from hexq_cli.common import (
     progress_bar,
     staged,
 )
+from hexq_cli.runtime_options import (
+    BudgetOpt,
+    CacheOpt,
+    ContextOpt,
+    CostModelOpt,
+    DecodeOpt,
+    DtypeOpt,
+    KernelsOpt,
+    MemoryOpt,
+    ModeOpt,
+    PolicyOpt,
+    PrefetchOpt,
+    PrefetchTopOpt,
+    ThreadsOpt,
+    WarmOpt,
+    runtime_config,
+)
+from hexq_cli.serve_command import serve
 
 
 @app.command()
@@ -268,7 +285,8 @@ def print_run_stats(stats: dict) -> None:
 
     memory = "" if stats["memory_bytes"] is None else f" of --memory {mb(stats['memory_bytes'])}"
     rows = [("memory plan", f"dense {mb(stats['dense_bytes'])} ({stats['dtype']}) + scratch "
-                            f"{mb(stats['scratch_bytes'])} + experts {mb(stats['budget_bytes'])}{memory}"),
+                            f"{mb(stats['scratch_bytes'])} + KV {mb(stats['kv_bytes'])} ({stats['context']} "
+                            f"positions) + experts {mb(stats['budget_bytes'])}{memory}"),
             ("expert budget", f"{mb(stats['budget_bytes'])} of {mb(stats['expert_bytes'])} ({stats['cache_format']}, "
                               f"{stats['warm_experts']} warm)"),
             ("compute", f"{stats['kernel_path']}, {stats['threads']} thread(s): {stats['gemv_rows']} rows from the "
@@ -307,38 +325,27 @@ def run(
     prompt: Annotated[str | None, typer.Option("--prompt", "-p", help="Generate a continuation of this text.")] = None,
     ppl: Annotated[str | None, typer.Option("--ppl", help="Measure perplexity on this corpus name or text file "
                                             "instead.")] = None,
-    memory: Annotated[str | None, typer.Option("--memory", help="One budget for the whole process: dense part + "
-                                               "load scratch + expert cache, e.g. 6GB.")] = None,
-    budget: Annotated[str | None, typer.Option("--budget", help="Memory for the expert cache alone, e.g. 200MB "
-                                               "or 1.5GiB (default: all experts).")] = None,
-    dtype: Annotated[str, typer.Option("--dtype", help="Dense part and expanded matrices: bf16 or fp32.")] = "bf16",
-    cache: Annotated[str, typer.Option("--cache", help="What the expert cache holds: packed (the stored codes, "
-                                       "computed from directly), or bf16 / fp32 matrices.")] = "packed",
+    memory: MemoryOpt = None,
+    budget: BudgetOpt = None,
+    context: ContextOpt = None,
+    dtype: DtypeOpt = "bf16",
+    cache: CacheOpt = "packed",
     cache_dtype: Annotated[str | None, typer.Option("--cache-dtype", hidden=True)] = None,
-    threads: Annotated[int | None, typer.Option("--threads", help="Threads of the CPU kernels (default: every "
-                                                "core).", min=1)] = None,
-    kernels: Annotated[str, typer.Option("--kernels", help="How packed weights are computed: auto (the CPU kernels "
-                                         "on the CPU, Triton on CUDA), cpu, triton, or torch (expand every matrix "
-                                         "with torch ops).")] = "auto",
-    decode: Annotated[str, typer.Option("--decode", help="How a generated token is computed: auto (the native step "
-                                        "where it covers the run, else the transformers model), native, or "
-                                        "transformers.")] = "auto",
-    warm: Annotated[str, typer.Option("--warm", help="Warm start: none, or placement scheme 1 (paths), 2 "
-                                      "(frequency), 3 (two-stage, pack's).")] = "3",
-    cost_model: Annotated[bool, typer.Option("--cost-model/--no-cost-model", help="Per-miss fill or transient "
-                                             "load by expected load time (off: every miss fills).")] = True,
-    policy: Annotated[str, typer.Option("--policy", help="Expert precision policy: static, context, online or "
-                                        "depth.")] = "static",
+    threads: ThreadsOpt = None,
+    kernels: KernelsOpt = "auto",
+    decode: DecodeOpt = "auto",
+    warm: WarmOpt = "3",
+    cost_model: CostModelOpt = True,
+    policy: PolicyOpt = "static",
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-m", help="Tokens to generate.", min=1)] = 64,
     temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy.", min=0.0)] = 0.0,
+    top_p: Annotated[float, typer.Option("--top-p", help="Sample from the smallest set of tokens whose probability "
+                                         "reaches this (1: all).", min=0.0, max=1.0)] = 1.0,
+    top_k: Annotated[int, typer.Option("--top-k", help="Sample from the k most likely tokens (0: all).", min=0)] = 0,
     seed: Annotated[int, typer.Option("--seed", help="Sampling seed.")] = 0,
-    prefetch: Annotated[bool, typer.Option("--prefetch/--no-prefetch", help="Look-ahead prefetch of the next "
-                                           "layer's experts.")] = True,
-    prefetch_top: Annotated[int, typer.Option("--prefetch-top", help="Experts predicted per layer ahead "
-                                              "(default: twice the model's top-k, at most the cache's "
-                                              "share per layer).", min=0)] = 0,
-    mode: Annotated[str, typer.Option("--mode", help="cache, or ondemand (no cache: load every expert at each "
-                                      "use).")] = "cache",
+    prefetch: PrefetchOpt = True,
+    prefetch_top: PrefetchTopOpt = 0,
+    mode: ModeOpt = "cache",
     seqlen: SeqlenOpt = 256,
     windows: WindowsOpt = None,
     stats: Annotated[bool, typer.Option("--stats", help="Print TTFT, TPOT, tokens/s, hit rates, bytes moved, "
@@ -347,28 +354,20 @@ def run(
     json_out: JsonOpt = None,
 ) -> None:
     """Generate text or measure perplexity with the experts served from a budgeted cache."""
-    # Two thread pools share the cores while serving: torch's (OpenMP) and the packed kernels' own. OpenMP's default
-    # is to spin after each parallel region, which takes the core the kernels' threads need next; passive waiting
-    # keeps them out of each other's way. It must be set before torch loads OpenMP, i.e. here.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if (prompt is None) == (ppl is None):
+        raise HexqError("give exactly one of --prompt TEXT or --ppl DATA")
+    if cache_dtype is not None:
+        raise HexqError(f"--cache-dtype is now --cache (packed, bf16 or fp32): use --cache {cache_dtype}")
+    config = runtime_config(memory=memory, budget=budget, context=context, dtype=dtype, cache=cache, threads=threads,
+                            kernels=kernels, decode=decode, warm=warm, cost_model=cost_model, policy=policy,
+                            prefetch=prefetch, prefetch_top=prefetch_top, mode=mode, device=device)
     from hexq.data import eval_text, tokenize
     from hexq.eval.run import runtime_perplexity
     from hexq.io import write_json_atomic
-    from hexq.runtime.engine import Runtime, RuntimeConfig
-    from hexq.units import parse_bytes
+    from hexq.runtime.engine import Runtime
+    from hexq.runtime.sampling import Sampling
 
-    if (prompt is None) == (ppl is None):
-        raise HexqError("give exactly one of --prompt TEXT or --ppl DATA")
-    from hexq.devices import resolve_device
-
-    if cache_dtype is not None:
-        raise HexqError(f"--cache-dtype is now --cache (packed, bf16 or fp32): use --cache {cache_dtype}")
-    resolve_device(device)
-    config = RuntimeConfig(memory_bytes=parse_bytes(memory) if memory is not None else None,
-                           budget_bytes=parse_bytes(budget) if budget is not None else None, policy=policy,
-                           prefetch=prefetch, prefetch_top_t=prefetch_top, mode=mode, device=device, dtype=dtype,
-                           cache=cache, warm=warm, admission=cost_model, kernels=kernels, threads=threads,
-                           decode=decode)
+    sampling = Sampling(temperature, top_p, top_k, seed)
     with Runtime(artifact, config) as runtime:
         result: dict = {"artifact": str(artifact), "policy": policy, "mode": mode, "prefetch": prefetch,
                         "warm": warm, "cost_model": cost_model, "cache": cache}
@@ -379,7 +378,7 @@ def run(
                 console.print(piece, end="", highlight=False, soft_wrap=True)
 
             try:
-                text, run_stats = runtime.generate(prompt, max_new_tokens, stream, temperature, seed)
+                text, run_stats = runtime.generate(prompt, max_new_tokens, stream, sampling)
             finally:  # end the streamed line, so an error gets a line of its own
                 console.print()
             result |= {"prompt": prompt, "text": text}
@@ -402,6 +401,7 @@ def run(
 
 
 app.command()(report)
+app.command()(serve)
 
 
 def main() -> None:

@@ -36,6 +36,7 @@ class Mutant:
     tests: tuple[str, ...]  # pytest arguments: files or node ids of the default suite
 
 
+BAD_REQUESTS_TEST = "tests/test_serve.py::test_bad_requests_get_one_line_and_the_server_keeps_serving"
 MUTANTS = [
     # ------------------------------------------------------------------ calibration math
     Mutant("gptq-error-feedback-dropped", "hexq/algos/gptq.py",
@@ -90,6 +91,30 @@ MUTANTS = [
            "                weights = self.cache.get(self.layer, expert, width, fill=expert in admitted)",
            "                weights = self.cache.get(self.layer, expert, max(width, 3), fill=expert in admitted)",
            ("tests/test_policy_serving.py",)),
+    # ------------------------------------------------------------------ the server and sampling
+    Mutant("serve-api-key-not-checked", "hexq/serve/app.py",
+           "        if self.api_key is not None and scope[\"path\"] not in OPEN_PATHS:",
+           "        if False:", (BAD_REQUESTS_TEST,)),
+    Mutant("serve-body-counted-only-by-its-header", "hexq/serve/app.py",
+           "                    if received > self.max_body_bytes:",
+           "                    if False:", (BAD_REQUESTS_TEST,)),
+    Mutant("serve-generation-ignores-a-gone-client", "hexq/serve/worker.py",
+           "            if job.cancelled.is_set():\n                reason = \"cancelled\"",
+           "            if False:\n                reason = \"cancelled\"",
+           ("tests/test_serve.py::test_a_client_gone_mid_stream_stops_its_generation",)),
+    Mutant("serve-queue-unbounded", "hexq/serve/worker.py",
+           "            if self.waiting >= self.max_queue:", "            if False:",
+           ("tests/test_serve.py::test_past_the_queue_bound_requests_get_503",)),
+    Mutant("serve-top-k-dropped", "hexq/serve/app.py",
+           "request_body.top_p, max(request_body.top_k, 0), seed)", "request_body.top_p, 0, seed)",
+           ("tests/test_serve.py::test_the_openai_client_gets_what_hexq_run_gives",)),
+    Mutant("stop-string-held-back-text-lost", "hexq/runtime/sampling.py",
+           "        piece = full[len(self.text):] if full.startswith(self.text) else \"\"\n        self.text += piece\n"
+           "        return piece\n\n\ndef",
+           "        return \"\"\n\n\ndef", ("tests/test_sampling.py",)),
+    Mutant("top-p-keeps-one-token-too-many", "hexq/runtime/sampling.py",
+           "    keep = (torch.cumsum(sorted_probs, 0) - sorted_probs) < top_p",
+           "    keep = (torch.cumsum(sorted_probs, 0) - 2 * sorted_probs) < top_p", ("tests/test_sampling.py",)),
     # ------------------------------------------------------------------ the kernels (C)
     Mutant("kernel-scale-from-the-wrong-group", "hexq/packed/kernels.c",
            "            const float wb = s[b / per_group] * dx[b];",

@@ -44,7 +44,7 @@ def test_the_runtime_serves_the_widths_the_policy_chose(banked_artifact, policy)
 
         runtime.policy.choose, runtime.cache.get = recording_choose, recording_get
         runtime.generate("It is a truth universally acknowledged", 8)
-    assert len(chosen) >= 9 * 2  # the prefill and 8 decode steps, per MoE layer
+    assert len(chosen) >= 8 * 2  # the prefill and 7 decode steps (the 8th token needs none), per MoE layer
     for call, (_layer, pairs) in enumerate(chosen):
         assert sorted(asked[call]) == pairs, (policy, call)
     assert served and all(got >= want for want, got in served)

@@ -151,20 +151,23 @@ def test_prefill_admits_only_the_layer_share(mixed_artifact):
 
 
 def test_memory_is_one_budget_for_dense_scratch_and_experts(mixed_artifact):
+    from hexq.runtime.engine import kv_position_bytes
     from hexq.runtime.model import dense_bytes
 
     with Runtime(mixed_artifact, warm="none", **BF16) as probe:
         dense, scratch, one = probe.dense_bytes, probe.scratch_bytes, probe.source.largest_slot
         assert dense == dense_bytes(probe.model)  # planned before materializing, exactly what was materialized
-    minimum = dense + scratch + one
+        kv = probe.kv_bytes
+        assert kv == probe.context * kv_position_bytes(probe.model.config, torch.bfloat16) > 0
+    minimum = dense + scratch + kv + one
     with pytest.raises(HexqError, match=f"below the minimum of .* \\({minimum} bytes\\)"):
         Runtime(mixed_artifact, memory_bytes=minimum - 1, **BF16)
     memory = minimum + 3 * one + one // 2
     with Runtime(mixed_artifact, memory_bytes=memory, **BF16) as runtime:
-        assert runtime.budget_bytes == memory - dense - scratch and runtime.slots == 4
+        assert runtime.budget_bytes == memory - dense - scratch - kv and runtime.slots == 4
         runtime.generate("It is a truth universally", 4)
         stats = runtime.stats().as_dict()
-    assert stats["dense_bytes"] + stats["scratch_bytes"] + stats["budget_bytes"] == memory
+    assert stats["dense_bytes"] + stats["scratch_bytes"] + stats["kv_bytes"] + stats["budget_bytes"] == memory
     assert stats["peak_bytes"] <= stats["budget_bytes"] and stats["memory_bytes"] == memory
     with pytest.raises(HexqError, match="not both"):
         Runtime(mixed_artifact, budget_bytes=10**6, memory_bytes=10**7)

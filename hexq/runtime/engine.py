@@ -2,9 +2,10 @@
 
 Memory. `--memory` is one budget for everything hexq allocates: the dense part (attention, norms, routers, shared
 experts, embeddings, head; quantized linears kept as their packed codes, the rest in `--dtype`), the scratch (the
-load buffers of hexq.runtime.source and the compute's expansion matrices of hexq.runtime.compute), and the fast tier,
-which gets the rest. `--budget` is the fast tier alone. Nothing of the artifact is memory-mapped while serving:
-experts are read with pread, so the page cache holds the artifact, not the process. The fast tier holds experts as
+load buffers of hexq.runtime.source and the compute's expansion matrices of hexq.runtime.compute), the KV cache of
+one sequence of `--context` positions (kv_position_bytes), and the fast tier, which gets the rest. `--budget` is
+the fast tier alone. Nothing of the artifact is memory-mapped while serving: experts are read with pread, so the
+page cache holds the artifact, not the process. The fast tier holds experts as
 their stored packed bytes by default (`--cache packed`: a 3-bit expert takes ~0.25x its bf16 bytes), or expanded
 into bf16 / fp32 matrices (`--cache bf16|fp32`).
 
@@ -36,7 +37,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,6 +59,7 @@ from hexq.runtime.experts import USAGE_HORIZON, CachedExperts, RunState
 from hexq.runtime.model import build_model, dense_plan_bytes, expert_quantizers, skeleton
 from hexq.runtime.native import NativeDecoder, NotNative
 from hexq.runtime.policy import check_policy_widths, make_policy, policy_context
+from hexq.runtime.sampling import Sampling, TextStream, next_token
 from hexq.runtime.source import CACHE_FORMATS, ArtifactSource
 from hexq.runtime.stats import RunStats, peak_rss_bytes
 from hexq.runtime.warm import warm_order
@@ -71,6 +73,10 @@ KERNELS = ("auto", "cpu", "triton", "torch")
 # How a generated token is computed: the native step where it covers the runtime (hexq.runtime.native), else the
 # transformers model; "native" insists (an error naming why not), "transformers" is the reference path.
 DECODE = ("auto", "native", "transformers")
+GREEDY = Sampling()
+# Positions of one sequence the KV cache is planned for when --context is not given (llama.cpp's default context):
+# the model's own maximum can be 40960 or more, whose KV cache alone would take gigabytes.
+DEFAULT_CONTEXT = 4096
 # A served computation may differ from the float64 reference by what bf16 activations and weights round away (a
 # few 1e-3 relative); a wrong dequantization or kernel is off by O(1). Between the two: refuse to serve.
 SELF_CHECK_TOLERANCE = 0.05
@@ -80,14 +86,16 @@ SELF_CHECK_TOLERANCE = 0.05
 class RuntimeConfig:
     """How an artifact is served (every `hexq run` option that shapes the runtime).
 
-    memory_bytes: the whole budget (dense part + scratch + fast tier); budget_bytes: the fast tier alone (give at
-    most one; neither: room for every expert). dtype: "bf16" or "fp32" for the dense part and expanded matrices.
+    memory_bytes: the whole budget (dense part + scratch + KV cache + fast tier); budget_bytes: the fast tier alone
+    (give at most one; neither: room for every expert). dtype: "bf16" or "fp32" for the dense part and expanded
+    matrices.
     cache: what the fast tier holds, "packed", "bf16" or "fp32". warm: "none" or a placement scheme "1", "2", "3".
     admission: the per-miss cost model (False: every miss fills, plain LRU). decode: how a generated token is
-    computed (DECODE). kernels: how packed matrices are
-    computed - "auto" (the CPU kernels on the CPU, Triton on CUDA, where they can be had), "cpu", "triton" (on the CPU
-    only under TRITON_INTERPRET=1: tests), or "torch" (expand every matrix with torch ops); threads: the CPU kernels'
-    threads (None: every core).
+    computed (DECODE). context: the positions one sequence may take, prompt and generated tokens together, which
+    the memory plan holds a KV cache for (None: the model's maximum, at most DEFAULT_CONTEXT). kernels: how packed
+    matrices are computed - "auto" (the CPU kernels on the CPU, Triton on CUDA, where they can be had), "cpu",
+    "triton" (on the CPU only under TRITON_INTERPRET=1: tests), or "torch" (expand every matrix with torch ops);
+    threads: the CPU kernels' threads (None: every core).
     """
 
     memory_bytes: int | None = None
@@ -106,6 +114,7 @@ class RuntimeConfig:
     kernels: str = "auto"
     threads: int | None = None
     decode: str = "auto"
+    context: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -124,6 +133,8 @@ class RuntimeConfig:
             raise HexqError(f"--decode {self.decode}: choose one of {', '.join(DECODE)}")
         if self.threads is not None and self.threads < 1:
             raise HexqError(f"--threads {self.threads}: give at least 1")
+        if self.context is not None and self.context < 2:
+            raise HexqError(f"--context {self.context}: give at least 2 positions")
 
 
 def mib(nbytes: int) -> str:
@@ -162,18 +173,24 @@ class Runtime:
         streamed = skeleton(artifact, device, self.dtype)
         source = ArtifactSource(artifact, config.cache, device, kernels)
         self.dense_bytes = dense_plan_bytes(streamed, artifact)
+        maximum = context_length(streamed.config)
+        if config.context is not None and maximum and config.context > maximum:
+            raise HexqError(f"--context {config.context} is past the model's maximum of {maximum} positions")
+        self.context = config.context or min(maximum or DEFAULT_CONTEXT, DEFAULT_CONTEXT)
+        self.kv_bytes = self.context * kv_position_bytes(streamed.config, self.dtype)
         self.scratch_bytes = source.scratch_nbytes() + compute_scratch_nbytes(artifact, streamed, self.dtype,
                                                                                  kernels is None)
         allocated = [source.slot_bytes[b] for row in artifact.allocation for b in row if b]
         self.expert_bytes = sum(allocated)  # every expert at its allocated width, as the fast tier holds it
         one = source.largest_slot
         if config.memory_bytes is not None:
-            budget = config.memory_bytes - self.dense_bytes - self.scratch_bytes
-            minimum = self.dense_bytes + self.scratch_bytes + one
+            budget = config.memory_bytes - self.dense_bytes - self.scratch_bytes - self.kv_bytes
+            minimum = self.dense_bytes + self.scratch_bytes + self.kv_bytes + one
             if budget < one:
                 raise HexqError(f"--memory {mib(config.memory_bytes)} is below the minimum of {mib(minimum)} "
                                 f"({minimum} bytes): the dense part takes {mib(self.dense_bytes)}, one expert "
-                                f"{mib(one)} ({config.cache}) and the scratch {mib(self.scratch_bytes)}")
+                                f"{mib(one)} ({config.cache}), the scratch {mib(self.scratch_bytes)} and the KV "
+                                f"cache of {self.context} positions {mib(self.kv_bytes)} (--context)")
         else:
             budget = self.expert_bytes if config.budget_bytes is None else config.budget_bytes
             if budget < one:
@@ -221,7 +238,6 @@ class Runtime:
                 module.norm_ratio = torch.where(norms[layer] != 0, norms[layer + 1] / norms[layer], 0.0)
                 module.default_bits_next = artifact.allocation[layer + 1]
         self.device = device
-        self.context = context_length(self.model.config)
         self.self_check(modules[0])
         self.warm_experts = self.warm(config.warm) if config.mode == "cache" and not resident else 0
         self.native, self.decode_path = self._decoder(config.decode)
@@ -327,7 +343,8 @@ class Runtime:
         kernels = self.compute.kernels
         return RunStats(self.budget_bytes, self.expert_bytes, self.cache.budget.peak, self.cache.stats,
                         self.state.prefetch_stats, self.state.skipped_slots, dense_bytes=self.dense_bytes,
-                        scratch_bytes=self.scratch_bytes, memory_bytes=self.config.memory_bytes,
+                        scratch_bytes=self.scratch_bytes, kv_bytes=self.kv_bytes, context=self.context,
+                        memory_bytes=self.config.memory_bytes,
                         bytes_read=self.artifact.bytes_read, warm_experts=self.warm_experts,
                         dtype=self.config.dtype, cache_format=self.config.cache, kernel_path=self.compute.path,
                         threads=kernels.threads if kernels is not None else torch.get_num_threads(),
@@ -363,58 +380,86 @@ class Runtime:
         last = out.last_hidden_state[0, -1:].clone()
         return self.model.lm_head(last)[0].float(), out.past_key_values
 
-    @torch.no_grad()
-    def generate(self, prompt: str, max_new_tokens: int, on_text: Callable[[str], None] | None = None,
-                 temperature: float = 0.0, seed: int = 0) -> tuple[str, RunStats]:
-        """Greedy (temperature 0) or sampled continuation of `prompt`, streamed through on_text."""
-        ids = self.tokenizer(prompt, return_tensors="pt").input_ids
-        if ids.shape[1] == 0:
+    def encode(self, prompt: str) -> list[int]:
+        """The prompt's token ids, as every generation entry point tokenizes it."""
+        return self.tokenizer(prompt).input_ids
+
+    def check_length(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        """A HexqError unless a prompt of `prompt_tokens` and `max_new_tokens` more fit the planned context."""
+        if prompt_tokens == 0:
             raise HexqError("the prompt is empty")
-        if self.context and ids.shape[1] + max_new_tokens > self.context:
-            raise HexqError(f"prompt ({ids.shape[1]} tokens) + {max_new_tokens} new tokens exceed the model's "
-                            f"context of {self.context}")
-        generator = torch.Generator(device="cpu").manual_seed(seed)
+        if prompt_tokens + max_new_tokens > self.context:
+            raise HexqError(f"prompt ({prompt_tokens} tokens) + {max_new_tokens} new tokens exceed the context of "
+                            f"{self.context} positions (--context)")
+
+    @torch.no_grad()
+    def tokens(self, ids: list[int], max_new_tokens: int, sampling: Sampling = GREEDY,
+               steps: list[float] | None = None) -> Iterator[int]:
+        """The continuation of the prompt `ids`, one token id at a time as each is chosen (sampling), ending after
+        max_new_tokens or the end-of-sequence token (yielded too). One sequence for the policy; the decode step's
+        seconds are appended to `steps`. Stopping the iteration early stops the computation."""
+        self.check_length(len(ids), max_new_tokens)
+        generator = sampling.generator()
         self.policy.begin_sequence()
-        started = time.perf_counter()
         self.state.prefill = True
-        logits, past = self._next_logits(ids, None)
+        logits, past = self._next_logits(torch.tensor([ids]), None)
         self.policy.end_prefill()
         if self.native is not None:  # the prompt's KV cache moves into the native step's
-            self.native.start(past, ids.shape[1], ids.shape[1] + max_new_tokens)
-            self.native.profile()  # counted from here
+            self.native.start(past, len(ids), len(ids) + max_new_tokens)
             past = None
-        tokens: list[int] = []
-        steps: list[float] = []  # seconds of each decode forward pass
-        text = ""
-        ttft = None
-        for _ in range(max_new_tokens):
-            if temperature > 0:
-                token = int(torch.multinomial(torch.softmax(logits / temperature, -1).cpu(), 1, generator=generator))
-            else:
-                token = int(logits.argmax())
-            if ttft is None:
-                ttft = time.perf_counter() - started
-            tokens.append(token)
-            new_text = self.tokenizer.decode(tokens)
-            if on_text is not None:
-                on_text(new_text[len(text):])
-            text = new_text
-            if token == self.tokenizer.eos_token_id:
-                break
+        for index in range(max_new_tokens):
+            token = next_token(logits, sampling, generator)
+            yield token
+            if token == self.tokenizer.eos_token_id or index == max_new_tokens - 1:
+                return
             self.state.prefill = False
             step = time.perf_counter()
             if self.native is not None:
                 logits = self.native.step(token)
             else:
                 logits, past = self._next_logits(torch.tensor([[token]], device=self.device), past)
-            steps.append(time.perf_counter() - step)
+            if steps is not None:
+                steps.append(time.perf_counter() - step)
+
+    def generate(self, prompt: str, max_new_tokens: int, on_text: Callable[[str], None] | None = None,
+                 sampling: Sampling = GREEDY) -> tuple[str, RunStats]:
+        """The continuation of `prompt` (see `tokens`), streamed through on_text, with the run's statistics."""
+        ids = self.encode(prompt)
+        self.check_length(len(ids), max_new_tokens)
+        started = time.perf_counter()
+        if self.native is not None:
+            self.native.profile()  # counted from here
+        stream = TextStream(self.tokenizer)
+        steps: list[float] = []  # seconds of each decode forward pass
+        ttft = None
+        count = 0
+        for token in self.tokens(ids, max_new_tokens, sampling, steps):
+            ttft = time.perf_counter() - started if ttft is None else ttft
+            count += 1
+            piece = stream.push(token)
+            if on_text is not None and piece:
+                on_text(piece)
+        piece = stream.finish()
+        if on_text is not None and piece:
+            on_text(piece)
         total = time.perf_counter() - started
         # the median decode step: one scheduler hiccup on a shared machine should not move the figure
         tpot = statistics.median(steps) if steps else None
         profile = self.native.profile() if self.native is not None else None
-        return text, self.stats(ttft_seconds=ttft, tpot_seconds=tpot, native_profile=profile,
-                                tokens_per_second=len(tokens) / total if total > 0 else None,
-                                generated_tokens=len(tokens))
+        return stream.text, self.stats(ttft_seconds=ttft, tpot_seconds=tpot, native_profile=profile,
+                                       tokens_per_second=count / total if total > 0 else None,
+                                       generated_tokens=count)
+
+
+def kv_position_bytes(config, dtype: torch.dtype) -> int:
+    """Bytes one position of one sequence takes in the KV caches: keys and values of every layer's key-value heads,
+    in the compute dtype (the transformers path's cache) plus float32 (the native step's, which the prompt's cache
+    is copied into: both exist at the handover)."""
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    key_dim = getattr(config, "qk_head_dim", None) or head_dim  # deepseek's MLA caches per-head keys and values
+    value_dim = getattr(config, "v_head_dim", None) or head_dim
+    return config.num_hidden_layers * heads * (key_dim + value_dim) * (dtype.itemsize + 4)
 
 
 def compute_scratch_nbytes(artifact: Artifact, streamed, dtype: torch.dtype, torch_path: bool) -> int:

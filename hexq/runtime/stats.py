@@ -13,11 +13,12 @@ from hexq.runtime.experts import PrefetchStats
 class RunStats:
     """What `hexq run --stats` reports (tpot_seconds: the median decode step). Bytes: memory_bytes the whole budget
     (None without --memory), dense_bytes the materialized dense part, scratch_bytes the load and compute scratch,
-    budget_bytes the fast tier, peak_bytes its high-water mark; bytes_read what was read from the artifact's expert
-    shards; peak_rss_bytes the process's VmHWM (None where /proc is missing). How it computed: cache_format (what
-    the fast tier holds: packed codes, or bf16 / fp32 matrices), kernel_path (the CPU kernels' instruction-set path,
-    or torch), decode_path (the native step, or the transformers model and why: hexq.runtime.native), threads, and
-    the compute counters (rows computed from the codes, experts and dense products expanded)."""
+    kv_bytes the KV cache planned for one sequence of `context` positions, budget_bytes the fast tier, peak_bytes its
+    high-water mark; bytes_read what was read from the artifact's expert shards; peak_rss_bytes the process's VmHWM
+    (None where /proc is missing). How it computed: cache_format (what the fast tier holds: packed codes, or bf16 /
+    fp32 matrices), kernel_path (the CPU kernels' instruction-set path, or torch), decode_path (the native step, or
+    the transformers model and why: hexq.runtime.native), threads, and the compute counters (rows computed from the
+    codes, experts and dense products expanded)."""
 
     budget_bytes: int
     expert_bytes: int
@@ -27,6 +28,8 @@ class RunStats:
     skipped_slots: int
     dense_bytes: int = 0
     scratch_bytes: int = 0
+    kv_bytes: int = 0
+    context: int = 0
     memory_bytes: int | None = None
     bytes_read: int = 0
     warm_experts: int = 0
