@@ -35,6 +35,7 @@ BENCHMARKS = {
     "runtime": ("runtime.py", "runtime.json"),
     "runtime_cgroup": ("runtime.py", "runtime_cgroup.json"),
     "engines": ("engines.py", "engines.json"),
+    "serve": ("serve.py", "serve.json"),
     "scale": ("scale.py", "scale.json"),
     "gguf_quality": ("gguf_quality.py", "gguf_quality.json"),
 }
