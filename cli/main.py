@@ -149,9 +149,13 @@ def eval_command(
     write_baseline: Annotated[Path | None, typer.Option("--write-baseline", help="Record the results as a "
                                                         "baseline file (explicit; never automatic).")] = None,
     revision: RevisionOpt = None,
+    kl_against: Annotated[Path | None, typer.Option("--kl-against", help="Also the KL divergence of the next-token "
+                                                    "distributions from this model's (folder or hub id, usually the "
+                                                    "original), on the same windows: mean, p90, p99, top-1 "
+                                                    "agreement.")] = None,
 ) -> None:
-    """Perplexity with the GPTQ protocol (exp of mean token NLL), streamed one layer at a time; with --baseline, a
-    regression gate for CI."""
+    """Perplexity with the GPTQ protocol (exp of mean token NLL), streamed one layer at a time; with --kl-against,
+    the KL divergence from another model; with --baseline, a regression gate for CI."""
     from hexq.devices import resolve_device
     from hexq.eval import baseline as gate
     from hexq.eval.run import evaluate_model
@@ -161,6 +165,7 @@ def eval_command(
 
     resolved = resolve_device(device)  # a bad --device fails before anything is read
     model = resolve_model(model, revision)
+    reference = resolve_model(kl_against, None) if kl_against is not None else None
     limit = parse_bytes(activation_memory)
     if baseline is not None and write_baseline is not None:
         raise HexqError("give --baseline (compare) or --write-baseline (record), not both")
@@ -173,7 +178,7 @@ def eval_command(
     with progress_bar() as bar:
         report = staged(bar, f"eval {model.name}: layers")
         rows = evaluate_model(model, list(protocol.data), protocol.seqlen, protocol.windows, batch_size, resolved,
-                              report, expert_bits, limit)
+                              report, expert_bits, limit, reference)
     now = {row.data: row.result.perplexity for row in rows}
     table = Table(title=f"perplexity of {model.name} (window {protocol.seqlen})")
     for column in ("data", "perplexity", "windows", "tokens scored"):
@@ -183,6 +188,8 @@ def eval_command(
         table.add_row(row.data, f"{r.perplexity:.3f}", str(r.windows), f"{r.tokens_scored:,}")
     if baseline is None:
         console.print(table)
+    if reference is not None:
+        console.print(divergence_table(rows, model.name, reference.name))
     if json_out is not None:
         write_json_atomic(json_out, {"model": str(model), "results": [row.as_dict() for row in rows]})
         console.print(f"wrote {json_out}")
@@ -202,6 +209,18 @@ def eval_command(
         worse = [c.data for c in comparisons if c.regressed]
         if worse:
             raise HexqError(f"perplexity regression on {', '.join(worse)} (more than {allowed:.2%} above {baseline})")
+
+
+def divergence_table(rows, name: str, reference: str) -> Table:
+    table = Table(title=f"KL divergence of {name} from {reference} (nats per token)")
+    for column in ("data", "ref. ppl", "ppl ratio", "mean", "p90", "p99", "top-1 agree"):
+        table.add_column(column, justify="left" if column == "data" else "right")
+    for row in rows:
+        kl = row.divergence
+        table.add_row(row.data, f"{kl['reference_perplexity']:.3f}", f"{kl['perplexity_ratio']:.4f}",
+                      f"{kl['kld_mean']:.5f}", f"{kl['kld_p90']:.5f}", f"{kl['kld_p99']:.5f}",
+                      f"{kl['top1_agreement']:.2%}")
+    return table
 
 
 @app.command("pack")

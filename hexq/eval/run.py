@@ -19,8 +19,9 @@ from hexq.calib.calibrated import calibrated_model
 from hexq.data import eval_text, tokenize
 from hexq.devices import resolve_device
 from hexq.errors import HexqError
+from hexq.eval.divergence import Divergence, divergence, streamed_head
 from hexq.eval.perplexity import PerplexityResult, make_windows
-from hexq.layer_pass import full_precision_plan, stream_nll
+from hexq.layer_pass import full_precision_plan, stream_layers, stream_nll
 from hexq.models import context_length
 from hexq.runtime.model import artifact_model
 from hexq.streaming import open_model
@@ -30,9 +31,10 @@ from hexq.streaming import open_model
 class EvalRow:
     data: str
     result: PerplexityResult
+    divergence: dict | None = None  # against --kl-against's model (hexq.eval.divergence.Divergence.summary)
 
     def as_dict(self) -> dict:
-        return {"data": self.data, **asdict(self.result)}
+        return {"data": self.data, **asdict(self.result)} | ({"kl": self.divergence} if self.divergence else {})
 
 
 def is_artifact(path: Path) -> bool:
@@ -65,26 +67,65 @@ def check_window_length(seqlen: int, context: int) -> None:
 def evaluate_model(model_path: str | Path, data: list[str], seqlen: int, max_windows: int | None, batch_size: int,
                    device: str | torch.device | None = None,
                    progress: Callable[[str, int, int], None] | None = None,
-                   expert_bits: int | None = None, activation_limit: int | None = None) -> list[EvalRow]:
+                   expert_bits: int | None = None, activation_limit: int | None = None,
+                   kl_against: str | Path | None = None) -> list[EvalRow]:
     """Perplexity of a model folder, a calibration folder's quantized model, or an artifact, on each data source
-    (corpus name or file), same protocol for all."""
+    (corpus name or file), same protocol for all; with `kl_against` (a model folder, calibration or artifact), also
+    the KL divergence of its next-token distributions from that model's on the same windows
+    (hexq.eval.divergence)."""
     device = device if isinstance(device, torch.device) else resolve_device(device)
     streamed, tokenizer, prepare = open_target(Path(model_path), device, expert_bits)
     streams = {source: tokenize(tokenizer, eval_text(source)) for source in data}
     check_window_length(seqlen, context_length(streamed.config))
     windows = {source: make_windows(ids, seqlen, max_windows) for source, ids in streams.items()}
-
-    nll = stream_nll(streamed, torch.cat(list(windows.values())), batch_size, prepare, activation_limit,
-                     progress=progress)
+    ids = torch.cat(list(windows.values()))
+    if kl_against is None:
+        nll = stream_nll(streamed, ids, batch_size, prepare, activation_limit, progress=progress)
+        divergences = None
+    else:
+        found = kl_divergence(streamed, prepare, Path(kl_against), streams, ids, batch_size, device,
+                              activation_limit, progress)
+        nll = found.nll.double().reshape(ids.shape[0], -1).sum(1)
+        divergences = found
     rows, start = [], 0
     for source, cut in windows.items():
         total = float(nll[start:start + cut.shape[0]].sum())
-        start += cut.shape[0]
         scored = cut.shape[0] * (seqlen - 1)
+        summary = None
+        if divergences is not None:
+            tokens = slice(start * (seqlen - 1), start * (seqlen - 1) + scored)
+            summary = Divergence(*(getattr(divergences, name)[tokens] for name in
+                                   ("kld", "agree", "nll", "reference_nll"))).summary()
+        start += cut.shape[0]
         mean = total / scored
         rows.append(EvalRow(source, PerplexityResult(math.exp(mean), mean, seqlen, cut.shape[0], scored,
-                                                     int(streams[source].numel()))))
+                                                     int(streams[source].numel())), summary))
     return rows
+
+
+def kl_divergence(streamed, prepare, reference_path: Path, streams: dict[str, torch.Tensor], ids: torch.Tensor,
+                  batch_size: int, device: torch.device, activation_limit: int | None, progress) -> Divergence:
+    """Per-token divergence of the streamed model from the model at `reference_path` on windows `ids`: both models
+    streamed layer by layer over the same windows (one model's layer in memory at a time), then both heads."""
+    reference, reference_tokenizer, reference_prepare = open_target(reference_path, device, None)
+    for source, stream in streams.items():
+        if not torch.equal(tokenize(reference_tokenizer, eval_text(source)), stream):
+            raise HexqError(f"{reference_path} tokenizes {source} differently: the KL divergence compares "
+                            "distributions over one vocabulary")
+    if reference.config.vocab_size != streamed.config.vocab_size:
+        raise HexqError(f"{reference_path} has a vocabulary of {reference.config.vocab_size}, the evaluated model "
+                        f"{streamed.config.vocab_size}")
+    hidden = stream_layers(streamed, ids, batch_size, prepare, activation_limit, progress=progress)
+    try:
+        reference_hidden = stream_layers(reference, ids, batch_size, reference_prepare, activation_limit,
+                                         progress=progress)
+        try:
+            with streamed_head(streamed) as head, streamed_head(reference) as reference_head:
+                return divergence(hidden, head, reference_hidden, reference_head, ids, batch_size)
+        finally:
+            reference_hidden.close()
+    finally:
+        hidden.close()
 
 
 def runtime_perplexity(runtime, ids: torch.Tensor, seqlen: int, max_windows: int | None,
