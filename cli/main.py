@@ -3,6 +3,7 @@ commands share; hexq modules are imported inside each command, for start-up time
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -95,7 +96,8 @@ def calibrate(
                                                       "experts.export_target.")] = None,
     revision: RevisionOpt = None,
 ) -> None:
-    """Smoothing search, GPTQ, per-expert replica banks and loss tables, streamed one layer at a time."""
+    """Smoothing search, GPTQ, per-expert replica banks and loss tables, streamed one layer at a time. Under torchrun
+    (`torchrun --nproc_per_node N --no-python hexq calibrate ...`) the routed experts are split across the ranks."""
     from dataclasses import replace
 
     from hexq.calib.pipeline import calibrate as run_calibration
@@ -115,6 +117,9 @@ def calibrate(
         chosen = replace(chosen, calibration=calibration)
     if export_target is not None:
         chosen = replace(chosen, experts=replace(chosen.experts, export_target=export_target))
+    if os.environ.get("RANK", "0") != "0":  # one rank of a torchrun job: rank 0 shows the progress and the summary
+        run_calibration(model, chosen, data, out, device, batch_size, None, limit, force)
+        return
     with progress_bar() as bar:
         report = staged(bar, f"calibrate {shown} ({chosen.name}): layers")
         summary = run_calibration(model, chosen, data, out, device, batch_size, report, limit, force)
@@ -152,7 +157,10 @@ def eval_command(
     kl_against: Annotated[Path | None, typer.Option("--kl-against", help="Also the KL divergence of the next-token "
                                                     "distributions from this model's (folder or hub id, usually the "
                                                     "original), on the same windows: mean, p90, p99, top-1 "
-                                                    "agreement.")] = None,
+                                                    "agreement; recorded in --write-baseline and gated by "
+                                                    "--baseline.")] = None,
+    kl_tolerance: Annotated[str, typer.Option("--kl-tolerance", help="Allowed relative increase of the mean KL "
+                                              "divergence over the baseline's.")] = "10%",
 ) -> None:
     """Perplexity with the GPTQ protocol (exp of mean token NLL), streamed one layer at a time; with --kl-against,
     the KL divergence from another model; with --baseline, a regression gate for CI."""
@@ -170,9 +178,16 @@ def eval_command(
     if baseline is not None and write_baseline is not None:
         raise HexqError("give --baseline (compare) or --write-baseline (record), not both")
     allowed = gate.parse_tolerance(tolerance)
+    allowed_kl = gate.parse_tolerance(kl_tolerance)
+    recorded_kl = None
     if baseline is not None:
-        recorded, reference = gate.read_baseline(baseline)
+        recorded, reference_ppl = gate.read_baseline(baseline)
+        recorded_kl = gate.read_kl(baseline)
         protocol = gate.resolve_protocol(recorded, data, seqlen, windows)
+        if recorded_kl is not None:
+            if reference is not None and Path(recorded_kl.against) != reference:
+                raise HexqError(f"--kl-against {reference} differs from the baseline's {recorded_kl.against}")
+            reference = resolve_model(Path(recorded_kl.against), None)
     else:
         protocol = gate.Protocol(tuple(data or DEFAULT_EVAL_DATA), seqlen or 256, windows)
     with progress_bar() as bar:
@@ -180,6 +195,7 @@ def eval_command(
         rows = evaluate_model(model, list(protocol.data), protocol.seqlen, protocol.windows, batch_size, resolved,
                               report, expert_bits, limit, reference)
     now = {row.data: row.result.perplexity for row in rows}
+    now_kl = {row.data: row.divergence["kld_mean"] for row in rows if row.divergence is not None}
     table = Table(title=f"perplexity of {model.name} (window {protocol.seqlen})")
     for column in ("data", "perplexity", "windows", "tokens scored"):
         table.add_column(column, justify="left" if column == "data" else "right")
@@ -194,21 +210,28 @@ def eval_command(
         write_json_atomic(json_out, {"model": str(model), "results": [row.as_dict() for row in rows]})
         console.print(f"wrote {json_out}")
     if write_baseline is not None:
-        gate.write_baseline(write_baseline, str(model), protocol, now)
+        kl = gate.KLBaseline(str(kl_against), now_kl) if kl_against is not None else None
+        gate.write_baseline(write_baseline, str(model), protocol, now, kl)
         console.print(f"recorded baseline {write_baseline}")
     if baseline is not None:
-        comparisons = gate.compare(reference, now, allowed)
-        verdict = Table(title=f"{model.name} vs baseline {baseline} (tolerance {allowed:.2%}, window "
-                              f"{protocol.seqlen}, {rows[0].result.windows} windows)")
-        for column in ("data", "baseline", "now", "change", "limit", "status"):
-            verdict.add_column(column, justify="left" if column in ("data", "status") else "right")
-        for c in comparisons:
+        comparisons = [(c, allowed, "perplexity") for c in gate.compare(reference_ppl, now, allowed)]
+        if recorded_kl is not None:
+            comparisons += [(c, allowed_kl, "mean KLD") for c in gate.compare(recorded_kl.kld_mean, now_kl,
+                                                                             allowed_kl)]
+        verdict = Table(title=f"{model.name} vs baseline {baseline} (window {protocol.seqlen}, "
+                              f"{rows[0].result.windows} windows)")
+        for column in ("data", "figure", "baseline", "now", "change", "limit", "status"):
+            verdict.add_column(column, justify="left" if column in ("data", "figure", "status") else "right")
+        for c, _, figure in comparisons:
             status = "[bold red]REGRESSION[/]" if c.regressed else "ok"
-            verdict.add_row(c.data, f"{c.baseline:.3f}", f"{c.now:.3f}", f"{c.change:+.2%}", f"{c.limit:.3f}", status)
+            digits = 3 if figure == "perplexity" else 5
+            verdict.add_row(c.data, figure, f"{c.baseline:.{digits}f}", f"{c.now:.{digits}f}", f"{c.change:+.2%}",
+                            f"{c.limit:.{digits}f}", status)
         console.print(verdict)
-        worse = [c.data for c in comparisons if c.regressed]
+        worse = [f"{c.data} ({figure}, more than {limit:.2%} above)" for c, limit, figure in comparisons
+                 if c.regressed]
         if worse:
-            raise HexqError(f"perplexity regression on {', '.join(worse)} (more than {allowed:.2%} above {baseline})")
+            raise HexqError(f"regression against {baseline} on {', '.join(worse)}")
 
 
 def divergence_table(rows, name: str, reference: str) -> Table:

@@ -138,10 +138,14 @@ class SafetensorsWriter:
     only when the block ends cleanly with every tensor written. An exception inside the block, an undeclared,
     repeated, misshaped or mistyped tensor, or a declared tensor never written removes the temporary file;
     the last three raise HexqError naming the tensor. Nothing ever appears under `path` unless complete.
+
+    Several processes can fill one file: the owner creates it; another process opens the same temporary file with
+    `attach=owner.temporary` (same specs and metadata) and writes its rows; `close` there only flushes. The owner
+    counts those rows as written with `accept_rows` and publishes the file with `close`.
     """
 
     def __init__(self, path: str | Path, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
-                 metadata: dict[str, str] | None = None):
+                 metadata: dict[str, str] | None = None, attach: str | Path | None = None):
         if sys.byteorder != "little":  # safetensors data is little-endian; raw tensor bytes are native order
             raise HexqError("SafetensorsWriter needs a little-endian machine")
         self.path = Path(path)
@@ -150,6 +154,11 @@ class SafetensorsWriter:
         self._data_start = len(header)
         self._written: set[str] = set()
         self._rows: dict[str, torch.Tensor] = {}  # tensors being written row by row: which rows are done
+        self._attached = attach is not None
+        if self._attached:
+            self._tmp = str(attach)
+            self._handle = open(self._tmp, "r+b")  # noqa: SIM115 - closed by close/abort
+            return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd, self._tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
         self._handle = os.fdopen(fd, "wb")
@@ -165,6 +174,19 @@ class SafetensorsWriter:
     @property
     def names(self) -> list[str]:
         return list(self._entries)
+
+    @property
+    def temporary(self) -> str:
+        """The file being written (what another process attaches to)."""
+        return self._tmp
+
+    def accept_rows(self, name: str, start: int, count: int) -> None:
+        """Count rows [start, start + count) of `name` as written (by an attached process)."""
+        entry = self._entries[name]
+        filled = self._rows.setdefault(name, torch.zeros(entry.shape[0], dtype=torch.bool, device="cpu"))
+        filled[start:start + count] = True
+        if bool(filled.all()):
+            self._written.add(name)
 
     @property
     def pending(self) -> list[str]:
@@ -230,6 +252,12 @@ class SafetensorsWriter:
         """Check every declared tensor was written, then fsync and rename into place."""
         if self._handle is None:
             return
+        if self._attached:  # the owner checks and publishes
+            self._handle.flush()
+            os.fsync(self._handle.fileno())
+            self._handle.close()
+            self._handle = None
+            return
         missing = self.pending
         if missing:
             self.abort()
@@ -252,7 +280,8 @@ class SafetensorsWriter:
         if self._handle is not None:
             self._handle.close()
             self._handle = None
-        Path(self._tmp).unlink(missing_ok=True)
+        if not self._attached:
+            Path(self._tmp).unlink(missing_ok=True)
 
     def __enter__(self) -> SafetensorsWriter:
         return self

@@ -194,20 +194,22 @@ ExpertWeightsFn = Callable[[list[int]], tuple[torch.Tensor, torch.Tensor]]
 def routed_outputs(routed: RoutedTokens, weights_of: ExpertWeightsFn, act_fn, input_quant: ActQuantizer | None,
                    mid_quant: ActQuantizer | None, chunk: int,
                    progress: Callable[[int, int], None] | None = None,
-                   kept: torch.Tensor | None = None) -> torch.Tensor:
+                   kept: torch.Tensor | None = None, only: range | None = None) -> torch.Tensor:
     """The routed experts' combined output [T, H] (what the family's experts module would return), expert by
     expert: weights_of(experts) gives (gate_up [n, 2I, H], down [n, H, I]) ready to compute with for `chunk`
     experts at a time; experts are visited in ascending order, like transformers' own experts module.
     kept [E] bool (None: every expert): the experts that are computed; the others are skipped, their routing weight
-    renormalised onto the token's kept experts (renormalized_weights)."""
+    renormalised onto the token's kept experts (renormalized_weights). only: the contribution of these experts
+    alone (one rank's share, hexq.calib.ranks; None: all)."""
     out = torch.zeros_like(routed.x)
     num_experts = routed.num_experts
     weights = routed.weights
     if kept is not None and not bool(kept.all()):
         kept_slots = kept.to(routed.index.device)[routed.index.clamp(0, num_experts - 1)]
         weights = served_weights(routed.index, weights, kept_slots, num_experts)
-    for start in range(0, num_experts, chunk):
-        experts = [e for e in range(start, min(start + chunk, num_experts))
+    span = only if only is not None else range(num_experts)
+    for start in range(span.start, span.stop, chunk):
+        experts = [e for e in range(start, min(start + chunk, span.stop))
                    if routed.count(e) and (kept is None or bool(kept[e]))]
         if experts:
             gate_up, down = weights_of(experts)
@@ -217,5 +219,5 @@ def routed_outputs(routed: RoutedTokens, weights_of: ExpertWeightsFn, act_fn, in
                 out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
             del gate_up, down
         if progress is not None:
-            progress(min(start + chunk, num_experts), num_experts)
+            progress(min(start + chunk, span.stop) - span.start, len(span))
     return out

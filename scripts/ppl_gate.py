@@ -10,8 +10,11 @@ Per reference model, with the small recipes in tests/baselines/recipes (fixed se
   mixed-2.5    the same calibration -> hexq pack --bits 2.5 (prefix-split over 1-4 bits)
 Each target is evaluated with exactly the command users put in their CI:
   hexq eval TARGET --baseline tests/baselines/ppl/<model>-<setting>.json --tolerance 0.5%
-which serves artifacts through the runtime (`hexq run`'s code path) on the first 16 windows of 256 tokens of
-WikiText-2 and of the held-out austen text. Calibrations and artifacts are cached in --work (rerun = eval only).
+on the first 16 windows of 256 tokens of WikiText-2 and of the held-out austen text. The quantized settings'
+baselines also hold the mean KL divergence from the model folder (recorded with --kl-against; hexq.eval.divergence),
+which --baseline measures again and gates at --kl-tolerance 10%: the mean KLD compares whole next-token
+distributions at every position, so it moves by several percent where a regression moves perplexity by less than
+its sampling noise. Calibrations and artifacts are cached in --work (rerun = eval only).
 
 Across CPUs. A calibration is byte-for-byte reproducible on one machine, not across CPU kinds: BLAS takes other
 kernels (AVX-512 or AVX2 only), GPTQ's float32 rounding differs, a few codes flip. In-domain (austen) that moves
@@ -84,7 +87,8 @@ def main() -> None:
             baseline, target = rel(BASELINES / "ppl" / f"{model}-{setting}.json"), rel(target)
             data = [option for source in DATA for option in ("-d", source)]
             if args.write_baseline:
-                must("eval", target, *data, "-L", str(SEQLEN), "-n", str(WINDOWS), "--write-baseline", baseline)
+                kl = [] if setting == "fp" else ["--kl-against", rel(MODELS[model])]
+                must("eval", target, *data, "-L", str(SEQLEN), "-n", str(WINDOWS), *kl, "--write-baseline", baseline)
             elif hexq("eval", target, "--baseline", baseline, "--tolerance", TOLERANCE) != 0:
                 failed.append(f"{model} {setting}")
     minutes = (time.time() - started) / 60

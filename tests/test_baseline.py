@@ -33,11 +33,35 @@ def test_cli_baseline_round_trip_and_regression(tiny_qwen3moe, mixed_artifact, t
     data["perplexity"]["austen"] *= 0.99
     baseline.write_text(json.dumps(data))
     worse = runner.invoke(app, ["eval", str(mixed_artifact), "--baseline", str(baseline), "--tolerance", "0.5%"])
-    assert worse.exit_code == 1 and "REGRESSION" in worse.output and "perplexity regression on austen" in worse.output
+    assert worse.exit_code == 1 and "REGRESSION" in worse.output and "on austen (perplexity" in worse.output
     loose = runner.invoke(app, ["eval", str(mixed_artifact), "--baseline", str(baseline), "--tolerance", "2%"])
     assert loose.exit_code == 0
     mismatch = runner.invoke(app, ["eval", str(mixed_artifact), "--baseline", str(baseline), "-L", "64"])
     assert mismatch.exit_code == 1 and "differs from the baseline" in mismatch.output
+
+
+def test_a_kl_baseline_gates_the_mean_kl_divergence(tiny_qwen3moe, mixed_artifact, tmp_path):
+    """Recorded with --kl-against, the baseline's reference model is measured again by --baseline alone, and a mean
+    KLD past --kl-tolerance fails even where perplexity stays within its tolerance."""
+    baseline = tmp_path / "kl.json"
+    common = ["-d", "austen", "-L", "32", "-n", "3"]
+    result = runner.invoke(app, ["eval", str(mixed_artifact), *common, "--kl-against", str(tiny_qwen3moe),
+                                 "--write-baseline", str(baseline)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(baseline.read_text())
+    assert data["kl"]["against"] == str(tiny_qwen3moe) and data["kl"]["kld_mean"]["austen"] > 0
+    same = runner.invoke(app, ["eval", str(mixed_artifact), "--baseline", str(baseline)])
+    assert same.exit_code == 0 and "mean KLD" in same.output, same.output
+    data["kl"]["kld_mean"]["austen"] /= 1.2  # the measurement is now 20% above its baseline; perplexity unchanged
+    baseline.write_text(json.dumps(data))
+    worse = runner.invoke(app, ["eval", str(mixed_artifact), "--baseline", str(baseline)])
+    assert worse.exit_code == 1 and "on austen (mean KLD" in worse.output, worse.output
+    loose = runner.invoke(app, ["eval", str(mixed_artifact), "--baseline", str(baseline), "--kl-tolerance", "25%"])
+    assert loose.exit_code == 0, loose.output
+    data["kl"]["kld_mean"]["austen"] = -1
+    baseline.write_text(json.dumps(data))
+    bad = runner.invoke(app, ["eval", str(mixed_artifact), "--baseline", str(baseline)])
+    assert bad.exit_code == 1 and "kl.kld_mean.austen" in bad.output
 
 
 GOOD = {"format": FORMAT, "version": VERSION, "target": "model", "protocol": {"data": ["austen"], "seqlen": 32,

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import torch
 
+from hexq.calib.ranks import SINGLE, Ranks
 from hexq.calib.store import (
     bank_weights,
 )
@@ -32,7 +33,7 @@ LOSS_TABLE_BYTES = 256 << 20
 @torch.no_grad()
 def loss_table(routed: RoutedTokens, weights_of, tensors: dict, bank, bits_list: tuple[int, ...],
                propagate_bits: int, quantizers: tuple, moe_sample: torch.Tensor, act_fn, chunk: int,
-               loss_tokens: int, progress: Progress | None) -> torch.Tensor:
+               loss_tokens: int, progress: Progress | None, ranks: Ranks = SINGLE) -> torch.Tensor:
     """Fill tensors["loss_table"] [E, len(bits_list)] with the output MSE of each replica against the
     full-precision expert on (at most loss_tokens of) the tokens routed to it (002 §4.2), tensors["loss_table.skip"]
     [E] with the MSE of skipping it (004's 0 bits, measured like a replica: skipping renormalises the token's other
@@ -44,7 +45,10 @@ def loss_table(routed: RoutedTokens, weights_of, tensors: dict, bank, bits_list:
     Working set: a chunk of full-precision experts, the same chunk's replicas at one width (read from the bank when
     needed, so a bank of five widths is never dequantized at once), each expert's reference outputs on its measured
     rows, a bounded number of token rows, and the full-precision experts' combined output [T, H] (what the skip
-    entries are measured against)."""
+    entries are measured against).
+
+    Across ranks (hexq.calib.ranks) each rank measures the rows of its own experts and their part of both combined
+    outputs; the parts and the rows are summed in rank order, so every rank returns the same table and output."""
     num_experts = routed.num_experts
     device = routed.x.device  # the sums stay on the device until the table is complete: no synchronisation per expert
     sse = torch.zeros(num_experts, len(bits_list), dtype=torch.float64, device=device)
@@ -56,10 +60,12 @@ def loss_table(routed: RoutedTokens, weights_of, tensors: dict, bank, bits_list:
     token_mass = slot_weights.sum(dim=1)  # S_t: the routing mass the token's experts share
     squared = torch.zeros(num_experts, dtype=torch.float64, device=device)
     squared.index_add_(0, routed.index[valid], slot_weights[valid].double().square())
-    fp_total = routed_outputs(routed, weights_of, act_fn, None, None, chunk)  # sum_j w_j y_j in full precision
+    own = ranks.expert_range(tokens.tolist())
+    # sum_j w_j y_j in full precision
+    fp_total = ranks.sum(routed_outputs(routed, weights_of, act_fn, None, None, chunk, only=own))
     out = torch.zeros_like(routed.x)
-    for start in range(0, num_experts, chunk):
-        experts = list(range(start, min(start + chunk, num_experts)))
+    for start in range(own.start, own.stop, chunk):
+        experts = list(range(start, min(start + chunk, own.stop)))
         fp_gate_up, fp_down = weights_of(experts)
         rows = max(1, LOSS_TABLE_BYTES // (4 * max(fp_gate_up.shape[1], fp_down.shape[1])))
         inputs, references = [], []
@@ -90,7 +96,9 @@ def loss_table(routed: RoutedTokens, weights_of, tensors: dict, bank, bits_list:
             del gate_ups, downs
         del fp_gate_up, fp_down, references
         if progress:
-            progress("loss table", experts[-1] + 1, num_experts)
+            progress("loss table", experts[-1] + 1 - own.start, len(own))
+    # each row was measured by one rank (zeros elsewhere): summing is exact
+    sse, skip_sse, measured, out = (ranks.sum(t) for t in (sse, skip_sse, measured, out))
     elements = measured.double() * routed.x.shape[1]
     tensors["loss_table"] = sse.cpu() / elements[:, None]
     tensors["loss_table.skip"] = skip_sse.cpu() / elements

@@ -34,6 +34,7 @@ from __future__ import annotations
 import shutil
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +49,7 @@ from hexq.calib.capture import (
 from hexq.calib.fold import unsmoothed_linears
 from hexq.calib.loss_table import loss_table
 from hexq.calib.quantize import compute_experts, default_expert_bits, expert_bits_list, quantize_layer
+from hexq.calib.ranks import SINGLE, Ranks, join, leave
 from hexq.calib.scales import smooth_layer
 from hexq.calib.store import (
     FORMAT,
@@ -99,9 +101,10 @@ class CalibrationSummary:
 
 def calibrate_layer(loaded: LoadedLayer, adapter: MoEAdapter, hidden: HiddenStore, kwargs: list[dict],
                     recipe: Recipe, index: int, device: torch.device, activation_limit: int | None,
-                    folder: Path, progress: Progress | None) -> tuple[dict, dict, HiddenStore]:
+                    folder: Path, progress: Progress | None, ranks: Ranks = SINGLE) -> tuple[dict, dict, HiddenStore]:
     """Passes A-C of one layer (see the module docstring); the bank goes to `folder` (the calibration being written,
-    which also takes spilled activations). Returns the layer's other tensors, its report and its outputs."""
+    which also takes spilled activations). Returns the layer's other tensors, its report and its outputs. Across
+    ranks (hexq.calib.ranks) the routed experts' work is split and every rank returns the same results."""
     tensors: dict[str, torch.Tensor] = {}
     clock = StageClock(device)
     smoothing, expert_scale = smooth_layer(loaded, adapter, hidden, kwargs, recipe, recipe.calibration.seed + index,
@@ -109,7 +112,7 @@ def calibrate_layer(loaded: LoadedLayer, adapter: MoEAdapter, hidden: HiddenStor
     clock.stage("smoothing")
     weights_of = compute_experts(loaded, expert_scale, device) if loaded.is_moe else None
     report, moe_sample = quantize_layer(loaded, adapter, hidden, kwargs, recipe, weights_of, tensors,
-                                        bank_path(folder, index), progress)
+                                        bank_path(folder, index), progress, ranks)
     clock.stage("quantize")
     apply_dense_part(loaded, adapter, tensors, recipe, fold=False)
     outputs = HiddenStore(activation_limit, folder)
@@ -121,12 +124,24 @@ def calibrate_layer(loaded: LoadedLayer, adapter: MoEAdapter, hidden: HiddenStor
         with open_bank(folder, index) as bank:
             experts_out = loss_table(routed, weights_of, tensors, bank, widths, default_expert_bits(recipe),
                                      (propagate.input_quant, propagate.mid_quant), moe_sample, loaded.act_fn,
-                                     propagate.chunk, recipe.experts.loss_tokens, progress)
+                                     propagate.chunk, recipe.experts.loss_tokens, progress, ranks)
         add_expert_outputs(outputs, routed, experts_out)
         clock.stage("loss table")
     meta = {"layer": index, "smoothing": smoothing, "unsmoothed": unsmoothed_linears(loaded.module, adapter),
             **report}
     return tensors, meta | {"stage_seconds": clock.seconds}, outputs
+
+
+def same_outputs(outputs: HiddenStore, ranks: Ranks) -> None:
+    """Every rank computed the dense part itself: check they agree (a float64 sum of the layer's outputs), so that
+    ranks on different hardware or libraries fail here instead of calibrating from diverging inputs."""
+    if not ranks.distributed:
+        return
+    checksum = sum(float(batch.double().sum()) for batch in outputs)
+    sums = ranks.objects(checksum)
+    if len(set(sums)) > 1:
+        raise HexqError(f"the ranks computed different outputs for this layer ({', '.join(map(repr, sums))}): "
+                        "every rank must run the same hardware kind, torch and hexq")
 
 
 class StageClock:
@@ -171,10 +186,26 @@ def calibrate(model_path: str | Path, recipe: Recipe, data: str, out: str | Path
     time; a rerun after a kill resumes after the last finished layer, and the folder becomes OUT when the manifest
     is written. An existing OUT holding this very calibration is left as it is ("nothing to do"); any other
     non-empty OUT is replaced only with `force` and only if hexq wrote it. activation_limit: bytes of activations
-    kept in memory per layer boundary (the rest spills to disk inside the partial folder)."""
+    kept in memory per layer boundary (the rest spills to disk inside the partial folder).
+
+    Started by torchrun (WORLD_SIZE > 1), the process is one rank of a calibration split across processes
+    (hexq.calib.ranks): every rank calls this with the same arguments; rank 0 owns the folder."""
     started = time.time()
     model_path, out = Path(model_path), Path(out)
-    device = resolve_device(device)
+    ranks, device = join(resolve_device(device))
+    try:
+        return _calibrate(model_path, recipe, data, out, device, batch_size, progress if ranks.leader else None,
+                          activation_limit, force, ranks, started)
+    except HexqError as exc:
+        raise HexqError(f"{ranks.where()}: {exc}" if ranks.distributed and not str(exc).startswith("rank ")
+                        else str(exc)) from None
+    finally:
+        leave(ranks)
+
+
+def _calibrate(model_path: Path, recipe: Recipe, data: str, out: Path, device: torch.device, batch_size: int,
+               progress: Progress | None, activation_limit: int | None, force: bool, ranks: Ranks,
+               started: float) -> CalibrationSummary:
     streamed, tokenizer = open_model(model_path, device)
     config = streamed.config
     validate_for_model(recipe, config.hidden_size, model_widths(streamed))
@@ -188,40 +219,63 @@ def calibrate(model_path: str | Path, recipe: Recipe, data: str, out: str | Path
     num_layers = streamed.num_layers
     if is_finished(out, fingerprint):
         return CalibrationSummary(out, num_layers, -1, 0, time.time() - started)
+    if not ranks.leader:  # rank 0 opens the folder and says where to start
+        state = ranks.broadcast(None)
+        if "error" in state:
+            raise HexqError(f"rank 0 could not open {out}: {state['error']}")
+        run_layers(streamed, tokenizer, recipe, windows, Path(state["path"]), fingerprint, state["done"], device,
+                   batch_size, activation_limit, None, ranks)
+        ranks.barrier("publishing the calibration")
+        return CalibrationSummary(out, num_layers, state["done"], 0, time.time() - started)
     inputs = [model_path] + ([Path(data)] if Path(data).exists() else [])
-    with resumable_output_folder(out, kind="calibration", force=force, inputs=inputs) as work:
-        done = layers_done(work.path, fingerprint) if work.resumed else 0
-        if done is None:
-            if not force:
-                raise HexqError(f"{work.path} holds an unfinished calibration of a different "
-                                f"{differing_inputs(work.path, fingerprint)}; pass --force to discard it and start "
-                                "over, or pick another output folder")
-            work.clear()
-            done = 0
-        write_progress(work.path, fingerprint, done, progress_files(work.path))
+    with ExitStack() as stack:
+        try:
+            work = stack.enter_context(resumable_output_folder(out, kind="calibration", force=force, inputs=inputs))
+            done = layers_done(work.path, fingerprint) if work.resumed else 0
+            if done is None:
+                if not force:
+                    raise HexqError(f"{work.path} holds an unfinished calibration of a different "
+                                    f"{differing_inputs(work.path, fingerprint)}; pass --force to discard it and "
+                                    "start over, or pick another output folder")
+                work.clear()
+                done = 0
+            remove_stale_work(work.path)
+            write_progress(work.path, fingerprint, done, progress_files(work.path))
+        except BaseException as exc:
+            ranks.broadcast({"error": str(exc)})  # the other ranks wait for the folder: tell them why not
+            raise
+        ranks.broadcast({"path": str(work.path), "done": done})
         manifest = run_layers(streamed, tokenizer, recipe, windows, work.path, fingerprint, done, device,
-                              batch_size, activation_limit, progress)
+                              batch_size, activation_limit, progress, ranks)
         manifest["model"]["path"] = str(model_path.resolve())
         manifest["data"]["source"] = data
         write_sealed_json(work.path / "manifest.json", manifest)
+    ranks.barrier("publishing the calibration")
     return CalibrationSummary(out, num_layers, done, manifest["fallback_experts"], time.time() - started)
+
+
+def remove_stale_work(folder: Path) -> None:
+    """What a killed run leaves in the partial folder: spilled activations and bank files never published."""
+    for stale in folder.glob(".hexq-activations-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    for stale in folder.glob(".layer_*.tmp"):
+        stale.unlink(missing_ok=True)
 
 
 def run_layers(streamed: StreamedModel, tokenizer, recipe: Recipe, windows, folder: Path, fingerprint: dict,
                done: int, device: torch.device, batch_size: int, activation_limit: int | None,
-               progress: Progress | None) -> dict:
+               progress: Progress | None, ranks: Ranks = SINGLE) -> dict | None:
     """Calibrate layers done.. into `folder` (rebuilding layers ..done from their saved results); returns the
-    manifest."""
+    manifest (on rank 0; None on the other ranks, which write only their bank rows)."""
     config, adapter, num_layers = streamed.config, streamed.adapter, streamed.num_layers
     cal = recipe.calibration
-    for stale in folder.glob(".hexq-activations-*"):  # a killed run's spilled activations
-        shutil.rmtree(stale, ignore_errors=True)
     hidden = HiddenStore(activation_limit, folder)
     kwargs = streamed.layer_inputs(windows.ids, batch_size, hidden)
     timings = read_json(folder / "timings.json") or {}
     files = {name: record for name, record in progress_files(folder).items()
              if int(name[len("layer_"):len("layer_") + 3]) < done}
     for index in range(num_layers):
+        ranks.layer = index
         layer_started = time.time()
         with streamed.layer(index, experts=index >= done) as loaded:
             if index < done:  # resume: rebuild the quantized layer below from its saved results
@@ -233,19 +287,28 @@ def run_layers(streamed: StreamedModel, tokenizer, recipe: Recipe, windows, fold
                 run_layer(loaded, hidden, kwargs, outputs, experts)
             else:
                 tensors, meta, outputs = calibrate_layer(loaded, adapter, hidden, kwargs, recipe, index, device,
-                                                         activation_limit, folder, progress)
+                                                         activation_limit, folder, progress, ranks)
                 stages = meta.pop("stage_seconds")
-                save_layer(folder, index, tensors, meta)
-                files |= layer_file_records(folder, index)
-                timings[f"layer_{index:03d}"] = round(time.time() - layer_started, 2)
-                timings.setdefault("stages", {})[f"layer_{index:03d}"] = stages
-                write_json_atomic(folder / "timings.json", timings)
-                write_progress(folder, fingerprint, index + 1, files)
+                same_outputs(outputs, ranks)
+                every_rank = ranks.objects(stages)
+                if ranks.leader:
+                    save_layer(folder, index, tensors, meta)
+                    files |= layer_file_records(folder, index)
+                    timings[f"layer_{index:03d}"] = round(time.time() - layer_started, 2)
+                    timings.setdefault("stages", {})[f"layer_{index:03d}"] = stages
+                    if ranks.distributed:  # each rank's seconds per stage: imbalance shows here
+                        timings.setdefault("rank_stages", {})[f"layer_{index:03d}"] = every_rank
+                    write_json_atomic(folder / "timings.json", timings)
+                    write_progress(folder, fingerprint, index + 1, files)
+                ranks.barrier("recording the layer")
         hidden.close()
         hidden = outputs
         if progress:
             progress("layers", index + 1, num_layers)
     hidden.close()
+    ranks.layer = None
+    if not ranks.leader:
+        return None
     summaries = [layer_meta(folder, index) for index in range(num_layers)]
     num_experts = next(shape[0] for shape in streamed.moe_shapes if shape is not None)
     return {

@@ -22,6 +22,7 @@ from hexq.calib.capture import (
     expert_statistics,
     quantized_linears,
 )
+from hexq.calib.ranks import SINGLE, Ranks, expert_ranges
 from hexq.calib.rounding import round_replicas
 from hexq.calib.store import (
     ExpertBank,
@@ -191,26 +192,47 @@ def quantize_dense_linears(layer: torch.nn.Module, adapter: MoEAdapter, stats: d
 
 
 def quantize_routed_experts(loaded: LoadedLayer, routed: RoutedTokens, weights_of, recipe: Recipe, tensors: dict,
-                            moe_sample: torch.Tensor, bank_file: Path,
-                            progress: Progress | None) -> tuple[list[int], dict]:
+                            moe_sample: torch.Tensor, bank_file: Path, progress: Progress | None,
+                            ranks: Ranks = SINGLE) -> tuple[list[int], dict]:
     """Replica banks for every routed expert, chunk by chunk, written to `bank_file` as they are made; returns the
-    experts that used the cold fallback and the factorizations that needed more damping or float64."""
+    experts that used the cold fallback and the factorizations that needed more damping or float64. Across ranks,
+    each rank quantizes its own experts (Ranks.expert_range) into its rows of the one bank file rank 0 created and
+    publishes once every rank has written."""
     setting, bits_list = recipe.expert_weights, expert_bits_list(recipe)
     num_experts = loaded.gate_up.shape[0]
     shapes = {"gate_up": tuple(loaded.gate_up.shape[1:]), "down": tuple(loaded.down.shape[1:])}
     groups = {p: group_size_of(setting, cols) for p, (_rows, cols) in shapes.items()}
     extra = export_spec(recipe, shapes)
-    bank = ExpertBank(bank_file, num_experts, shapes, bits_list, groups,
-                      export=None if extra is None else (extra.bits, extra.group_size),
-                      kquants=kquant_kinds(recipe, shapes))
+    ranges = expert_ranges([routed.count(e) for e in range(num_experts)], ranks.world)
+    own = ranges[ranks.rank]
+
+    def open_bank(attach=None) -> ExpertBank:
+        return ExpertBank(bank_file, num_experts, shapes, bits_list, groups,
+                          export=None if extra is None else (extra.bits, extra.group_size),
+                          kquants=kquant_kinds(recipe, shapes), attach=attach)
+
+    bank = open_bank() if ranks.leader else None
+    temporary = ranks.broadcast(bank.writer.temporary if bank is not None else None)
     try:
-        fallback, escalated, ranges = fill_bank(bank, loaded, routed, weights_of, recipe, moe_sample, shapes,
-                                                progress)
+        bank = bank or open_bank(temporary)
+        found = fill_bank(bank, loaded, routed, weights_of, recipe, moe_sample, shapes, progress, own)
+        if not ranks.leader:
+            bank.close()  # flushed; rank 0 publishes
+        ranks.barrier("writing the replica bank")
+        if ranks.leader:
+            for other in ranges[1:]:
+                bank.accept_rows_of(other)
+            bank.close()
     except BaseException:
         bank.abort()
         raise
-    bank.close()
-    (input_low, input_high), (mid_low, mid_high) = ranges
+    fallback, escalated, mid = [], {}, []
+    for rank_fallback, rank_escalated, rank_mid in ranks.objects(found):
+        fallback += rank_fallback
+        escalated |= rank_escalated
+        mid.append(rank_mid)
+    input_low, input_high = float(routed.x.min()), float(routed.x.max())
+    mid_low, mid_high = min(m[0] for m in mid), max(m[1] for m in mid)
     tensors["experts.tokens"] = torch.tensor([routed.count(e) for e in range(num_experts)], dtype=torch.long,
                                              device="cpu")
     tensors["act.experts.input"] = torch.tensor([input_low, input_high], device="cpu")
@@ -219,23 +241,22 @@ def quantize_routed_experts(loaded: LoadedLayer, routed: RoutedTokens, weights_o
 
 
 def fill_bank(bank: ExpertBank, loaded: LoadedLayer, routed: RoutedTokens, weights_of, recipe: Recipe,
-              moe_sample: torch.Tensor, shapes: dict, progress: Progress | None):
-    """The GPTQ loop of quantize_routed_experts: (cold experts, factorization report, (input range, mid range))."""
+              moe_sample: torch.Tensor, shapes: dict, progress: Progress | None, own: range):
+    """The GPTQ loop of quantize_routed_experts over the experts `own`: (cold experts, factorization report, the
+    experts' intermediate range (low, high))."""
     setting, bits_list = recipe.expert_weights, expert_bits_list(recipe)
-    num_experts = loaded.gate_up.shape[0]
     moe_input = SiteStats.empty(routed.x.shape[1], routed.x.device)
     moe_input.add(routed.x)
     min_tokens, blend = recipe.experts.min_tokens, recipe.experts.fallback_blend
     fallback: list[int] = []
-    input_low, input_high = float(routed.x.min()), float(routed.x.max())
     mid_low, mid_high = float("inf"), float("-inf")
     extra = export_spec(recipe, shapes)
     budget = gptq_chunk_bytes(routed.x.device)
     kquants = kquant_kinds(recipe, shapes)
     chunk = gptq_chunk_size(shapes, len(bits_list) + (extra is not None) + bool(kquants), budget)
     escalated: dict[str, dict] = {}
-    for start in range(0, num_experts, chunk):
-        experts = list(range(start, min(start + chunk, num_experts)))
+    for start in range(own.start, own.stop, chunk):
+        experts = list(range(start, min(start + chunk, own.stop)))
         gate_up, down = weights_of(experts)
         stats = expert_statistics(routed, experts, gate_up, loaded.act_fn)
         mid_low, mid_high = min(mid_low, stats.mid_low), max(mid_high, stats.mid_high)
@@ -277,13 +298,13 @@ def fill_bank(bank: ExpertBank, loaded: LoadedLayer, routed: RoutedTokens, weigh
                 bank.put(projection, bits, experts, codes, scale, zero)
         del gate_up, down, stats, h_in, h_down, replicas
         if progress:
-            progress("experts", experts[-1] + 1, num_experts)
-    return fallback, escalated, ((input_low, input_high), (mid_low, mid_high))
+            progress("experts", experts[-1] + 1 - own.start, len(own))
+    return fallback, escalated, (mid_low, mid_high)
 
 
 def quantize_layer(loaded: LoadedLayer, adapter: MoEAdapter, hidden: HiddenStore, kwargs: list[dict],
                    recipe: Recipe, weights_of, tensors: dict, bank_file: Path,
-                   progress: Progress | None) -> tuple[dict, torch.Tensor | None]:
+                   progress: Progress | None, ranks: Ranks = SINGLE) -> tuple[dict, torch.Tensor | None]:
     """Pass B; returns the layer report and a sample of the MoE input (every 8th token; None on a dense layer),
     the inputs a never-routed expert is measured on."""
     layer = loaded.module
@@ -297,6 +318,6 @@ def quantize_layer(loaded: LoadedLayer, adapter: MoEAdapter, hidden: HiddenStore
     tensors["router.topk"] = routing.topk
     moe_sample = routed.x[::MOE_SAMPLE_EVERY].float()
     fallback, escalated = quantize_routed_experts(loaded, routed, weights_of, recipe, tensors, moe_sample, bank_file,
-                                                  progress)
+                                                  progress, ranks)
     return {"fallback_experts": fallback, "factorization": escalated,
             "expert_tokens": tensors["experts.tokens"].tolist(), "tokens": int(routed.x.shape[0])}, moe_sample

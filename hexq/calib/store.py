@@ -225,11 +225,12 @@ class ExpertBank:
 
     def __init__(self, path: Path, num_experts: int, shapes: dict[str, tuple[int, int]], bits_list: tuple[int, ...],
                  group_sizes: dict[str, int], export: tuple[int, int] | None = None,
-                 kquants: dict[str, tuple[str, ...]] | None = None) -> None:
+                 kquants: dict[str, tuple[str, ...]] | None = None, attach: str | None = None) -> None:
         """export: (bits, group size) of the export-target replica (hexq.calib.quantize.export_spec) stored beside
         the bank under export.<proj>.b<bits>, if the recipe asks for one; kquants: {projection: K-quant names} of
         the GGUF replicas (hexq.calib.quantize.kquant_kinds), stored as GGML blocks under gguf.<proj>.<kind>
-        [E, bytes]."""
+        [E, bytes]. attach: the temporary file of the bank another process (rank 0) is writing, whose rows of other
+        experts this one writes (hexq.io.SafetensorsWriter's attach)."""
         entries = [(bank_prefix(p, bits), p, bits, group_sizes[p]) for p in shapes for bits in bits_list]
         if export is not None:
             entries += [(bank_prefix(p, export[0], export=True), p, export[0], export[1]) for p in shapes]
@@ -244,7 +245,12 @@ class ExpertBank:
             for kind in kinds:
                 specs[kquant_bank_key(projection, kind)] = (torch.uint8, (num_experts,
                                                                           rows * BLOCK_TYPES[kind].row_bytes(cols)))
-        self.writer = SafetensorsWriter(path, dict(sorted(specs.items())))
+        self.writer = SafetensorsWriter(path, dict(sorted(specs.items())), attach=attach)
+
+    def accept_rows_of(self, experts: range) -> None:
+        """Count every tensor's rows of `experts` as written (by the rank that owns them)."""
+        for name in self.writer.names:
+            self.writer.accept_rows(name, experts.start, len(experts))
 
     def put_blocks(self, projection: str, kind: str, experts: list[int], blocks: torch.Tensor) -> None:
         """GGUF blocks [n, bytes] of the consecutive experts `experts` (kquants in __init__)."""

@@ -1,8 +1,11 @@
 """Perplexity baselines: record one measurement, and fail when a later one is worse than it allows.
 
 A baseline file holds the protocol (data sources, window length, number of windows) and the perplexity on each
-source. `compare` says, per source, whether the new perplexity exceeds baseline * (1 + tolerance); lower is
-always fine (a better model should not fail CI, though the baseline then deserves an explicit update).
+source; optionally (recorded with --kl-against) the model the KL divergence was measured against and the mean KLD
+on each source. `compare` says, per figure, whether the new value exceeds baseline * (1 + tolerance); lower is
+always fine (a better model should not fail CI, though the baseline then deserves an explicit update). The mean KLD
+is the finer instrument of the two (hexq.eval.divergence): a regression that moves perplexity by less than its
+sampling noise moves it by several percent.
 """
 
 from __future__ import annotations
@@ -55,11 +58,34 @@ def parse_tolerance(text: str) -> float:
     return value
 
 
-def write_baseline(path: str | Path, target: str, protocol: Protocol, results: dict[str, float]) -> None:
+@dataclass(frozen=True)
+class KLBaseline:
+    against: str  # the reference model, as the user gave it
+    kld_mean: dict[str, float]
+
+
+def write_baseline(path: str | Path, target: str, protocol: Protocol, results: dict[str, float],
+                   kl: KLBaseline | None = None) -> None:
     write_json_atomic(path, {"format": FORMAT, "version": VERSION, "target": target,
                              "protocol": {"data": list(protocol.data), "seqlen": protocol.seqlen,
                                           "windows": protocol.windows},
-                             "perplexity": results})
+                             "perplexity": results}
+                      | ({"kl": {"against": kl.against, "kld_mean": kl.kld_mean}} if kl is not None else {}))
+
+
+def read_kl(path: str | Path) -> KLBaseline | None:
+    """The KL section of a baseline file read by `read_baseline` (None when it was recorded without one)."""
+    raw = json.loads(Path(path).read_text()).get("kl")
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise HexqError(f"baseline {path}: kl must be an object, got {reprlib.repr(raw)}")
+    against = field(Path(path), raw, "against", str, "a model path", "kl.")
+    values = field(Path(path), raw, "kld_mean", dict, "an object of text: mean KLD", "kl.")
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+            raise HexqError(f"baseline {path}: kl.kld_mean.{name} must be a number >= 0, got {reprlib.repr(value)}")
+    return KLBaseline(against, {name: float(value) for name, value in values.items()})
 
 
 def read_baseline(path: str | Path) -> tuple[Protocol, dict[str, float]]:

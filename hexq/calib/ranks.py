@@ -1,0 +1,180 @@
+"""Calibration over several processes (torch.distributed): which rank does what, and the few collectives it needs.
+
+Launched by torchrun (or any launcher that sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT: `env://`), every rank
+runs the whole calibration loop over the same windows. The dense part of each layer (smoothing search, the dense
+linears' GPTQ, attention) is computed by every rank, identically (it is a small share of a MoE layer's work, and
+replicating it costs no communication). A MoE layer's routed experts are split: each rank owns one contiguous range
+of expert ids (`expert_range`, balanced by a cost model of routed tokens), accumulates their Hessians, builds their
+replica banks into its rows of the shared bank file, and measures their loss-table rows and their output at
+`propagate_bits`. What the next layer needs - the experts' combined output - is the sum of every rank's part,
+reduced in rank order (`sum`: every rank gathers every part and adds them 0, 1, 2, ...), so the result is the same on
+every rank and does not depend on timing. Per-expert tables are summed the same way with zeros in the rows a rank
+does not own, which is exact.
+
+Files: rank 0 alone writes the layer files, progress and the manifest; bank rows are written by their owners into
+one file rank 0 created (hexq.io.SafetensorsWriter, attached), published by rank 0 after a barrier. The output folder
+must be on a file system every rank sees (one machine, or a shared file system across nodes).
+
+Failures: every collective runs with a timeout; a rank that dies, runs out of memory or raises makes the others'
+next collective fail, and every surviving rank ends with one line naming itself, its host and the layer. Nothing
+half-written is published: a layer counts as done only when rank 0 has recorded it after every rank's barrier.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import torch
+
+from hexq.errors import HexqError
+
+TIMEOUT_SECONDS = int(os.environ.get("HEXQ_DIST_TIMEOUT", "1800"))  # one layer's expert work must fit in it
+SUM_CHUNK_BYTES = 64 << 20  # a reduction gathers world x this many bytes at once
+TOKEN_COST = 0.5  # expert cost model: GPTQ per expert = 1, Hessian and loss table per routed token / mean tokens
+
+
+class Ranks:
+    """This process's place in the job (world 1: a single process, every collective a no-op)."""
+
+    def __init__(self, rank: int = 0, world: int = 1, group=None) -> None:
+        self.rank, self.world, self.group = rank, world, group
+        self.host = socket.gethostname()
+        self.layer: int | None = None  # what failures name
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    def where(self) -> str:
+        at = "" if self.layer is None else f", layer {self.layer}"
+        return f"rank {self.rank} of {self.world} on {self.host}{at}"
+
+    # --- collectives (no-ops for a single process)
+
+    def _call(self, what: str, function, *args, **kwargs):
+        import torch.distributed as dist
+
+        try:
+            return function(*args, **kwargs)
+        except (RuntimeError, dist.DistError) as exc:
+            raise HexqError(f"{self.where()}: {what} with the other ranks failed (another rank died, ran out of "
+                            f"memory or timed out after {TIMEOUT_SECONDS} s: HEXQ_DIST_TIMEOUT); "
+                            f"{str(exc).splitlines()[0][:160]}") from None
+
+    def barrier(self, what: str) -> None:
+        if self.distributed:
+            import torch.distributed as dist
+
+            self._call(what, dist.barrier)
+
+    def objects(self, value) -> list:
+        """Every rank's `value` (picklable), in rank order."""
+        if not self.distributed:
+            return [value]
+        import torch.distributed as dist
+
+        out = [None] * self.world
+        self._call("gathering results", dist.all_gather_object, out, value)
+        return out
+
+    def broadcast(self, value):
+        """Rank 0's `value` on every rank."""
+        if not self.distributed:
+            return value
+        import torch.distributed as dist
+
+        box = [value]
+        self._call("receiving rank 0's state", dist.broadcast_object_list, box, 0)
+        return box[0]
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's `tensor` (same shape and dtype everywhere), added in rank order on every rank:
+        the same bits on every rank, whatever the timing. Gathered in slices of SUM_CHUNK_BYTES."""
+        if not self.distributed:
+            return tensor
+        import torch.distributed as dist
+
+        flat = tensor.contiguous().reshape(-1)
+        out = torch.empty_like(flat)
+        step = max(1, SUM_CHUNK_BYTES // max(1, flat.element_size()))
+        for start in range(0, flat.numel(), step):
+            part = flat[start:start + step].contiguous()
+            parts = [torch.empty_like(part) for _ in range(self.world)]
+            self._call("summing the experts' outputs", dist.all_gather, parts, part)
+            total = parts[0].clone()
+            for other in parts[1:]:
+                total += other
+            out[start:start + step] = total
+        return out.reshape(tensor.shape)
+
+    def extreme(self, low: float, high: float) -> tuple[float, float]:
+        """(min of every rank's low, max of every rank's high)."""
+        values = self.objects((low, high))
+        return min(v[0] for v in values), max(v[1] for v in values)
+
+    # --- the split of a layer's experts
+
+    def expert_range(self, tokens: list[int]) -> range:
+        """This rank's experts: contiguous ids whose cost (1 + TOKEN_COST x routed tokens / mean tokens) is closest
+        to 1/world of the layer's, cut where the running cost crosses each rank's share (every rank computes the same
+        cut from the same router counts)."""
+        return expert_ranges(tokens, self.world)[self.rank]
+
+
+def expert_ranges(tokens: list[int], world: int) -> list[range]:
+    """Contiguous expert ranges, one per rank, balanced by the cost model of Ranks.expert_range."""
+    count = len(tokens)
+    mean = max(1.0, sum(tokens) / max(1, count))
+    costs = [1.0 + TOKEN_COST * t / mean for t in tokens]
+    total = sum(costs)
+    cuts, running, rank = [0], 0.0, 1
+    for expert, cost in enumerate(costs):
+        running += cost
+        # cut after this expert once the running cost reaches the next rank's boundary, leaving one expert for each
+        # later rank where there are fewer experts than ranks would need
+        while rank < world and running >= total * rank / world and count - (expert + 1) >= world - rank:
+            cuts.append(expert + 1)
+            rank += 1
+    while len(cuts) < world:
+        cuts.append(count)
+    cuts.append(count)
+    return [range(cuts[r], cuts[r + 1]) for r in range(world)]
+
+
+SINGLE = Ranks()  # a single process
+
+
+def join(device: torch.device) -> tuple[Ranks, torch.device]:
+    """This process's Ranks from the launcher's environment (WORLD_SIZE > 1: torch.distributed with gloo on the CPU,
+    NCCL on CUDA with the device of LOCAL_RANK), and the device it computes on."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return Ranks(), device
+    import torch.distributed as dist
+
+    rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    if device.type == "cuda":
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        try:
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="env://",
+                                    timeout=timedelta(seconds=TIMEOUT_SECONDS), rank=rank, world_size=world)
+        except (RuntimeError, ValueError, dist.DistError) as exc:
+            raise HexqError(f"rank {rank} of {world} on {socket.gethostname()}: cannot join the job "
+                            f"({str(exc).splitlines()[0][:160]})") from None
+    return Ranks(rank, world, dist.group.WORLD), device
+
+
+def leave(ranks: Ranks) -> None:
+    if ranks.distributed:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
