@@ -12,6 +12,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from hexq.errors import HexqError
@@ -51,7 +52,7 @@ def handle_errors(command):
         except (HexqError, ValueError, OSError) as exc:  # OSError: disk full, permissions, missing files
             if os.environ.get("HEXQ_DEBUG"):
                 raise
-            err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
             raise typer.Exit(1) from None
         except KeyboardInterrupt:
             err_console.print("[bold red]interrupted[/]")
@@ -64,7 +65,7 @@ def handle_errors(command):
             from hexq.devices import out_of_memory_message
 
             message = out_of_memory_message(exc, command.__name__.removesuffix("_command"))
-            err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+            err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
             raise typer.Exit(1) from None
 
     return wrapper

@@ -38,13 +38,15 @@ def stored_weights(loaded: LoadedLayer, device: torch.device, dtype: torch.dtype
 class ExpertCompute:
     """How a streamed layer's routed experts are computed: compute-ready weights per chunk of expert ids, the
     activation quantizers of their inputs, the chunk size, and which experts are computed at all (kept [E] bool,
-    None: all; a skipped expert's routing weight goes to the token's kept experts, hexq.simulate.routed_outputs)."""
+    None: all; a skipped expert's routing weight goes to the token's kept experts, hexq.simulate.routed_outputs);
+    accumulate: the dtype their combined output is summed in (None: the activations')."""
 
     weights_of: Callable[[list[int]], tuple[torch.Tensor, torch.Tensor]]
     input_quant: object | None = None
     mid_quant: object | None = None
     chunk: int = 1
     kept: torch.Tensor | None = None
+    accumulate: torch.dtype | None = None
 
 
 @torch.no_grad()
@@ -64,7 +66,7 @@ def run_layer(loaded: LoadedLayer, hidden: HiddenStore, kwargs: list[dict], out:
     routed = loaded.tap.take()
     if experts is not None and out is not None:
         y = routed_outputs(routed, experts.weights_of, loaded.act_fn, experts.input_quant, experts.mid_quant,
-                           experts.chunk, progress, experts.kept)
+                           experts.chunk, progress, experts.kept, accumulate=experts.accumulate).to(routed.x.dtype)
         start = len(out) - len(hidden)
         for offset, part in enumerate(routed.split(y)):
             current = out[start + offset]

@@ -194,14 +194,16 @@ ExpertWeightsFn = Callable[[list[int]], tuple[torch.Tensor, torch.Tensor]]
 def routed_outputs(routed: RoutedTokens, weights_of: ExpertWeightsFn, act_fn, input_quant: ActQuantizer | None,
                    mid_quant: ActQuantizer | None, chunk: int,
                    progress: Callable[[int, int], None] | None = None,
-                   kept: torch.Tensor | None = None, only: range | None = None) -> torch.Tensor:
+                   kept: torch.Tensor | None = None, only: range | None = None,
+                   accumulate: torch.dtype | None = None) -> torch.Tensor:
     """The routed experts' combined output [T, H] (what the family's experts module would return), expert by
     expert: weights_of(experts) gives (gate_up [n, 2I, H], down [n, H, I]) ready to compute with for `chunk`
     experts at a time; experts are visited in ascending order, like transformers' own experts module.
     kept [E] bool (None: every expert): the experts that are computed; the others are skipped, their routing weight
     renormalised onto the token's kept experts (renormalized_weights). only: the contribution of these experts
-    alone (one rank's share, hexq.calib.ranks; None: all)."""
-    out = torch.zeros_like(routed.x)
+    alone (one rank's share, hexq.calib.ranks; None: all). accumulate: the dtype the sum is kept in (None: the
+    input's); float64 makes the sum of a token's few float32 terms exact, so independent of their order."""
+    out = torch.zeros_like(routed.x, dtype=accumulate or routed.x.dtype)
     num_experts = routed.num_experts
     weights = routed.weights
     if kept is not None and not bool(kept.all()):

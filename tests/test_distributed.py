@@ -45,6 +45,15 @@ def calibrate_command(model: Path, recipe: Path, out: Path) -> list[str]:
     return ["-m", "hexq_cli.main", "calibrate", str(model), "-r", str(recipe), "-o", str(out)]
 
 
+def single_process(model: Path, recipe: Path, out: Path) -> str:
+    """The same calibration in one process with one thread, as each rank computes (a BLAS with another thread count
+    sums in another order)."""
+    done = subprocess.run([sys.executable, *calibrate_command(model, recipe, out)], capture_output=True, text=True,
+                          timeout=LAUNCH_TIMEOUT, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
 def torchrun(world: int, model: Path, recipe: Path, out: Path) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port",
                str(free_port()), *calibrate_command(model, recipe, out)]
@@ -81,20 +90,15 @@ def layer_tensors(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def compare(single: Path, split: Path) -> dict:
-    """Every tensor of the two calibrations: codes equal except flips (counted), the rest close."""
+def compare(single: Path, split: Path) -> int:
+    """The two calibrations tensor by tensor, bit for bit: the replica banks, loss tables, routing statistics and
+    dense parts (the experts' combined outputs are summed in float64, exactly, so the split changes no bit); returns
+    how many tensors were compared."""
     a, b = layer_tensors(single), layer_tensors(split)
     assert a.keys() == b.keys()
-    flips = total = 0
-    for key, left in a.items():
-        right = b[key]
-        if left.dtype == torch.uint8:  # packed codes
-            flips += int((left != right).sum())
-            total += left.numel()
-        else:
-            torch.testing.assert_close(right.double(), left.double(), rtol=2e-3, atol=1e-6, msg=key)
-    assert flips <= 1e-3 * total, (flips, total)
-    return {"code_bytes_differing": flips, "code_bytes": total}
+    differing = [key for key, left in a.items() if not torch.equal(left, b[key])]
+    assert not differing, differing[:5]
+    return len(a)
 
 
 def perplexity_of(calibration: Path, tmp: Path) -> float:
@@ -116,16 +120,14 @@ def deepseek(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize(("name", "world"), [("qwen3moe", 2), ("deepseek", 3)])
 def test_ranks_give_the_single_process_calibration(name, world, deepseek, tmp_path):
-    from hexq.calib.pipeline import calibrate
-    from hexq.recipe_files import load_recipe
-
     model = deepseek if name == "deepseek" else REFERENCE_MODELS["qwen3moe"]
     recipe = recipe_file(tmp_path)
-    calibrate(model, load_recipe(str(recipe)), "bundled", tmp_path / "single")
+    single_process(model, recipe, tmp_path / "single")
     torchrun(world, model, recipe, tmp_path / "split")
-    compare(tmp_path / "single", tmp_path / "split")
+    print(f"{name}, {world} ranks: {compare(tmp_path / 'single', tmp_path / 'split')} tensors equal")
     assert (tmp_path / "split" / "manifest.json").exists()
     single, split = perplexity_of(tmp_path / "single", tmp_path), perplexity_of(tmp_path / "split", tmp_path)
+    print(f"{name}, {world} ranks: perplexity {split:.4f} vs {single:.4f} in one process")
     assert split == pytest.approx(single, rel=1e-4)
     timings = json.loads((tmp_path / "split" / "timings.json").read_text())
     assert all(len(ranks) == world for ranks in timings["rank_stages"].values())
@@ -147,7 +149,6 @@ def test_the_result_does_not_depend_on_the_ranks_timing(tmp_path):
 
 
 def test_a_killed_rank_ends_the_job_in_one_line_and_the_rerun_resumes(tmp_path):
-    from hexq.calib.pipeline import calibrate
     from hexq.recipe import Calibration, recipe_to_dict
     from hexq.recipe_files import load_recipe
 
@@ -170,9 +171,8 @@ def test_a_killed_rank_ends_the_job_in_one_line_and_the_rerun_resumes(tmp_path):
     assert processes[0].returncode == 1 and len(lines) == 1, err
     assert "rank 0 of 2 on" in lines[0] and "layer 2" in lines[0] and "Traceback" not in err
     assert not out.exists() and partial.exists()  # nothing published
-    summary = calibrate(model, slow, "bundled", out)  # one process resumes what two started
-    assert summary.resumed_from == 2
-    calibrate(model, slow, "bundled", tmp_path / "whole")
+    assert "resumed after layer 2" in " ".join(single_process(model, recipe, out).split())  # one resumes two's
+    single_process(model, recipe, tmp_path / "whole")
     compare(tmp_path / "whole", out)
 
 

@@ -61,9 +61,11 @@ def loss_table(routed: RoutedTokens, weights_of, tensors: dict, bank, bits_list:
     squared = torch.zeros(num_experts, dtype=torch.float64, device=device)
     squared.index_add_(0, routed.index[valid], slot_weights[valid].double().square())
     own = ranks.expert_range(tokens.tolist())
-    # sum_j w_j y_j in full precision
-    fp_total = ranks.sum(routed_outputs(routed, weights_of, act_fn, None, None, chunk, only=own))
-    out = torch.zeros_like(routed.x)
+    # Both combined outputs are summed in float64: a token's few float32 terms then add exactly, so the result is the
+    # same bits whichever experts each rank summed and in which order (one process or several, hexq.calib.ranks).
+    fp_total = ranks.sum(routed_outputs(routed, weights_of, act_fn, None, None, chunk, only=own,
+                                        accumulate=torch.float64)).to(routed.x.dtype)  # sum_j w_j y_j, full precision
+    out = torch.zeros_like(routed.x, dtype=torch.float64)
     for start in range(own.start, own.stop, chunk):
         experts = list(range(start, min(start + chunk, own.stop)))
         fp_gate_up, fp_down = weights_of(experts)
@@ -92,7 +94,7 @@ def loss_table(routed: RoutedTokens, weights_of, tensors: dict, bank, bits_list:
                 if bits == propagate_bits and len(token):
                     for rows_of, slots, part in zip(token.split(rows), slot.split(rows), x.split(rows), strict=True):
                         y = quantized_expert_output(part, gate_ups[j], downs[j], act_fn, *quantizers)
-                        out.index_add_(0, rows_of, (y * routed.weights[rows_of, slots, None]).to(out.dtype))
+                        out.index_add_(0, rows_of, (y * routed.weights[rows_of, slots, None]).double())
             del gate_ups, downs
         del fp_gate_up, fp_down, references
         if progress:
@@ -105,7 +107,7 @@ def loss_table(routed: RoutedTokens, weights_of, tensors: dict, bank, bits_list:
     tensors["loss_table.mass"] = (squared / max(routed.x.shape[0], 1)).cpu()
     tensors["loss_table.tokens"] = tokens
     tensors["loss_table.bits"] = torch.tensor(bits_list, dtype=torch.int64, device="cpu")
-    return out
+    return out.to(routed.x.dtype)
 
 
 def propagate_bank(bank, projection: str, bits: int, experts: list[int], like: torch.Tensor) -> torch.Tensor:

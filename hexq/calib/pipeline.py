@@ -35,7 +35,7 @@ import shutil
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -282,8 +282,10 @@ def run_layers(streamed: StreamedModel, tokenizer, recipe: Recipe, windows, fold
                 tensors, _ = load_layer(folder, index)
                 apply_dense_part(loaded, adapter, tensors, recipe, fold=True)
                 outputs = HiddenStore(activation_limit, folder)
-                experts = (calibrated_experts(loaded, tensors, recipe, default_expert_bits(recipe), device, folder)
-                           if loaded.is_moe else None)
+                # summed in float64 like pass C's propagated output (loss_table): the same next-layer inputs as the
+                # run that calibrated this layer
+                experts = (replace(calibrated_experts(loaded, tensors, recipe, default_expert_bits(recipe), device,
+                                                      folder), accumulate=torch.float64) if loaded.is_moe else None)
                 run_layer(loaded, hidden, kwargs, outputs, experts)
             else:
                 tensors, meta, outputs = calibrate_layer(loaded, adapter, hidden, kwargs, recipe, index, device,
