@@ -36,12 +36,14 @@ BENCHMARKS = {
     "runtime_cgroup": ("runtime.py", "runtime_cgroup.json"),
     "engines": ("engines.py", "engines.json"),
     "serve": ("serve.py", "serve.json"),
+    "distributed": ("distributed.py", "distributed.json"),
     "scale": ("scale.py", "scale.json"),
     "gguf_quality": ("gguf_quality.py", "gguf_quality.json"),
 }
 
 # benchmarks that need arguments only the user can give; run_all renders their results but does not run them
 RUN_BY_HAND = {"scale": "python benchmarks/scale.py --work DIR",
+               "distributed": "python benchmarks/distributed.py --checkpoint CKPT",
                "engines": "python benchmarks/engines.py --checkpoint CKPT --llama-cpp DIR --cgroup",
                "gguf_quality": "python benchmarks/gguf_quality.py --work DIR --llama-cpp SRC",
                "runtime_cgroup": "python benchmarks/runtime.py --models --real ART --real-checkpoint CKPT "

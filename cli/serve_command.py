@@ -68,8 +68,8 @@ def serve(
     config = runtime_config(memory=memory, budget=budget, context=context, dtype=dtype, cache=cache, threads=threads,
                             kernels=kernels, decode=decode, warm=warm, cost_model=cost_model, policy=policy,
                             prefetch=prefetch, prefetch_top=prefetch_top, mode=mode, device=device)
+    from hexq.devices import peak_rss_bytes
     from hexq.runtime.engine import Runtime
-    from hexq.runtime.stats import peak_rss_bytes
     from hexq.serve.app import serve as run_server
     from hexq.units import parse_bytes
 

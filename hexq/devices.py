@@ -67,3 +67,13 @@ def out_of_memory_message(error: BaseException, command: str) -> str:
                            "calibration resumes after its last finished layer",
               "run": "lower --memory or --budget, or use --device cpu"}.get(command, "use --device cpu")
     return f"out of memory on {device}{free}: {need}; {advice}"
+
+
+def peak_rss_bytes() -> int | None:
+    """The process's peak resident set (VmHWM of /proc/self/status), or None where there is no /proc."""
+    try:
+        with open("/proc/self/status") as handle:
+            match = re.search(r"VmHWM:\s+(\d+) kB", handle.read())
+    except OSError:
+        return None
+    return int(match.group(1)) * 1024 if match else None

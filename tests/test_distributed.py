@@ -130,7 +130,8 @@ def test_ranks_give_the_single_process_calibration(name, world, deepseek, tmp_pa
     print(f"{name}, {world} ranks: perplexity {split:.4f} vs {single:.4f} in one process")
     assert split == pytest.approx(single, rel=1e-4)
     timings = json.loads((tmp_path / "split" / "timings.json").read_text())
-    assert all(len(ranks) == world for ranks in timings["rank_stages"].values())
+    for ranks in timings["ranks"].values():  # every rank's stages and peak RSS, per layer
+        assert len(ranks) == world and all(r["stages"] and r["peak_rss_bytes"] > 0 for r in ranks)
 
 
 def test_the_result_does_not_depend_on_the_ranks_timing(tmp_path):

@@ -69,7 +69,7 @@ from hexq.calib.store import (
     write_progress,
 )
 from hexq.data import calibration_windows
-from hexq.devices import resolve_device
+from hexq.devices import peak_rss_bytes, resolve_device
 from hexq.errors import HexqError
 from hexq.io import write_json_atomic, write_sealed_json
 from hexq.layer_pass import run_layer
@@ -292,14 +292,14 @@ def run_layers(streamed: StreamedModel, tokenizer, recipe: Recipe, windows, fold
                                                          activation_limit, folder, progress, ranks)
                 stages = meta.pop("stage_seconds")
                 same_outputs(outputs, ranks)
-                every_rank = ranks.objects(stages)
+                every_rank = ranks.objects({"stages": stages, "peak_rss_bytes": peak_rss_bytes()})
                 if ranks.leader:
                     save_layer(folder, index, tensors, meta)
                     files |= layer_file_records(folder, index)
                     timings[f"layer_{index:03d}"] = round(time.time() - layer_started, 2)
                     timings.setdefault("stages", {})[f"layer_{index:03d}"] = stages
-                    if ranks.distributed:  # each rank's seconds per stage: imbalance shows here
-                        timings.setdefault("rank_stages", {})[f"layer_{index:03d}"] = every_rank
+                    if ranks.distributed:  # each rank's seconds per stage and peak RSS: imbalance shows here
+                        timings.setdefault("ranks", {})[f"layer_{index:03d}"] = every_rank
                     write_json_atomic(folder / "timings.json", timings)
                     write_progress(folder, fingerprint, index + 1, files)
                 ranks.barrier("recording the layer")

@@ -46,7 +46,7 @@ import torch
 from hexq.adapters import adapter_for
 from hexq.artifact.format import STATS_SHARD
 from hexq.artifact.reader import Artifact
-from hexq.devices import resolve_device
+from hexq.devices import peak_rss_bytes, resolve_device
 from hexq.errors import HexqError
 from hexq.models import context_length
 from hexq.packed.bitpack import packed_nbytes
@@ -61,7 +61,7 @@ from hexq.runtime.native import NativeDecoder, NotNative
 from hexq.runtime.policy import check_policy_widths, make_policy, policy_context
 from hexq.runtime.sampling import Sampling, TextStream, next_token
 from hexq.runtime.source import CACHE_FORMATS, ArtifactSource
-from hexq.runtime.stats import RunStats, peak_rss_bytes
+from hexq.runtime.stats import RunStats
 from hexq.runtime.warm import warm_order
 from hexq.simulate import quantized_expert_output
 from hexq.streaming import blocked_nll
@@ -402,7 +402,7 @@ class Runtime:
         generator = sampling.generator()
         self.policy.begin_sequence()
         self.state.prefill = True
-        logits, past = self._next_logits(torch.tensor([ids]), None)
+        logits, past = self._next_logits(torch.tensor([ids], device=self.device), None)
         self.policy.end_prefill()
         if self.native is not None:  # the prompt's KV cache moves into the native step's
             self.native.start(past, len(ids), len(ids) + max_new_tokens)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import asdict, dataclass, field
 
 from hexq.runtime.cache import CacheStats
@@ -59,13 +58,3 @@ class RunStats:
         out = {key: value for key, value in asdict(self).items() if key not in ("cache", "prefetch")}
         return out | {"cache": cache, "prefetch": {**asdict(self.prefetch), "precision": self.prefetch.precision,
                                                    "recall": self.prefetch.recall}}
-
-
-def peak_rss_bytes() -> int | None:
-    """The process's peak resident set (VmHWM of /proc/self/status), or None where there is no /proc."""
-    try:
-        with open("/proc/self/status") as handle:
-            match = re.search(r"VmHWM:\s+(\d+) kB", handle.read())
-    except OSError:
-        return None
-    return int(match.group(1)) * 1024 if match else None
