@@ -12,8 +12,7 @@ Runs, each a fresh `hexq calibrate` (recipe experts-mixed, --samples windows x 2
 Wall time and peak RSS of each run (RUSAGE_CHILDREN: the largest process of the run), each rank's own peak RSS and
 seconds per stage (timings.json), and the scaling model fitted to them: the dense part (smoothing, the quantized
 pass) is replicated on every rank; the routed experts' stages (Hessians and GPTQ in "quantize", the loss table)
-divide by the world size; per layer every rank sends and receives the experts' two combined outputs (float64) from
-every other rank.
+divide by the world size; per layer the experts' two combined outputs (float64) are summed by all_reduce.
 """
 
 from __future__ import annotations
@@ -100,7 +99,7 @@ def projection(row: dict, world_sizes: tuple[int, ...], samples: int) -> list[di
             layer = dense_seconds * dense_scale + expert_seconds * expert_scale / world
             out.append({"model": name, "world": world, "seconds_per_layer": layer,
                         "hours": layer * moe_layers / 3600,
-                        "received_mb_per_layer": (world - 1) * 2 * tokens * hidden * 8 / 1e6})
+                        "received_mb_per_layer": 2 * (world - 1) / world * 2 * tokens * hidden * 8 / 1e6})
     return out
 
 

@@ -6,10 +6,10 @@ linears' GPTQ, attention) is computed by every rank, identically (it is a small 
 replicating it costs no communication). A MoE layer's routed experts are split: each rank owns one contiguous range
 of expert ids (`expert_range`, balanced by a cost model of routed tokens), accumulates their Hessians, builds their
 replica banks into its rows of the shared bank file, and measures their loss-table rows and their output at
-`propagate_bits`. What the next layer needs - the experts' combined output - is the sum of every rank's part,
-reduced in rank order (`sum`: every rank gathers every part and adds them 0, 1, 2, ...), so the result is the same on
-every rank and does not depend on timing. Per-expert tables are summed the same way with zeros in the rows a rank
-does not own, which is exact.
+`propagate_bits`. What the next layer needs - the experts' combined output - is the sum of every rank's part
+(`sum`, an all_reduce), kept in float64 where a token's few float32 terms add exactly: the result has the same bits
+on every rank, as in one process, whatever the order or timing of the additions. Per-expert tables are summed the
+same way with zeros in the rows a rank does not own, which is exact.
 
 Files: rank 0 alone writes the layer files, progress and the manifest; bank rows are written by their owners into
 one file rank 0 created (hexq.io.SafetensorsWriter, attached), published by rank 0 after a barrier. The output folder
@@ -31,7 +31,6 @@ import torch
 from hexq.errors import HexqError
 
 TIMEOUT_SECONDS = int(os.environ.get("HEXQ_DIST_TIMEOUT", "1800"))  # one layer's expert work must fit in it
-SUM_CHUNK_BYTES = 64 << 20  # a reduction gathers world x this many bytes at once
 TOKEN_COST = 0.5  # expert cost model: GPTQ per expert = 1, Hessian and loss table per routed token / mean tokens
 
 
@@ -94,24 +93,16 @@ class Ranks:
         return box[0]
 
     def sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The sum of every rank's `tensor` (same shape and dtype everywhere), added in rank order on every rank:
-        the same bits on every rank, whatever the timing. Gathered in slices of SUM_CHUNK_BYTES."""
+        """The sum of every rank's `tensor` (same shape everywhere), on every rank (all_reduce: each rank sends and
+        receives ~2x its bytes whatever the world size). Callers sum float64 tensors whose float32 terms add exactly
+        (or rows where every rank but one holds zeros), so the order the backend adds them in changes no bit."""
         if not self.distributed:
             return tensor
         import torch.distributed as dist
 
-        flat = tensor.contiguous().reshape(-1)
-        out = torch.empty_like(flat)
-        step = max(1, SUM_CHUNK_BYTES // max(1, flat.element_size()))
-        for start in range(0, flat.numel(), step):
-            part = flat[start:start + step].contiguous()
-            parts = [torch.empty_like(part) for _ in range(self.world)]
-            self._call("summing the experts' outputs", dist.all_gather, parts, part)
-            total = parts[0].clone()
-            for other in parts[1:]:
-                total += other
-            out[start:start + step] = total
-        return out.reshape(tensor.shape)
+        total = tensor.clone()
+        self._call("summing the experts' outputs", dist.all_reduce, total)
+        return total
 
     def extreme(self, low: float, high: float) -> tuple[float, float]:
         """(min of every rank's low, max of every rank's high)."""
