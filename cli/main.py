@@ -390,6 +390,9 @@ def run(
     mode: ModeOpt = "cache",
     seqlen: SeqlenOpt = 256,
     windows: WindowsOpt = None,
+    kl_against: Annotated[Path | None, typer.Option("--kl-against", help="With --ppl: also the KL divergence of the "
+                                                    "served model's next-token distributions from this model's "
+                                                    "(usually the original) on the same windows.")] = None,
     stats: Annotated[bool, typer.Option("--stats", help="Print TTFT, TPOT, tokens/s, hit rates, bytes moved, "
                                         "wait time.")] = False,
     device: DeviceOpt = "auto",
@@ -404,10 +407,15 @@ def run(
                             kernels=kernels, decode=decode, warm=warm, cost_model=cost_model, policy=policy,
                             prefetch=prefetch, prefetch_top=prefetch_top, mode=mode, device=device)
     from hexq.data import eval_text, tokenize
-    from hexq.eval.run import runtime_perplexity
+    from hexq.eval.run import runtime_divergence, runtime_perplexity
     from hexq.io import write_json_atomic
+    from hexq.models import resolve_model
     from hexq.runtime.engine import Runtime
     from hexq.runtime.sampling import Sampling
+
+    if kl_against is not None and ppl is None:
+        raise HexqError("--kl-against goes with --ppl")
+    reference = resolve_model(kl_against, None) if kl_against is not None else None
 
     sampling = Sampling(temperature, top_p, top_k, seed)
     with Runtime(artifact, config) as runtime:
@@ -434,6 +442,16 @@ def run(
             console.print(f"perplexity {value:.3f} on {ppl} (window {seqlen}, {scored:,} tokens scored, "
                           f"{scored / seconds:.0f} tokens/s)")
             result |= {"data": ppl, "perplexity": value, "seqlen": seqlen, "tokens_scored": scored}
+            if reference is not None:
+                with progress_bar() as bar:
+                    task = bar.add_task(f"KL divergence from {reference.name}", total=None)
+                    kl = runtime_divergence(runtime, eval_text(ppl), ids, seqlen, windows, reference,
+                                            lambda done, total: bar.update(task, completed=done, total=total))
+                summary = kl.summary()
+                console.print(f"KL divergence from {reference.name}: mean {summary['kld_mean']:.5f}, p90 "
+                              f"{summary['kld_p90']:.5f}, p99 {summary['kld_p99']:.5f} nats; top-1 agreement "
+                              f"{summary['top1_agreement']:.2%}; perplexity ratio {summary['perplexity_ratio']:.4f}")
+                result["kl"] = summary
         result["stats"] = run_stats.as_dict()
     if stats:
         print_run_stats(result["stats"])

@@ -86,3 +86,23 @@ def test_kl_needs_one_vocabulary(tmp_path, tiny_qwen3moe):
     other = save_tiny_model(tmp_path / "other", "qwen3_moe", vocab_size=8200)
     with pytest.raises(HexqError, match="vocabulary"):
         evaluate_model(tiny_qwen3moe, **EVAL, kl_against=other)
+
+
+def test_the_served_model_against_the_original(reference_artifact):
+    """hexq run --ppl --kl-against: the runtime's windows (one forward pass each) against the streamed original give
+    the runtime's own perplexity and, in fp32, the simulated model's divergence."""
+    from hexq.data import eval_text, tokenize
+    from hexq.eval.run import runtime_divergence, runtime_perplexity
+    from hexq.runtime.engine import Runtime
+
+    model = REFERENCE_MODELS["qwen3moe"]
+    (simulated,) = evaluate_model(reference_artifact, ["austen"], 64, 3, 2, "cpu", kl_against=model)
+    with Runtime(reference_artifact, dtype="fp32") as runtime:
+        text = eval_text("austen")
+        ids = tokenize(runtime.tokenizer, text)
+        got = runtime_divergence(runtime, text, ids, 64, 3, model).summary()
+        served, _, _ = runtime_perplexity(runtime, ids, 64, 3)
+    assert got["perplexity"] == pytest.approx(served, rel=1e-4)
+    assert got["reference_perplexity"] == pytest.approx(simulated.divergence["reference_perplexity"], rel=1e-5)
+    assert got["kld_mean"] == pytest.approx(simulated.divergence["kld_mean"], rel=0.05)
+    assert got["tokens"] == 3 * 63

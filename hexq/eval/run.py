@@ -128,6 +128,35 @@ def kl_divergence(streamed, prepare, reference_path: Path, streams: dict[str, to
         hidden.close()
 
 
+def runtime_divergence(runtime, text: str, ids: torch.Tensor, seqlen: int, max_windows: int | None,
+                       reference_path: Path, progress: Callable[[int, int], None] | None = None) -> Divergence:
+    """Per-token divergence of the runtime's next-token distributions (one window per forward pass, as
+    runtime_perplexity scores them) from the model at `reference_path` (streamed layer by layer) on the same
+    windows of `text` (hexq.eval.divergence)."""
+    check_window_length(seqlen, runtime.context)
+    windows = make_windows(ids, seqlen, max_windows)
+    reference, reference_tokenizer, prepare = open_target(Path(reference_path), runtime.device, None)
+    if not torch.equal(tokenize(reference_tokenizer, text), ids):
+        raise HexqError(f"{reference_path} tokenizes the text differently: the KL divergence compares distributions "
+                        "over one vocabulary")
+    if reference.config.vocab_size != runtime.model.config.vocab_size:
+        raise HexqError(f"{reference_path} has a vocabulary of {reference.config.vocab_size}, the artifact "
+                        f"{runtime.model.config.vocab_size}")
+    states = []
+    for index, window in enumerate(windows):
+        states.append(runtime.window_states(window)[None])
+        if progress:
+            progress(index + 1, len(windows))
+    reference_hidden = stream_layers(reference, windows, 1, prepare)
+    head = runtime.model.lm_head
+    try:
+        with streamed_head(reference) as reference_head:
+            return divergence(states, (torch.nn.Identity(), head.weight, getattr(head, "bias", None), runtime.dtype),
+                              reference_hidden, reference_head, windows, 1)
+    finally:
+        reference_hidden.close()
+
+
 def runtime_perplexity(runtime, ids: torch.Tensor, seqlen: int, max_windows: int | None,
                        progress: Callable[[int, int], None] | None = None) -> tuple[float, int, float]:
     """(perplexity, tokens scored, seconds) of a hexq.runtime.engine.Runtime with the GPTQ protocol (the windows of

@@ -359,13 +359,20 @@ class Runtime:
         return self.model(ids.to(self.device), past_key_values=past, use_cache=past is not None or not prefill)
 
     @torch.no_grad()
+    def window_states(self, window: torch.Tensor) -> torch.Tensor:
+        """The final norm's outputs [L, H] of one window run as a prefill (a new sequence for the policy): what the
+        head reads."""
+        self.policy.begin_sequence()
+        self.state.prefill = True
+        states = self.model.model(window[None].to(self.device)).last_hidden_state[0]
+        self.policy.end_prefill()
+        return states
+
+    @torch.no_grad()
     def window_nll(self, window: torch.Tensor) -> torch.Tensor:
         """Summed next-token NLL of one window scored as a prefill (a new sequence for the policy). The head is
         applied in vocabulary blocks (hexq.streaming.blocked_nll): no [positions, vocab] logits exist at once."""
-        self.policy.begin_sequence()
-        self.state.prefill = True
-        hidden = self.model.model(window[None].to(self.device)).last_hidden_state[0, :-1]
-        self.policy.end_prefill()
+        hidden = self.window_states(window)[:-1]
         head = self.model.lm_head
         nll = blocked_nll(hidden, head.weight, getattr(head, "bias", None), window[1:].to(self.device), 16384,
                           self.dtype)
