@@ -8,8 +8,6 @@ from typing import Annotated
 
 import typer
 
-from hexq.errors import HexqError
-
 MemoryOpt = Annotated[str | None, typer.Option("--memory", help="One budget for the whole process: dense part + "
                                                "load scratch + KV cache + expert cache, e.g. 6GB.")]
 BudgetOpt = Annotated[str | None, typer.Option("--budget", help="Memory for the expert cache alone, e.g. 200MB or "
@@ -56,8 +54,6 @@ def runtime_config(*, memory: str | None, budget: str | None, context: int | Non
     from hexq.units import parse_bytes
 
     resolve_device(device)
-    if memory is not None and budget is not None:
-        raise HexqError("give --memory (the whole process) or --budget (the experts alone), not both")
     return RuntimeConfig(memory_bytes=parse_bytes(memory) if memory is not None else None,
                          budget_bytes=parse_bytes(budget) if budget is not None else None, policy=policy,
                          prefetch=prefetch, prefetch_top_t=prefetch_top, mode=mode, device=device, dtype=dtype,

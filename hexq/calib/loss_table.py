@@ -48,7 +48,7 @@ def loss_table(routed: RoutedTokens, weights_of, tensors: dict, bank, bits_list:
     entries are measured against).
 
     Across ranks (hexq.calib.ranks) each rank measures the rows of its own experts and their part of both combined
-    outputs; the parts and the rows are summed in rank order, so every rank returns the same table and output."""
+    outputs; the parts and the rows are summed (Ranks.sum), so every rank returns the same table and output."""
     num_experts = routed.num_experts
     device = routed.x.device  # the sums stay on the device until the table is complete: no synchronisation per expert
     sse = torch.zeros(num_experts, len(bits_list), dtype=torch.float64, device=device)

@@ -104,11 +104,6 @@ class Ranks:
         self._call("summing the experts' outputs", dist.all_reduce, total)
         return total
 
-    def extreme(self, low: float, high: float) -> tuple[float, float]:
-        """(min of every rank's low, max of every rank's high)."""
-        values = self.objects((low, high))
-        return min(v[0] for v in values), max(v[1] for v in values)
-
     # --- the split of a layer's experts
 
     def expert_range(self, tokens: list[int]) -> range:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -38,8 +38,10 @@ class Divergence:
 
     @staticmethod
     def join(parts: list[Divergence]) -> Divergence:
-        return Divergence(*(torch.cat([getattr(p, name) for p in parts]) for name in
-                            ("kld", "agree", "nll", "reference_nll")))
+        return Divergence(*(torch.cat([getattr(p, f.name) for p in parts]) for f in fields(Divergence)))
+
+    def __getitem__(self, tokens: slice) -> Divergence:
+        return Divergence(*(getattr(self, f.name)[tokens] for f in fields(Divergence)))
 
     def summary(self) -> dict:
         kld = self.kld.double()

@@ -75,7 +75,8 @@ def evaluate_model(model_path: str | Path, data: list[str], seqlen: int, max_win
     (hexq.eval.divergence)."""
     device = device if isinstance(device, torch.device) else resolve_device(device)
     streamed, tokenizer, prepare = open_target(Path(model_path), device, expert_bits)
-    streams = {source: tokenize(tokenizer, eval_text(source)) for source in data}
+    texts = {source: eval_text(source) for source in data}
+    streams = {source: tokenize(tokenizer, text) for source, text in texts.items()}
     check_window_length(seqlen, context_length(streamed.config))
     windows = {source: make_windows(ids, seqlen, max_windows) for source, ids in streams.items()}
     ids = torch.cat(list(windows.values()))
@@ -83,19 +84,16 @@ def evaluate_model(model_path: str | Path, data: list[str], seqlen: int, max_win
         nll = stream_nll(streamed, ids, batch_size, prepare, activation_limit, progress=progress)
         divergences = None
     else:
-        found = kl_divergence(streamed, prepare, Path(kl_against), streams, ids, batch_size, device,
-                              activation_limit, progress)
-        nll = found.nll.double().reshape(ids.shape[0], -1).sum(1)
-        divergences = found
+        reference = open_reference(Path(kl_against), device, texts, streams, streamed.config.vocab_size)
+        divergences = kl_divergence(streamed, prepare, reference, ids, batch_size, activation_limit, progress)
+        nll = divergences.nll.double().reshape(ids.shape[0], -1).sum(1)
     rows, start = [], 0
     for source, cut in windows.items():
         total = float(nll[start:start + cut.shape[0]].sum())
         scored = cut.shape[0] * (seqlen - 1)
         summary = None
         if divergences is not None:
-            tokens = slice(start * (seqlen - 1), start * (seqlen - 1) + scored)
-            summary = Divergence(*(getattr(divergences, name)[tokens] for name in
-                                   ("kld", "agree", "nll", "reference_nll"))).summary()
+            summary = divergences[start * (seqlen - 1):start * (seqlen - 1) + scored].summary()
         start += cut.shape[0]
         mean = total / scored
         rows.append(EvalRow(source, PerplexityResult(math.exp(mean), mean, seqlen, cut.shape[0], scored,
@@ -103,18 +101,27 @@ def evaluate_model(model_path: str | Path, data: list[str], seqlen: int, max_win
     return rows
 
 
-def kl_divergence(streamed, prepare, reference_path: Path, streams: dict[str, torch.Tensor], ids: torch.Tensor,
-                  batch_size: int, device: torch.device, activation_limit: int | None, progress) -> Divergence:
-    """Per-token divergence of the streamed model from the model at `reference_path` on windows `ids`: both models
-    streamed layer by layer over the same windows (one model's layer in memory at a time), then both heads."""
-    reference, reference_tokenizer, reference_prepare = open_target(reference_path, device, None)
-    for source, stream in streams.items():
-        if not torch.equal(tokenize(reference_tokenizer, eval_text(source)), stream):
-            raise HexqError(f"{reference_path} tokenizes {source} differently: the KL divergence compares "
-                            "distributions over one vocabulary")
-    if reference.config.vocab_size != streamed.config.vocab_size:
-        raise HexqError(f"{reference_path} has a vocabulary of {reference.config.vocab_size}, the evaluated model "
-                        f"{streamed.config.vocab_size}")
+def open_reference(path: Path, device: torch.device, texts: dict[str, str], streams: dict[str, torch.Tensor],
+                   vocab_size: int):
+    """(streamed model, layer plan) of the model the KL divergence is measured against, checked to share the
+    evaluated model's vocabulary and to tokenize each text (name: text) into the same ids (name: ids)."""
+    reference, reference_tokenizer, prepare = open_target(path, device, None)
+    for source, text in texts.items():
+        if not torch.equal(tokenize(reference_tokenizer, text), streams[source]):
+            raise HexqError(f"{path} tokenizes {source} differently: the KL divergence compares distributions over "
+                            "one vocabulary")
+    if reference.config.vocab_size != vocab_size:
+        raise HexqError(f"{path} has a vocabulary of {reference.config.vocab_size}, the evaluated model "
+                        f"{vocab_size}")
+    return reference, prepare
+
+
+def kl_divergence(streamed, prepare, reference, ids: torch.Tensor, batch_size: int, activation_limit: int | None,
+                  progress) -> Divergence:
+    """Per-token divergence of the streamed model from `reference` (open_reference's pair) on windows `ids`: both
+    models streamed layer by layer over the same windows (one model's layer in memory at a time), then both
+    heads."""
+    reference, reference_prepare = reference
     hidden = stream_layers(streamed, ids, batch_size, prepare, activation_limit, progress=progress)
     try:
         reference_hidden = stream_layers(reference, ids, batch_size, reference_prepare, activation_limit,
@@ -135,13 +142,8 @@ def runtime_divergence(runtime, text: str, ids: torch.Tensor, seqlen: int, max_w
     windows of `text` (hexq.eval.divergence)."""
     check_window_length(seqlen, runtime.context)
     windows = make_windows(ids, seqlen, max_windows)
-    reference, reference_tokenizer, prepare = open_target(Path(reference_path), runtime.device, None)
-    if not torch.equal(tokenize(reference_tokenizer, text), ids):
-        raise HexqError(f"{reference_path} tokenizes the text differently: the KL divergence compares distributions "
-                        "over one vocabulary")
-    if reference.config.vocab_size != runtime.model.config.vocab_size:
-        raise HexqError(f"{reference_path} has a vocabulary of {reference.config.vocab_size}, the artifact "
-                        f"{runtime.model.config.vocab_size}")
+    reference, prepare = open_reference(Path(reference_path), runtime.device, {"the text": text}, {"the text": ids},
+                                        runtime.model.config.vocab_size)
     states = []
     for index, window in enumerate(windows):
         states.append(runtime.window_states(window)[None])

@@ -5,9 +5,9 @@ experts, embeddings, head; quantized linears kept as their packed codes, the res
 load buffers of hexq.runtime.source and the compute's expansion matrices of hexq.runtime.compute), the KV cache of
 one sequence of `--context` positions (kv_position_bytes), and the fast tier, which gets the rest. `--budget` is
 the fast tier alone. Nothing of the artifact is memory-mapped while serving: experts are read with pread, so the
-page cache holds the artifact, not the process. The fast tier holds experts as
-their stored packed bytes by default (`--cache packed`: a 3-bit expert takes ~0.25x its bf16 bytes), or expanded
-into bf16 / fp32 matrices (`--cache bf16|fp32`).
+page cache holds the artifact, not the process. The fast tier holds experts as their stored packed bytes by default
+(`--cache packed`: a 3-bit expert takes ~0.25x its bf16 bytes), or expanded into bf16 / fp32 matrices
+(`--cache bf16|fp32`).
 
 Compute. Experts and quantized dense linears are computed from their codes by the CPU kernels (hexq.packed.cpu:
 AVX-512 VNNI, AVX2 or portable C, picked for this CPU; `--stats` names the path) or expanded into a scratch matrix
@@ -432,17 +432,14 @@ class Runtime:
                  sampling: Sampling = GREEDY) -> tuple[str, RunStats]:
         """The continuation of `prompt` (see `tokens`), streamed through on_text, with the run's statistics."""
         ids = self.encode(prompt)
-        self.check_length(len(ids), max_new_tokens)
         started = time.perf_counter()
         if self.native is not None:
             self.native.profile()  # counted from here
         stream = TextStream(self.tokenizer)
         steps: list[float] = []  # seconds of each decode forward pass
         ttft = None
-        count = 0
         for token in self.tokens(ids, max_new_tokens, sampling, steps):
             ttft = time.perf_counter() - started if ttft is None else ttft
-            count += 1
             piece = stream.push(token)
             if on_text is not None and piece:
                 on_text(piece)
@@ -453,6 +450,7 @@ class Runtime:
         # the median decode step: one scheduler hiccup on a shared machine should not move the figure
         tpot = statistics.median(steps) if steps else None
         profile = self.native.profile() if self.native is not None else None
+        count = len(stream.tokens)
         return stream.text, self.stats(ttft_seconds=ttft, tpot_seconds=tpot, native_profile=profile,
                                        tokens_per_second=count / total if total > 0 else None,
                                        generated_tokens=count)

@@ -80,15 +80,16 @@ class TextStream:
             full, self.stopped = full[:min(hits)], True
         else:
             full = full[:len(full) - _held_back(full, self.stop)]
-        piece = full[len(self.text):] if full.startswith(self.text) else ""
-        self.text += piece
-        return piece
+        return self._send(full)
 
     def finish(self) -> str:
         """The rest once generation ends (a held-back prefix of a stop string that never completed)."""
         if self.stopped:
             return ""
-        full = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        return self._send(self.tokenizer.decode(self.tokens, skip_special_tokens=True))
+
+    def _send(self, full: str) -> str:
+        """What `full` adds to the text sent so far."""
         piece = full[len(self.text):] if full.startswith(self.text) else ""
         self.text += piece
         return piece

@@ -47,6 +47,11 @@ class Sampled(Base):
     logit_bias: dict[str, float] | None = None
     logprobs: Any = None
 
+    @property
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk (stream_options.include_usage)."""
+        return bool((self.stream_options or {}).get("include_usage"))
+
     @field_validator("stop")
     @classmethod
     def _stop(cls, value):

@@ -123,9 +123,9 @@ def create_app(runtime, *, model_name: str, api_key: str | None = None, max_queu
     tokenizer = runtime.tokenizer
     template = chat_template or getattr(tokenizer, "chat_template", None)
     tokenizer_lock = threading.Lock()  # the worker decodes while requests are tokenized
-    worker: Worker | None = None
-    metrics = Metrics(runtime, lambda: worker, startup_rss)
-    worker = Worker(runtime, max_queue, metrics.observe, tokenizer_lock)
+    worker = Worker(runtime, max_queue, tokenizer_lock=tokenizer_lock)
+    metrics = Metrics(runtime, worker, startup_rss)
+    worker.observer = metrics.observe
     app = FastAPI(title="hexq", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(ApiError)
@@ -212,6 +212,9 @@ def create_app(runtime, *, model_name: str, api_key: str | None = None, max_queu
             job.cancelled.set()  # a no-op once the job is done
 
     def stream(job: Job, chunk, include_usage: bool, first: dict | None = None) -> StreamingResponse:
+        """The job as server-sent events: `first` (if any), a chunk(text, finish reason) per piece, the last one
+        with the finish reason, with include_usage a chunk of no choices and the usage, then [DONE]."""
+
         async def events():
             try:
                 if first is not None:
@@ -223,7 +226,7 @@ def create_app(runtime, *, model_name: str, api_key: str | None = None, max_queu
                     elif event[0] == "done":
                         yield _sse(chunk("", event[1]))
                         if include_usage:
-                            yield _sse(chunk(None, None, usage(len(job.ids), event[2])))
+                            yield _sse(chunk("", None) | {"choices": [], "usage": usage(len(job.ids), event[2])})
                         yield "data: [DONE]\n\n"
                         return
                     else:
@@ -254,14 +257,11 @@ def create_app(runtime, *, model_name: str, api_key: str | None = None, max_queu
         job = start(body, ids, body.max_tokens)
         request_id, created = new_id("cmpl"), now()
 
-        def chunk(text, finish, use=None):
-            out = completion_chunk(request_id, created, model_name, text or "", finish)
-            if use is not None:
-                out |= {"choices": [], "usage": use}
-            return out
+        def chunk(text, finish):
+            return completion_chunk(request_id, created, model_name, text, finish)
 
         if body.stream:
-            return stream(job, chunk, bool((body.stream_options or {}).get("include_usage")))
+            return stream(job, chunk, body.include_usage)
         result = await collect(job, request)
         if result is None:
             return Response(status_code=499)
@@ -287,15 +287,12 @@ def create_app(runtime, *, model_name: str, api_key: str | None = None, max_queu
         job = start(body, ids, max_tokens)
         request_id, created = new_id("chatcmpl"), now()
 
-        def chunk(text, finish, use=None):
-            out = chat_chunk(request_id, created, model_name, {} if text is None else {"content": text}, finish)
-            if use is not None:
-                out |= {"choices": [], "usage": use}
-            return out
+        def chunk(text, finish):
+            return chat_chunk(request_id, created, model_name, {"content": text}, finish)
 
         if body.stream:
             first = chat_chunk(request_id, created, model_name, {"role": "assistant", "content": ""}, None)
-            return stream(job, chunk, bool((body.stream_options or {}).get("include_usage")), first)
+            return stream(job, chunk, body.include_usage, first)
         result = await collect(job, request)
         if result is None:
             return Response(status_code=499)

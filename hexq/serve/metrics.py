@@ -51,7 +51,7 @@ class RuntimeCollector:
 
 
 class Metrics:
-    def __init__(self, runtime, worker_state, startup_rss: int | None) -> None:
+    def __init__(self, runtime, worker, startup_rss: int | None) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter("hexq_requests", "HTTP requests answered.", ["endpoint", "status"],
                                 registry=self.registry)
@@ -65,9 +65,9 @@ class Metrics:
         self.tpot = Histogram("hexq_time_per_output_token_seconds", "Each decode step.", buckets=TPOT_BUCKETS,
                               registry=self.registry)
         queue = Gauge("hexq_queue_length", "Requests waiting for the generation worker.", registry=self.registry)
-        queue.set_function(lambda: worker_state().waiting)
+        queue.set_function(lambda: worker.waiting)
         running = Gauge("hexq_running", "Sequences being generated (0 or 1).", registry=self.registry)
-        running.set_function(lambda: worker_state().running)
+        running.set_function(lambda: worker.running)
         self.registry.register(RuntimeCollector(runtime, startup_rss))
         ProcessCollector(registry=self.registry)  # process_resident_memory_bytes and friends, where /proc exists
 

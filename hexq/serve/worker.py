@@ -44,7 +44,7 @@ class Job:
 
 
 class Worker:
-    """The thread that runs every Job on `runtime` (see the module docstring). `observer` gets
+    """The thread that runs every Job on `runtime` (see the module docstring). `observer`, when set, gets
     (job, first_token_seconds, step_seconds list, completion_tokens, finish_reason) after each job, for metrics."""
 
     def __init__(self, runtime, max_queue: int, observer=None, tokenizer_lock: threading.Lock | None = None) -> None:
