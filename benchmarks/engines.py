@@ -21,7 +21,9 @@ What runs (every row a fresh process, --threads threads, nothing else running; t
                           a prompt's worth of positions, as for hexq), prefill pp128
 Artifacts: the checkpoint calibrated with round-to-nearest replicas (decode speed does not depend on how the codes
 were chosen) on 16 windows, packed at 3.0 and 4.0 bits (the 4-bit one with `--bank export`: the 4-bit replica of
-every 8-bit expert, which the GGUF export writes for it).
+every 8-bit expert, which the GGUF export writes for it); and once more with the dense linears at 4 bits in groups
+of 32 with full-precision activations (W4A16, attention at Q4_0's width; DENSE4_RECIPE), packed at 3.0 bits (native
+decode row only).
 
 Bytes per decoded token (from the files, not timed): what one decode step reads - every dense tensor a token uses
 (attention, norms, routers, the head row-block it multiplies: the whole head; the embedding row aside) plus top_k of
@@ -51,6 +53,7 @@ from provenance import start_run, write_results
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT_TOKENS = 128
+DENSE4 = "hexq 3-bit, dense W4A16 g32"
 RTN_RECIPE = """name: experts-rtn
 version: 1
 smoothing: {method: none}
@@ -64,6 +67,23 @@ experts:
   activations: {bits: null}
 calibration: {num_samples: 16, seqlen: 256, seed: 0}
 pack: {bits: [2, 3, 4, 8]}
+"""
+# The same experts at 3 bits with the dense linears (attention) at 4 bits in groups of 32 and activations in full
+# precision, the width llama.cpp's Q4_0 gives attention: what a decode step reads then differs from Q4_0's mainly by
+# the experts' 3 bits against 4.5 (and the bf16 head against Q6_K). Speed only: 4 windows are enough.
+DENSE4_RECIPE = """name: experts-rtn-dense4
+version: 1
+smoothing: {method: none}
+weights: {bits: 4, group_size: 32, symmetric: false, method: rtn}
+activations: {bits: null}
+experts:
+  mode: replicas
+  replica_bits: [3]
+  propagate_bits: 3
+  weights: {group_size: 32, symmetric: false, method: rtn}
+  activations: {bits: null}
+calibration: {num_samples: 4, seqlen: 256, seed: 0}
+pack: {bits: [3]}
 """
 
 
@@ -167,21 +187,32 @@ def repeated(spec: dict, repeats: int, cgroup_limit: int | None = None, root: Pa
 # ------------------------------------------------------------------------------------------ preparing
 
 
-def hexq_artifacts(checkpoint: Path, work: Path) -> dict[str, Path]:
-    recipe = work / "experts-rtn.yaml"
-    recipe.write_text(RTN_RECIPE)
-    calibration = work / "calibration"
+def calibrated(checkpoint: Path, work: Path, name: str, text: str) -> tuple[Path, Path]:
+    """(recipe file, calibration folder) of `checkpoint` calibrated with recipe `text` (once per work folder)."""
+    recipe = work / f"{name}.yaml"
+    recipe.write_text(text)
+    calibration = work / ("calibration" if name == "experts-rtn" else f"calibration-{name}")
     if not (calibration / "manifest.json").exists():
         subprocess.run([sys.executable, "-m", "hexq_cli.main", "calibrate", str(checkpoint), "-r", str(recipe), "-o",
                         str(calibration)], check=True, cwd=ROOT)
+    return recipe, calibration
+
+
+def packed(calibration: Path, recipe: Path, out: Path, bits: int, *extra: str) -> Path:
+    if not (out / "manifest.json").exists():
+        subprocess.run([sys.executable, "-m", "hexq_cli.main", "pack", str(calibration), "-r", str(recipe), "--bits",
+                        str(bits), "-o", str(out), "--force", *extra], check=True, cwd=ROOT)
+    return out
+
+
+def hexq_artifacts(checkpoint: Path, work: Path) -> dict[str, Path]:
+    recipe, calibration = calibrated(checkpoint, work, "experts-rtn", RTN_RECIPE)
     artifacts = {}
     for bits in (3, 4):
-        out = work / f"hexq-{bits}.hexq"
         bank = ["--bank", "export"] if bits == 4 else []  # what the GGUF export of the 4-bit artifact needs
-        if not (out / "manifest.json").exists():
-            subprocess.run([sys.executable, "-m", "hexq_cli.main", "pack", str(calibration), "-r", str(recipe),
-                            "--bits", str(bits), "-o", str(out), "--force", *bank], check=True, cwd=ROOT)
-        artifacts[f"hexq {bits}-bit"] = out
+        artifacts[f"hexq {bits}-bit"] = packed(calibration, recipe, work / f"hexq-{bits}.hexq", bits, *bank)
+    recipe, calibration = calibrated(checkpoint, work, "experts-rtn-dense4", DENSE4_RECIPE)
+    artifacts[DENSE4] = packed(calibration, recipe, work / "hexq-3-dense4.hexq", 3)
     return artifacts
 
 
@@ -288,7 +319,7 @@ def main() -> int:
     results["bandwidth_gbps"] = run_child({"kind": "bandwidth", "threads": args.threads})["read_gbps"]
     for name, artifact in artifacts.items():
         traffic = bytes_per_token_hexq(artifact)
-        for path in ("native", "transformers"):
+        for path in ("native",) if name == DENSE4 else ("native", "transformers"):
             row = repeated(base | {"kind": "hexq", "artifact": str(artifact), "cache": "packed", "path": path},
                            args.repeats)
             row |= {"engine": f"{name}, {path} decode", "bytes_per_token_mb": traffic["total"] / 1e6}
@@ -326,7 +357,7 @@ def ratios(results: dict) -> dict:
     if exported and q4:
         out["llama.cpp on hexq's GGUF export (4-bit) / llama.cpp Q4_0 tokens/s"] = (exported["tokens_per_s"]
                                                                                    / q4["tokens_per_s"])
-    for name in ("hexq 3-bit, native decode", "hexq 4-bit, native decode"):
+    for name in ("hexq 3-bit, native decode", "hexq 4-bit, native decode", f"{DENSE4}, native decode"):
         ours, old = rows.get(name), rows.get(name.replace("native", "transformers"))
         if ours and q4:
             out[f"{name} / llama.cpp Q4_0 tokens/s"] = ours["tokens_per_s"] / q4["tokens_per_s"]

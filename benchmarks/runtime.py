@@ -355,7 +355,7 @@ def dequant_rate(reps: int) -> list[dict]:
                    "copy_ms": copy * 1000, "torch_ms": torch_path * 1000, "torch_over_copy": copy / torch_path}
             if kernels is not None:
                 fast, _ = median_seconds(lambda o=outs, w=packed: [
-                    kernels.dequantize(a, b.codes, b.bits, b.scale, b.zero) for a, b in zip(o, w, strict=True)], reps)
+                    kernels.dequantize(a, b) for a, b in zip(o, w, strict=True)], reps)
                 row |= {"kernel_ms": fast * 1000, "kernel_over_copy": copy / fast,
                         "kernel_gbps": nbytes / fast / 1e9}
             rows.append(row)

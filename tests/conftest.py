@@ -16,6 +16,28 @@ ROOT = Path(__file__).resolve().parent.parent
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def own_cache_folder(tmp_path_factory):
+    """hexq's cache folder for this test session alone: latencies the cost model measured in an earlier run
+    (profiles/ of the user's folder) must not decide which path a test takes. The kernel library already built for
+    these sources is copied over, so no test process compiles it again."""
+    import shutil
+
+    from hexq.io import cache_dir
+    from hexq.packed import cpu
+
+    folder = tmp_path_factory.mktemp("hexq-cache")
+    compiler = cpu._compiler()
+    built = cpu.library_path(compiler) if compiler else None
+    if built is not None and built.is_file():
+        (folder / "kernels").mkdir()
+        shutil.copy2(built, folder / "kernels" / built.name)
+    assert cache_dir() != folder
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HEXQ_CACHE_DIR", str(folder))
+        yield folder
+
+
 def needs_kernels(kernels) -> pytest.MarkDecorator:
     """Skip a test that needs the CPU kernels where they did not build, except in CI, where it runs and fails
     (tests/test_packed_cpu.py's test_kernels_build says what is missing in one line)."""

@@ -150,6 +150,57 @@ def test_symmetric_groups_of_128(symmetric_g128_artifact):
     assert agrees(compare(symmetric_g128_artifact))
 
 
+@pytest.fixture(scope="module")
+def planes_artifact(tmp_path_factory):
+    """A Qwen3-MoE 256 wide (8 blocks of 32 per row: whole units of every plane of the planes layout), activations in
+    full precision, any width 1-8 free to be allocated."""
+    from dataclasses import replace
+
+    from hexq.calib.pipeline import calibrate
+    from hexq.pack import Budget, pack
+    from hexq.recipe import ActivationQuant, Pack, Smoothing
+
+    folder = tmp_path_factory.mktemp("planes")
+    model = save_tiny_model(folder / "model", "qwen3_moe", hidden_size=256, moe_intermediate_size=256,
+                            intermediate_size=256, head_dim=32)
+    widths = (1, 2, 3, 4, 5, 6, 7, 8)
+    recipe = replace(small_recipe("experts-mixed", replica_bits=widths), smoothing=Smoothing(method="none"),
+                     activations=ActivationQuant(bits=None), pack=Pack(bits=widths, avg_bits=4.0, order="free"))
+    calibrate(model, recipe, "bundled", folder / "cal")
+    pack(folder / "cal", folder / "model.hexq", budget=Budget(avg_bits=4.0))
+    return folder / "model.hexq"
+
+
+def test_native_step_on_planes_is_the_stream_transformers_path(planes_artifact):
+    """The native step re-lays every resident expert and dense matrix into the kernels' planes layout; the
+    transformers path of a runtime without the native step reads the stream as stored. With no activation grid both
+    carry their own KV cache and differ by float32 summation order only (1e-4 allowed)."""
+    from hexq.artifact.reader import Artifact
+
+    widths = {b for row in Artifact(planes_artifact).allocation for b in row}
+    assert len(widths - {8}) >= 3, widths
+    tokens = [int(t) for t in torch.randint(1, 8192, (8,), generator=torch.Generator().manual_seed(2))]
+    logits = {}
+    for decode in ("native", "transformers"):
+        with Runtime(planes_artifact, dtype="fp32", decode=decode) as runtime:
+            runtime.compute.profiles = Profiles()  # from the codes
+            layouts = {w.layout for (layer, expert) in runtime.cache.resident()
+                       for w in (runtime.cache.get(layer, expert, 1).gate_up,)}
+            assert layouts == ({"planes"} if decode == "native" else {"stream"}), layouts
+            _, past = runtime._next_logits(PROMPT, None)
+            if decode == "native":
+                runtime.native.start(past, PROMPT.shape[1], PROMPT.shape[1] + len(tokens))
+                logits[decode] = torch.stack([runtime.native.step(t) for t in tokens])
+            else:
+                steps = []
+                for t in tokens:
+                    step, past = runtime._next_logits(torch.tensor([[t]]), past)
+                    steps.append(step)
+                logits[decode] = torch.stack(steps)
+    errors = ((logits["native"] - logits["transformers"]).norm(dim=-1) / logits["transformers"].norm(dim=-1))
+    assert float(errors.max()) <= 1e-4, errors
+
+
 # Families at widths the kernels take (multiples of 32): qwen2_moe with a dense first layer, a shared expert and its
 # gate, q/k/v biases; olmoe with q/k norms over the whole projection; mixtral.
 FAMILIES = {

@@ -10,6 +10,7 @@ from hexq.algos.quant import QuantMeta, QuantSpec, dequantize, quantize
 from hexq.packed import cpu
 from hexq.packed.bitpack import dequantize_into, pack_bits
 from hexq.packed.cpu import GemvJob, gemv_takes, load_cpu_kernels
+from hexq.packed.weight import PackedWeight, dequantize_packed
 from tests.conftest import IN_CI, needs_kernels
 
 KERNELS = load_cpu_kernels()
@@ -73,7 +74,7 @@ def test_gemv_within_its_bound(path: str, bits: int, group: int) -> None:
         x = torch.randn(ntok, cols, generator=torch.Generator().manual_seed(bits))
         x[:, 7] *= 30.0  # an outlier channel: its block's step grows, the bound with it
         y = torch.full((ntok, 40), float("nan"))
-        kernels.gemv([GemvJob(codes, scale, zero, bits, (40, cols), x, y)])
+        kernels.gemv([GemvJob(PackedWeight(codes, scale, zero, bits, (40, cols)), x, y)])
         want = x.double() @ weights.T
         assert torch.isfinite(y).all()
         assert ((y.double() - want).abs() <= gemv_bound(weights, x)).all(), (symmetric, ntok)
@@ -89,8 +90,9 @@ def test_gemv_many_tasks_mixed_widths_strides_and_threads() -> None:
         codes, scale, zero, weights = packed_matrix(48, 256, bits, 32, False, seed=bits)
         own = torch.randn(2, 256)
         out = torch.full((4, 96), float("nan"))[:, :48]  # a row stride of 96: the kernel writes where told
-        jobs.append(GemvJob(codes, scale, zero, bits, (48, 256), x[:, :256], out[:3]))
-        jobs.append(GemvJob(codes, scale, zero, bits, (48, 256), own, torch.empty(2, 48)))
+        weight = PackedWeight(codes, scale, zero, bits, (48, 256))
+        jobs.append(GemvJob(weight, x[:, :256], out[:3]))
+        jobs.append(GemvJob(weight, own, torch.empty(2, 48)))
         wants += [(x[:, :256], weights), (own, weights)]
     for path in PATHS:
         kernels = KERNELS.with_path(path)
@@ -109,7 +111,7 @@ def test_gemv_takes_and_refuses() -> None:
     assert not gemv_takes((8, 64), 3, 4, "scalar")  # groups of 16
     codes, scale, zero, _ = packed_matrix(8, 64, 3, 16, False, seed=0)
     with pytest.raises(ValueError, match="refused"):
-        KERNELS.gemv([GemvJob(codes, scale, zero, 3, (8, 64), torch.randn(1, 64), torch.empty(1, 8))])
+        KERNELS.gemv([GemvJob(PackedWeight(codes, scale, zero, 3, (8, 64)), torch.randn(1, 64), torch.empty(1, 8))])
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -121,9 +123,97 @@ def test_dequantize_is_the_torch_path_bit_for_bit(path: str, bits: int) -> None:
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             want = dequantize_into(torch.empty(24, 256, dtype=dtype), codes, bits, scale, zero, group)
             out = torch.full((24, 256), float("nan"), dtype=dtype)
-            assert kernels.dequantize(out, codes, bits, scale, zero)
+            assert kernels.dequantize(out, PackedWeight(codes, scale, zero, bits, (24, 256)))
             assert torch.equal(out.view(torch.int16 if dtype != torch.float32 else torch.int32),
                                want.view(torch.int16 if dtype != torch.float32 else torch.int32)), (group, dtype)
+
+
+def planes_reference(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """[rows, row bytes] of integer codes [rows, cols] in the planes layout, built from its description in kernels.c
+    (not from the C code): planes of 4, 2 and 1 bits, 8/w blocks per 32-byte unit, bytes in perm32 order, the
+    blocks after the last whole unit of the narrowest plane as a bit stream."""
+    rows, cols = codes.shape
+    blocks, unit = cols // 32, 8 // (bits & -bits)
+    nbp = blocks // unit * unit
+    perm = [j ^ 24 if j >> 3 in (1, 2) else j for j in range(32)]
+    parts, off = [], 0
+    for w in (4, 2, 1):
+        if not bits & w:
+            continue
+        per = 8 // w
+        plane = torch.zeros(rows, nbp // per, 32, dtype=torch.int64)
+        for b in range(nbp):
+            values = (codes[:, b * 32:(b + 1) * 32].long() >> off) & ((1 << w) - 1)
+            plane[:, b // per] |= values[:, perm] << (w * (b % per))
+        parts.append(plane.reshape(rows, -1).to(torch.uint8))
+        off += w
+    tail = codes[:, nbp * 32:]
+    parts.append(torch.stack([pack_bits(row, bits) for row in tail]) if tail.shape[1] else
+                 torch.zeros(rows, 0, dtype=torch.uint8))
+    return torch.cat(parts, dim=1)
+
+
+PLANE_COLS = (352, 384)  # 11 and 12 blocks: whole units of every plane and a stream tail for most widths
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("bits", range(1, 8))
+def test_planes_layout_is_its_description_and_goes_back(path: str, bits: int) -> None:
+    kernels = KERNELS.with_path(path)
+    for cols in PLANE_COLS:
+        codes = torch.randint(0, 1 << bits, (9, cols), generator=torch.Generator().manual_seed(bits))
+        weight = PackedWeight(pack_bits(codes, bits), torch.ones(9, cols // 32, dtype=torch.float16),
+                              torch.zeros(9, cols // 32, dtype=torch.float16), bits, (9, cols))
+        stream = weight.codes.clone()
+        planes = kernels.relayout(weight)
+        assert planes.layout == "planes" and planes.codes is weight.codes  # in place: the same bytes
+        assert torch.equal(planes.codes.view(9, -1), planes_reference(codes, bits)), cols
+        back = kernels.stream(planes)
+        assert back.layout == "stream" and torch.equal(back.codes, stream), cols
+
+
+def test_planes_are_not_made_for_8_bits_or_for_the_torch_path() -> None:
+    codes, scale, zero, _ = packed_matrix(4, 256, 8, 32, False, seed=0)
+    weight = PackedWeight(codes, scale, zero, 8, (4, 256))
+    assert KERNELS.relayout(weight) is weight  # bytes already
+    codes, scale, zero, _ = packed_matrix(4, 256, 3, 32, False, seed=0)
+    planes = KERNELS.relayout(PackedWeight(codes, scale, zero, 3, (4, 256)))
+    with pytest.raises(ValueError, match="planes layout are read by the CPU kernels only"):
+        dequantize_packed(planes)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("bits", range(1, 8))
+def test_gemv_on_planes_within_its_bound(path: str, bits: int) -> None:
+    """The GEMV from re-laid codes: the same bound as from the stream (the same int16 products; only the float32
+    sums' order differs), over whole units and a stream tail, 1-6 tokens, groups of 32 and 128."""
+    kernels = KERNELS.with_path(path)
+    for cols, group in ((352, 32), (384, 128)):
+        for symmetric, ntok in ((False, 1), (True, 3), (False, 6)):
+            codes, scale, zero, weights = packed_matrix(40, cols, bits, group, symmetric, seed=bits * 7 + cols)
+            planes = KERNELS.relayout(PackedWeight(codes.clone(), scale, zero, bits, (40, cols)))
+            assert planes.layout == "planes"
+            x = torch.randn(ntok, cols, generator=torch.Generator().manual_seed(bits))
+            x[:, 7] *= 30.0
+            y = torch.full((ntok, 40), float("nan"))
+            kernels.gemv([GemvJob(planes, x, y)])
+            want = x.double() @ weights.T
+            assert ((y.double() - want).abs() <= gemv_bound(weights, x)).all(), (cols, symmetric, ntok)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("bits", range(1, 8))
+def test_dequantize_planes_is_the_torch_path_bit_for_bit(path: str, bits: int) -> None:
+    kernels = KERNELS.with_path(path)
+    for cols, group in ((352, 32), (384, 128)):
+        codes, scale, zero, _ = packed_matrix(12, cols, bits, group, bits % 2 == 0, seed=bits)
+        planes = KERNELS.relayout(PackedWeight(codes.clone(), scale, zero, bits, (12, cols)))
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            want = dequantize_into(torch.empty(12, cols, dtype=dtype), codes, bits, scale, zero, group)
+            out = torch.full((12, cols), float("nan"), dtype=dtype)
+            assert kernels.dequantize(out, planes)
+            assert torch.equal(out.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                               want.view(torch.int16 if dtype != torch.float32 else torch.int32)), (cols, dtype)
 
 
 def test_forced_paths(monkeypatch) -> None:

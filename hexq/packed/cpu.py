@@ -14,6 +14,14 @@ blocks (what llama.cpp does) would be ~10x cheaper in multiplies but measured ~5
 the bytes, not the multiplies. A task is one matrix with its own tokens; one call runs many tasks (all experts of a
 layer, mixed widths) on a pool of threads that work on rows.
 
+The planes layout. Reading the stored stream, the GEMV spends most of its instructions cutting codes out of it (a
+3-bit code straddles bytes), not waiting for the bytes. `relayout` re-lays a matrix's codes in place, once, into
+planes of 4, 2 and 1 bits per block of 32 codes (kernels.c "the planes layout"), from which a block unpacks to 32
+bytes with one shift and one mask per plane: the same bytes per row, so slots and memory accounting do not change.
+It pays where a matrix is read many times: the native decode step re-lays every resident expert and dense matrix
+it serves when it is built (hexq.runtime.native); a miss loaded for one use keeps the stream. Re-laid codes are read
+only by these kernels (GEMV and dequantization take both layouts; `stream` gives a stored-layout copy back).
+
 The dequantization. The packed codes to float32 / bfloat16 / float16 in one pass, bit for bit the torch path
 (hexq.packed.bitpack.dequantize_into): what a prefill expert expanded for a matrix product, or a whole dense
 matrix, goes through.
@@ -32,6 +40,7 @@ version and the flags, and loaded with ctypes, which releases the GIL during a c
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -47,6 +56,7 @@ from pathlib import Path
 import torch
 
 from hexq.io import cache_dir
+from hexq.packed.weight import LAYOUTS, PackedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -68,19 +78,15 @@ class GemvTask(ctypes.Structure):
     _fields_ = [("codes", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("zero", ctypes.c_void_p),
                 ("x", ctypes.c_void_p), ("y", ctypes.c_void_p), ("rows", ctypes.c_int64), ("cols", ctypes.c_int64),
                 ("group", ctypes.c_int64), ("x_stride", ctypes.c_int64), ("y_stride", ctypes.c_int64),
-                ("bits", ctypes.c_int32), ("ntok", ctypes.c_int32)]
+                ("bits", ctypes.c_int32), ("ntok", ctypes.c_int32), ("layout", ctypes.c_int32)]
 
 
 @dataclass(frozen=True)
 class GemvJob:
-    """One matrix and its tokens: y [n, rows] = x [n, cols] W^T, W a packed weight (codes, scale, zero, bits,
-    shape). x and y are float32 CPU tensors whose rows are contiguous (any row stride)."""
+    """One matrix and its tokens: y [n, rows] = x [n, cols] W^T for a packed W. x and y are float32 CPU tensors whose
+    rows are contiguous (any row stride)."""
 
-    codes: torch.Tensor
-    scale: torch.Tensor
-    zero: torch.Tensor
-    bits: int
-    shape: tuple[int, int]
+    weight: PackedWeight
     x: torch.Tensor
     y: torch.Tensor
 
@@ -130,7 +136,11 @@ class CpuKernels:
         library.hexq_gemv_scratch.argtypes = [ctypes.c_void_p, ctypes.c_int]
         library.hexq_dequant.restype = ctypes.c_int
         library.hexq_dequant.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                                         ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+                                         ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                                         ctypes.c_int64, ctypes.c_int]
+        library.hexq_relayout.restype = ctypes.c_int
+        library.hexq_relayout.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                          ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
         self._local = threading.local()
 
     def with_path(self, path: str) -> CpuKernels:
@@ -152,28 +162,56 @@ class CpuKernels:
             return
         tasks = (GemvTask * len(jobs))()
         for task, job in zip(tasks, jobs, strict=True):
-            rows, cols = job.shape
-            task.codes, task.scale, task.zero = job.codes.data_ptr(), job.scale.data_ptr(), job.zero.data_ptr()
+            w = job.weight
+            rows, cols = w.shape
+            task.codes, task.scale, task.zero = w.codes.data_ptr(), w.scale.data_ptr(), w.zero.data_ptr()
             task.x, task.y = job.x.data_ptr(), job.y.data_ptr()
-            task.rows, task.cols, task.group = rows, cols, cols // job.scale.shape[-1]
+            task.rows, task.cols, task.group = rows, cols, cols // w.scale.shape[-1]
             task.x_stride, task.y_stride = job.x.stride(0), job.y.stride(0)
-            task.bits, task.ntok = job.bits, job.x.shape[0]
+            task.bits, task.ntok, task.layout = w.bits, job.x.shape[0], LAYOUTS.index(w.layout)
         scratch = self._scratch(self.library.hexq_gemv_scratch(tasks, len(jobs)))
         if self.library.hexq_gemv(tasks, len(jobs), self._path_index, self.threads, scratch.data_ptr()) != 0:
             raise ValueError(f"the {self.path} GEMV refused one of {len(jobs)} matrices (check gemv_takes first)")
 
-    def dequantize(self, out: torch.Tensor, codes: torch.Tensor, bits: int, scale: torch.Tensor,
-                   zero: torch.Tensor) -> bool:
-        """Write (q - zero) * scale into `out` (contiguous [rows, cols] float32/bfloat16/float16, float16 scale and
-        zero); False if this path does not take the inputs (the caller uses the torch path)."""
-        if out.dtype not in OUT_KIND or scale.dtype != torch.float16 or zero.dtype != torch.float16:
-            return False
-        groups = scale.numel()
-        if not groups or out.numel() % groups:
-            return False
-        return self.library.hexq_dequant(codes.data_ptr(), bits, scale.data_ptr(), zero.data_ptr(), out.numel(),
-                                         out.numel() // groups, out.data_ptr(), OUT_KIND[out.dtype],
-                                         self._path_index) == 0
+    def dequantize(self, out: torch.Tensor, weight: PackedWeight) -> bool:
+        """Write the matrix `weight` stands for into `out` (contiguous, its shape, float32/bfloat16/float16); False if
+        this path does not take the inputs (the caller uses the torch path; never for re-laid codes, which only
+        these kernels read)."""
+        groups = weight.scale.numel()
+        takes = (out.dtype in OUT_KIND and weight.scale.dtype == torch.float16 and weight.zero.dtype == torch.float16
+                 and groups and out.numel() % groups == 0)
+        taken = takes and self.library.hexq_dequant(
+            weight.codes.data_ptr(), weight.bits, weight.scale.data_ptr(), weight.zero.data_ptr(), out.numel(),
+            out.numel() // groups, out.data_ptr(), OUT_KIND[out.dtype], self._path_index, weight.shape[1],
+            LAYOUTS.index(weight.layout)) == 0
+        if not taken and weight.layout != "stream":
+            raise ValueError(f"the {self.path} kernels refused a {weight.layout} {list(weight.shape)} matrix into "
+                             f"{out.dtype}")
+        return taken
+
+    def relayout(self, weight: PackedWeight) -> PackedWeight:
+        """`weight` with its codes re-laid in place into the planes layout where the kernels take it (widths 1-7; see
+        kernels.c "the planes layout": the same bytes, faster to read), else `weight` itself."""
+        rows, cols = weight.shape
+        if (weight.layout != "stream" or weight.codes.device.type != "cpu" or not 1 <= weight.bits <= 7
+                or not gemv_takes(weight.shape, weight.bits, weight.scale.shape[-1], self.path)):
+            return weight
+        source = weight.codes.clone()
+        if self.library.hexq_relayout(source.data_ptr(), weight.codes.data_ptr(), rows, cols, weight.bits, 1,
+                                      self._path_index, self.threads) != 0:
+            return weight
+        return dataclasses.replace(weight, layout="planes")
+
+    def stream(self, weight: PackedWeight) -> PackedWeight:
+        """A stream-layout copy of re-laid codes (for the torch path and checks); `weight` itself if it is one."""
+        if weight.layout == "stream":
+            return weight
+        codes = torch.empty_like(weight.codes)
+        rows, cols = weight.shape
+        if self.library.hexq_relayout(weight.codes.data_ptr(), codes.data_ptr(), rows, cols, weight.bits, 0,
+                                      self._path_index, self.threads) != 0:
+            raise ValueError(f"a {weight.bits}-bit {list(weight.shape)} matrix cannot be in the planes layout")
+        return dataclasses.replace(weight, codes=codes, layout="stream")
 
 
 def available_paths(library: ctypes.CDLL) -> list[str]:

@@ -46,6 +46,7 @@ typedef struct {
     const uint16_t* zero;
     const float* bias; /* float32 [rows] or NULL */
     hexq_act act;      /* the input's grid */
+    int32_t layout;    /* packed: LAYOUT_STREAM or LAYOUT_PLANES */
 } hexq_matrix;
 
 /* One routed expert as served: its two packed matrices at the served width (kind MAT_NONE: skipped, its routing
@@ -305,7 +306,7 @@ static void phase_item(void* arg, int64_t item) {
     const int64_t r1 = r0 + PHASE_ROWS < m->rows ? r0 + PHASE_ROWS : m->rows;
     if (m->kind == MAT_PACKED) {
         const hexq_gemv_task task = {(const uint8_t*)m->data, m->scale, m->zero, t->x, t->y, m->rows, m->cols,
-                                     m->group, m->cols, m->rows, m->bits, 1};
+                                     m->group, m->cols, m->rows, m->bits, 1, m->layout};
         p->packed_rows(&task, t->xq, r0, r1);
     } else {
         p->float_rows(m, t->x, t->y, r0, r1);
@@ -442,7 +443,7 @@ static void add_product(phase* p, input_set* set, const float* src, int64_t cols
         else memcpy(b->value, src, (size_t)cols * 4);
         b->act = m->act;
         if (cols % BLOCK == 0) {
-            const hexq_gemv_task t = {0, 0, 0, b->value, 0, 0, cols, BLOCK, cols, 0, 1, 1};
+            const hexq_gemv_task t = {0, 0, 0, b->value, 0, 0, cols, BLOCK, cols, 0, 1, 1, LAYOUT_STREAM};
             quantize_x(&t, &b->q);
         }
     }

@@ -135,7 +135,7 @@ static inline void row_terms(const hexq_gemv_task* t, const quantized_x* xq, con
     }
 }
 
-/* ------------------------------------------------------------------------------------------ portable path */
+/* ------------------------------------------------------------------------------------------ the stream */
 
 static inline uint32_t code_at(const uint8_t* stream, int64_t i, int bits) {
     int64_t bit = i * bits;
@@ -143,6 +143,105 @@ static inline uint32_t code_at(const uint8_t* stream, int64_t i, int bits) {
     if ((bit & 7) + bits > 8) word |= (uint32_t)stream[(bit >> 3) + 1] << 8;
     return (word >> (bit & 7)) & ((1u << bits) - 1);
 }
+
+/* ------------------------------------------------------------------------------------------ the planes layout */
+
+/* Why. A GEMV from the stream layout spends most of its instructions cutting codes out of the stream (at 3 bits a
+   code straddles bytes); the bytes themselves arrive faster than that. Re-laid at load, a block of 32 codes becomes
+   32 bytes with one shift and one mask per plane, the way llama.cpp re-lays Q4_0 (repack.cpp) - but for every width
+   1-7 and in place (the same bytes per row, so the cache's slots and byte accounting do not change).
+
+   The layout of one row of `cols` codes (blocks of 32; widths 1-7; 8-bit codes keep the stream, which is bytes):
+   - a width is split into planes of 4, 2 and 1 bits (7 = 4 + 2 + 1, 6 = 4 + 2, 5 = 4 + 1, 3 = 2 + 1); the first plane
+     holds the code's lowest bits;
+   - a w-bit plane is a run of 32-byte units, each holding 8/w consecutive blocks: bits [w*k, w*k + w) of byte p of a
+     unit are that plane's bits of code perm(p) of the unit's k-th block;
+   - perm swaps the middle two 8-byte quarters of a block (codes 8-15 at bytes 16-23, 16-23 at 8-15), so that
+     unpacking the 32 bytes to int16 within 128-bit lanes (vpunpcklbw/vpunpckhbw) yields codes 0-15 and 16-31 in order;
+   - the planes cover the first `planes_blocks` blocks of the row (a multiple of the widest unit, 8/w blocks of its
+     narrowest plane), one plane after the other; the remaining blocks follow as a little-endian bit stream. */
+static inline int perm32(int j) { return (j >> 3 == 1 || j >> 3 == 2) ? j ^ 24 : j; }
+
+static inline int64_t planes_blocks(int64_t cols, int bits) {
+    const int64_t unit = 8 / (bits & -bits); /* blocks per unit of the narrowest plane */
+    return cols / BLOCK / unit * unit;
+}
+
+static inline uint32_t code_planes(const uint8_t* row, int64_t cols, int bits, int64_t i) {
+    const int64_t nbp = planes_blocks(cols, bits), b = i / BLOCK;
+    if (b >= nbp) return code_at(row + nbp * 4 * bits, i - nbp * BLOCK, bits);
+    const int p = perm32((int)(i % BLOCK));
+    uint32_t code = 0;
+    int off = 0;
+    for (int w = 4; w >= 1; w >>= 1) {
+        if (!(bits & w)) continue;
+        const int per = 8 / w;
+        code |= ((uint32_t)(row[b / per * 32 + p] >> (w * (b % per))) & ((1u << w) - 1)) << off;
+        off += w;
+        row += nbp * 4 * w;
+    }
+    return code;
+}
+
+/* Code i of row r of a task, in either layout (the portable path's reader). */
+static inline uint32_t task_code(const hexq_gemv_task* t, const uint8_t* row, int64_t i) {
+    return t->layout == LAYOUT_PLANES ? code_planes(row, t->cols, t->bits, i) : code_at(row, i, t->bits);
+}
+
+static inline int takes_planes(int64_t cols, int bits) { return bits >= 1 && bits <= 7 && cols % BLOCK == 0; }
+
+/* One row of codes: from the stream into planes (to_planes) or back, on the portable path. The stream's tail (the
+   blocks after nbp) starts on a whole byte in both layouts and is copied as it is. */
+static void relayout_row(const uint8_t* src, uint8_t* dst, int64_t cols, int bits, int to_planes) {
+    const int64_t nbp = planes_blocks(cols, bits), row_bytes = cols * bits / 8, head = nbp * 4 * bits;
+    memcpy(dst + head, src + head, (size_t)(row_bytes - head));
+    memset(dst, 0, (size_t)head);
+    for (int64_t i = 0; i < nbp * BLOCK; i++) {
+        const uint32_t code = to_planes ? code_at(src, i, bits) : code_planes(src, cols, bits, i);
+        if (!to_planes) {
+            const int64_t bit = i * bits;
+            const uint32_t v = code << (bit & 7);
+            dst[bit >> 3] |= (uint8_t)v;
+            if ((bit & 7) + bits > 8) dst[(bit >> 3) + 1] |= (uint8_t)(v >> 8);
+            continue;
+        }
+        const int64_t b = i / BLOCK;
+        uint8_t* plane = dst;
+        int off = 0;
+        for (int w = 4; w >= 1; w >>= 1) {
+            if (!(bits & w)) continue;
+            const int per = 8 / w;
+            plane[b / per * 32 + perm32((int)(i % BLOCK))] |= (uint8_t)(((code >> off) & ((1u << w) - 1))
+                                                                          << (w * (b % per)));
+            off += w;
+            plane += nbp * 4 * w;
+        }
+    }
+}
+
+typedef struct {
+    const uint8_t* src;
+    uint8_t* dst;
+    int64_t rows, cols;
+    int bits, to_planes, path;
+} relayout_job;
+
+static void relayout_item(void* arg, int64_t item);
+
+#define RELAYOUT_ROWS 64
+
+/* dst (rows x cols codes, not overlapping src) = src re-laid: stream -> planes (to_planes 1) or planes -> stream, on
+   instruction-set path `path` (the same bytes on every path). Returns 0, or -1 for a shape or width the planes
+   layout does not take (then the stream stays). */
+int hexq_relayout(const uint8_t* src, uint8_t* dst, int64_t rows, int64_t cols, int bits, int to_planes, int path,
+                  int threads) {
+    if (!takes_planes(cols, bits) || cols / BLOCK > MAX_BLOCKS || rows < 0 || !(hexq_paths() >> path & 1)) return -1;
+    relayout_job job = {src, dst, rows, cols, bits, to_planes, path};
+    parallel(relayout_item, &job, (rows + RELAYOUT_ROWS - 1) / RELAYOUT_ROWS, threads);
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------------ portable GEMV */
 
 static void rows_scalar(const hexq_gemv_task* t, const quantized_x* xq, int64_t r0, int64_t r1) {
     const int64_t groups = t->cols / t->group, blocks = t->cols / BLOCK;
@@ -160,7 +259,7 @@ static void rows_scalar(const hexq_gemv_task* t, const quantized_x* xq, int64_t 
             float total = 0.0f;
             for (int64_t b = 0; b < blocks; b++) {
                 int32_t dot = 0;
-                for (int i = 0; i < BLOCK; i++) dot += (int32_t)code_at(row, b * BLOCK + i, t->bits) * x[b * BLOCK + i];
+                for (int i = 0; i < BLOCK; i++) dot += (int32_t)task_code(t, row, b * BLOCK + i) * x[b * BLOCK + i];
                 total += w[k][b] * (float)dot;
             }
             t->y[k * t->y_stride + r] = total - zterm[k];
@@ -272,9 +371,81 @@ static AVX2 INLINE __m256i codes16(const unpack16* u, const uint8_t* p, const in
     return _mm256_and_si256(_mm256_srli_epi16(_mm256_mullo_epi16(lanes, u->multiplier), 7), u->mask);
 }
 
+/* relayout_row's stream -> planes on AVX2: a block's 32 codes by codes16 in two halves, packed to bytes (vpackuswb
+   interleaves the halves' 128-bit lanes into perm32 order), each plane's bits ORed into its unit. */
+static AVX2 INLINE void to_planes_avx2_bits(const uint8_t* src, uint8_t* dst, int64_t cols, const int bits) {
+    const int64_t nbp = planes_blocks(cols, bits), row_bytes = cols * bits / 8, head = nbp * 4 * bits;
+    const unpack16 u = unpack16_for(bits);
+    memcpy(dst + head, src + head, (size_t)(row_bytes - head));
+    memset(dst, 0, (size_t)head);
+    for (int64_t b = 0; b < nbp; b++) {
+        const __m256i q = _mm256_packus_epi16(codes16(&u, src + b * 4 * bits, bits),
+                                              codes16(&u, src + b * 4 * bits + 2 * bits, bits));
+        uint8_t* plane = dst;
+        int off = 0;
+        for (int w = 4; w >= 1; w >>= 1) {
+            if (!(bits & w)) continue;
+            const int per = 8 / w;
+            __m256i* unit = (__m256i*)(plane + b / per * 32);
+            const __m256i v = _mm256_and_si256(_mm256_srli_epi16(q, off), _mm256_set1_epi8((char)((1 << w) - 1)));
+            _mm256_storeu_si256(unit, _mm256_or_si256(_mm256_loadu_si256(unit),
+                                                      _mm256_sll_epi16(v, _mm_cvtsi32_si128(w * (int)(b % per)))));
+            off += w;
+            plane += nbp * 4 * w;
+        }
+    }
+}
+
+static AVX2 void to_planes_avx2(const uint8_t* src, uint8_t* dst, int64_t cols, int bits) {
+#define CASE(B) case B: to_planes_avx2_bits(src, dst, cols, B); return;
+    switch (bits) { CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) }
+#undef CASE
+}
+
+/* bits [w*k, w*k + w) of every byte of v moved to [off, off + w), the rest cleared (a 16-bit shift: the bits it
+   brings in from the neighbouring byte land outside the mask). */
+static AVX2 INLINE __m256i plane_bits(__m256i v, const int w, const int k, const int off) {
+    const int from = w * k;
+    const __m256i moved = from > off   ? _mm256_srli_epi16(v, from - off)
+                          : from < off ? _mm256_slli_epi16(v, off - from)
+                                       : v;
+    return _mm256_and_si256(moved, _mm256_set1_epi8((char)(((1 << w) - 1) << off)));
+}
+
+/* Block b0 + k of a planes row (b0 a multiple of the row's unit, b0 + k < nbp) as 32 code bytes in perm32 order. */
+static AVX2 INLINE __m256i planes_block(const uint8_t* row, int64_t nbp, int64_t b0, const int k, const int bits) {
+    __m256i q = _mm256_setzero_si256();
+    int off = 0;
+    for (int w = 4; w >= 1; w >>= 1) {
+        if (!(bits & w)) continue;
+        const int per = 8 / w;
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(row + (b0 / per + k / per) * 32));
+        q = _mm256_or_si256(q, plane_bits(v, w, k % per, off));
+        off += w;
+        row += nbp * 4 * w;
+    }
+    return q;
+}
+
+/* One block's 32 code bytes (perm32 order) times each token's int16 x block, scaled by w_b into acc. */
+static AVX2 INLINE void block_bytes_dot(__m256i q, const quantized_x* xq, int64_t cols, int64_t b,
+                                        float w[][MAX_BLOCKS], __m256* acc, const int ntok) {
+    const __m256i lo = _mm256_unpacklo_epi8(q, _mm256_setzero_si256()); /* codes 0-15 as int16 */
+    const __m256i hi = _mm256_unpackhi_epi8(q, _mm256_setzero_si256()); /* codes 16-31 */
+    for (int k = 0; k < ntok; k++) {
+        const int16_t* x = xq->q + k * cols + b * BLOCK;
+        const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i*)x)),
+                                             _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i*)(x + 16))));
+        acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(w[k][b]), acc[k]);
+    }
+}
+
 static AVX2 INLINE void rows_avx2_bits(const hexq_gemv_task* t, const quantized_x* xq, int64_t r0, int64_t r1,
                                        const int bits, const int ntok) {
     const int64_t cols = t->cols, blocks = cols / BLOCK, row_bytes = cols * bits / 8;
+    const int planes = bits < 8 && t->layout == LAYOUT_PLANES;
+    const int64_t nbp = planes ? planes_blocks(cols, bits) : 0; /* blocks in planes; the rest is a stream */
+    const int unit = 8 / (bits & -bits);
     const uint8_t* end = t->codes + t->rows * row_bytes;
     const unpack16 u = unpack16_for(bits);
     float w[MAX_TOK][MAX_BLOCKS];
@@ -282,27 +453,46 @@ static AVX2 INLINE void rows_avx2_bits(const hexq_gemv_task* t, const quantized_
     uint8_t padded[MAX_BLOCKS * 32 + 32]; /* a row whose last loads would read past the codes: copied here */
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t* row = t->codes + r * row_bytes;
-        if (row + row_bytes + 16 > end) { /* codes16 reads up to 16 bytes past its codes' start + bits */
+        if (bits < 8 && row + row_bytes + 16 > end) { /* codes16 reads up to 16 bytes past its codes' start + bits */
             memcpy(padded, row, (size_t)row_bytes);
             memset(padded + row_bytes, 0, 32);
             row = padded;
         }
         row_terms_avx2(t, xq, r, ntok, s, z, w, zterm);
-        __m256 total[MAX_TOK];
-        for (int k = 0; k < ntok; k++) total[k] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < blocks; b++) {
-            const int64_t c = b * BLOCK;
-            const __m256i q0 = codes16(&u, row + c / 8 * bits, bits);
-            const __m256i q1 = codes16(&u, row + (c + 16) / 8 * bits, bits);
+        __m256 even[MAX_TOK], odd[MAX_TOK]; /* even and odd blocks: their FMAs do not wait on each other */
+        for (int k = 0; k < ntok; k++) even[k] = odd[k] = _mm256_setzero_ps();
+        int64_t b = 0;
+        if (bits == 8) { /* bytes are the codes; vpermq puts them in perm32 order. Two blocks a step: which
+                            accumulator a block adds to must be known at compile time to keep them in registers. */
+#define BYTES(B) _mm256_permute4x64_epi64(_mm256_loadu_si256((const __m256i*)(row + (B) * 32)), 0xd8)
+            for (; b + 2 <= blocks; b += 2) {
+                block_bytes_dot(BYTES(b), xq, cols, b, w, even, ntok);
+                block_bytes_dot(BYTES(b + 1), xq, cols, b + 1, w, odd, ntok);
+            }
+            if (b < blocks) block_bytes_dot(BYTES(b), xq, cols, b, w, even, ntok), b++;
+#undef BYTES
+        }
+        for (; b < nbp; b += unit) { /* a unit's blocks spelled out: every shift and offset a constant */
+#define BLOCK_OF_UNIT(K) \
+    if (K < unit) block_bytes_dot(planes_block(row, nbp, b, K, bits), xq, cols, b + K, w, K & 1 ? odd : even, ntok);
+            BLOCK_OF_UNIT(0) BLOCK_OF_UNIT(1) BLOCK_OF_UNIT(2) BLOCK_OF_UNIT(3)
+            BLOCK_OF_UNIT(4) BLOCK_OF_UNIT(5) BLOCK_OF_UNIT(6) BLOCK_OF_UNIT(7)
+#undef BLOCK_OF_UNIT
+        }
+        const uint8_t* stream = row + nbp * 4 * bits; /* the stream's blocks: from nbp on */
+        for (; b < blocks; b++) {
+            const int64_t c = (b - nbp) * BLOCK;
+            const __m256i q0 = codes16(&u, stream + c / 8 * bits, bits);
+            const __m256i q1 = codes16(&u, stream + (c + 16) / 8 * bits, bits);
             for (int k = 0; k < ntok; k++) {
-                const int16_t* x = xq->q + k * cols + c;
+                const int16_t* x = xq->q + k * cols + b * BLOCK;
                 const __m256i dot = _mm256_add_epi32(
                     _mm256_madd_epi16(q0, _mm256_loadu_si256((const __m256i*)x)),
                     _mm256_madd_epi16(q1, _mm256_loadu_si256((const __m256i*)(x + 16))));
-                total[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(w[k][b]), total[k]);
+                even[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(w[k][b]), even[k]);
             }
         }
-        for (int k = 0; k < ntok; k++) t->y[k * t->y_stride + r] = hsum256(total[k]) - zterm[k];
+        for (int k = 0; k < ntok; k++) t->y[k * t->y_stride + r] = hsum256(_mm256_add_ps(even[k], odd[k])) - zterm[k];
     }
 }
 
@@ -441,6 +631,10 @@ static AVX512 INLINE void rows_avx512_bits(const hexq_gemv_task* t, const quanti
 }
 
 static AVX512 void rows_avx512(const hexq_gemv_task* t, const quantized_x* xq, int64_t r0, int64_t r1) {
+    if (t->layout == LAYOUT_PLANES) { /* the planes are read with AVX2 (every AVX-512 CPU runs it) */
+        rows_avx2(t, xq, r0, r1);
+        return;
+    }
 #define CASE(B)                                                                              \
     case B:                                                                                  \
         switch (t->ntok) {                                                                   \
@@ -460,6 +654,29 @@ HIDDEN rows_fn rows_for(int path) {
     if (path == PATH_AVX2) return rows_avx2;
 #endif
     return rows_scalar;
+}
+
+static void relayout_item(void* arg, int64_t item) {
+    const relayout_job* j = (const relayout_job*)arg;
+    const int64_t row_bytes = j->cols * j->bits / 8, r1 = (item + 1) * RELAYOUT_ROWS;
+    const uint8_t* end = j->src + j->rows * row_bytes;
+    uint8_t padded[MAX_BLOCKS * 32 + 64]; /* a last row whose loads would read past the codes: copied here */
+    for (int64_t r = item * RELAYOUT_ROWS; r < r1 && r < j->rows; r++) {
+        const uint8_t* src = j->src + r * row_bytes;
+        uint8_t* dst = j->dst + r * row_bytes;
+#ifdef HEXQ_X86
+        if (j->to_planes && j->path != PATH_SCALAR) {
+            if (src + row_bytes + 32 > end) {
+                memcpy(padded, src, (size_t)row_bytes);
+                memset(padded + row_bytes, 0, 64);
+                src = padded;
+            }
+            to_planes_avx2(src, dst, j->cols, j->bits);
+            continue;
+        }
+#endif
+        relayout_row(src, dst, j->cols, j->bits, j->to_planes);
+    }
 }
 
 /* ------------------------------------------------------------------------------------------ dequantization */
@@ -510,6 +727,20 @@ static void dequant_scalar(const uint8_t* packed, int bits, const uint16_t* scal
     }
 }
 
+/* The planes layout, any path: each row's codes read with code_planes (rows of `cols` codes). */
+static void dequant_planes_scalar(const uint8_t* packed, int bits, const uint16_t* scale, const uint16_t* zero,
+                                  int64_t numel, int64_t group, int64_t cols, void* out, int out_kind) {
+    const int64_t row_bytes = cols * bits / 8;
+    for (int64_t i = 0; i < numel; i++) {
+        const int64_t r = i / cols, g = i / group;
+        const float s = half_to_float(scale[g]), z = half_to_float(zero[g]), b = -(z * s);
+        const float q = (float)code_planes(packed + r * row_bytes, cols, bits, i % cols);
+        if (out_kind == 0) ((float*)out)[i] = (q - z) * s;
+        else if (out_kind == 1) ((uint16_t*)out)[i] = float_to_bf16(q * s + b);
+        else ((uint16_t*)out)[i] = float_to_half(q * s + b);
+    }
+}
+
 #ifdef HEXQ_X86
 /* AVX2: 8 codes per pdep, 8 outputs per step. */
 static AVX2 INLINE __m128i bf16_avx2(__m256 v) {
@@ -537,6 +768,61 @@ static AVX2 INLINE void dequant_avx2_bits(const uint8_t* packed, const int bits,
                 const __m128i h = out_kind == 1 ? bf16_avx2(v) : _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT);
                 _mm_storeu_si128((__m128i*)((uint16_t*)out + i), h);
             }
+        }
+    }
+}
+
+/* 8 codes as float32 (q), dequantized and stored at out + i (dequant_avx2_bits' arithmetic). */
+static AVX2 INLINE void dequant8_avx2(__m256 q, __m256 s, __m256 z, __m256 b, void* out, int64_t i, int out_kind) {
+    if (out_kind == 0) {
+        _mm256_storeu_ps((float*)out + i, _mm256_mul_ps(_mm256_sub_ps(q, z), s));
+    } else {
+        const __m256 v = _mm256_fmadd_ps(q, s, b);
+        const __m128i h = out_kind == 1 ? bf16_avx2(v) : _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT);
+        _mm_storeu_si128((__m128i*)((uint16_t*)out + i), h);
+    }
+}
+
+/* The planes layout on AVX2: a block of 32 codes per step (planes_block with a shift count known at run time), the
+   stream's blocks 8 codes per pdep. group: a multiple of 32. */
+static AVX2 void dequant_planes_avx2(const uint8_t* packed, int bits, const uint16_t* scale, const uint16_t* zero,
+                                     int64_t numel, int64_t group, int64_t cols, void* out, int out_kind) {
+    const int64_t row_bytes = cols * bits / 8, blocks = cols / BLOCK, nbp = planes_blocks(cols, bits);
+    for (int64_t r = 0; r < numel / cols; r++) {
+        const uint8_t* row = packed + r * row_bytes;
+        for (int64_t blk = 0; blk < blocks; blk++) {
+            const int64_t i = r * cols + blk * BLOCK, g = i / group;
+            const float sf = _cvtsh_ss(scale[g]), zf = _cvtsh_ss(zero[g]);
+            const __m256 s = _mm256_set1_ps(sf), z = _mm256_set1_ps(zf), b = _mm256_set1_ps(-(zf * sf));
+            if (blk >= nbp) {
+                const uint8_t* stream = row + nbp * 4 * bits;
+                for (int64_t c = (blk - nbp) * BLOCK, j = 0; j < BLOCK; j += 8, c += 8) {
+                    const uint64_t codes = eight_codes(stream + c / 8 * bits, row + row_bytes, bits);
+                    dequant8_avx2(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)codes))), s,
+                                  z, b, out, i + j, out_kind);
+                }
+                continue;
+            }
+            __m256i q = _mm256_setzero_si256();
+            const uint8_t* plane = row;
+            int off = 0;
+            for (int w = 4; w >= 1; w >>= 1) {
+                if (!(bits & w)) continue;
+                const int per = 8 / w, from = w * (int)(blk % per);
+                const __m256i v = _mm256_loadu_si256((const __m256i*)(plane + blk / per * 32));
+                const __m256i moved = from >= off ? _mm256_srl_epi16(v, _mm_cvtsi32_si128(from - off))
+                                                  : _mm256_sll_epi16(v, _mm_cvtsi32_si128(off - from));
+                q = _mm256_or_si256(q, _mm256_and_si256(moved, _mm256_set1_epi8((char)(((1 << w) - 1) << off))));
+                off += w;
+                plane += nbp * 4 * w;
+            }
+            const __m256i lo = _mm256_unpacklo_epi8(q, _mm256_setzero_si256());
+            const __m256i hi = _mm256_unpackhi_epi8(q, _mm256_setzero_si256());
+            const __m128i quarter[4] = {_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1),
+                                        _mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1)};
+            for (int j = 0; j < 4; j++)
+                dequant8_avx2(_mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(quarter[j])), s, z, b, out, i + 8 * j,
+                              out_kind);
         }
     }
 }
@@ -615,12 +901,24 @@ static AVX512 void dequant_avx512(const uint8_t* packed, int bits, const uint16_
 }
 #endif
 
-/* Returns 0, or -1 if the path does not take these inputs (the caller then uses another path). */
+/* Returns 0, or -1 if the path does not take these inputs (the caller then uses another path). cols: the row
+   length (the planes layout is per row); layout: LAYOUT_STREAM or LAYOUT_PLANES. */
 int hexq_dequant(const uint8_t* packed, int bits, const uint16_t* scale, const uint16_t* zero, int64_t numel,
-                 int64_t group, void* out, int out_kind, int path) {
+                 int64_t group, void* out, int out_kind, int path, int64_t cols, int layout) {
     if (bits < 1 || bits > 8 || group <= 0 || numel % group || out_kind < 0 || out_kind > 2
         || !(hexq_paths() >> path & 1))
         return -1;
+    if (layout == LAYOUT_PLANES) { /* every path takes it: a planes matrix has no other reader */
+        if (!takes_planes(cols, bits) || numel % cols || group % BLOCK) return -1;
+#ifdef HEXQ_X86
+        if (path != PATH_SCALAR) {
+            dequant_planes_avx2(packed, bits, scale, zero, numel, group, cols, out, out_kind);
+            return 0;
+        }
+#endif
+        dequant_planes_scalar(packed, bits, scale, zero, numel, group, cols, out, out_kind);
+        return 0;
+    }
 #ifdef HEXQ_X86
     if (path == PATH_AVX512) {
         if (group % 16 || numel % 64) return -1;

@@ -8,9 +8,16 @@
 
 enum { PATH_SCALAR = 0, PATH_AVX2 = 1, PATH_AVX512 = 2 };
 
+/* How a matrix's codes lie in memory (hexq.packed.weight.LAYOUTS). STREAM: the artifact's form, one little-endian bit
+   stream, row-major (hexq.packed.bitpack). PLANES: each row re-laid at load for the GEMV (kernels.c "the planes
+   layout"): the same bytes per row, the codes of a block of 32 split into 4-, 2- and 1-bit planes so that a block
+   unpacks to 32 bytes with a shift and a mask per plane. */
+enum { LAYOUT_STREAM = 0, LAYOUT_PLANES = 1 };
+
 /* y[t, r] = sum_c W[r, c] x[t, c] for r in [0, rows), t in [0, ntok), W = (q - zero) * scale per group of `group`
    codes of a row; q: `bits`-bit codes, one little-endian bit stream, row-major (hexq.packed.bitpack); scale and
-   zero float16 [rows, cols / group]; x float32 [ntok, cols] (row stride x_stride), y float32 (row stride y_stride). */
+   zero float16 [rows, cols / group]; x float32 [ntok, cols] (row stride x_stride), y float32 (row stride y_stride);
+   layout: LAYOUT_STREAM or LAYOUT_PLANES (then each row is re-laid, see above). */
 typedef struct {
     const uint8_t* codes;
     const uint16_t* scale;
@@ -18,7 +25,7 @@ typedef struct {
     const float* x;
     float* y;
     int64_t rows, cols, group, x_stride, y_stride;
-    int32_t bits, ntok;
+    int32_t bits, ntok, layout;
 } hexq_gemv_task;
 
 #define BLOCK 32            /* activation block: one int16 scale per 32 values of x */

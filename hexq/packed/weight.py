@@ -19,6 +19,9 @@ from hexq.packed.bitpack import OUT_DTYPES, DequantScratch, dequantize_into, pac
 CODE_PAD = 8
 SCALE_DTYPE = torch.float16
 PROJECTIONS = ("gate_up", "down")  # a routed expert's two stored matrices: gate and up fused [2I, H], down [H, I]
+# How codes lie in memory (kernels.h, in this order): "stream" is what is stored (hexq.packed.bitpack); "planes" is
+# the CPU kernels' form, made at load by CpuKernels.relayout and read only by the CPU kernels.
+LAYOUTS = ("stream", "planes")
 
 
 class Grid(Protocol):
@@ -31,13 +34,15 @@ class Grid(Protocol):
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """One quantized matrix as stored: packed codes [ceil(bits*numel/8)] uint8, scale and zero [out, groups]."""
+    """One quantized matrix as stored: packed codes [ceil(bits*numel/8)] uint8, scale and zero [out, groups]; its
+    codes in `layout` (LAYOUTS: as stored unless the CPU kernels re-laid them)."""
 
     codes: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor
     bits: int
     shape: tuple[int, int]
+    layout: str = "stream"
 
     @property
     def nbytes(self) -> int:
@@ -71,6 +76,8 @@ def dequantize_packed_into(out: torch.Tensor, weight: PackedWeight,
     on the codes' device) and return it; `scratch` is the reusable code buffer (see bitpack.DequantScratch)."""
     if tuple(out.shape) != tuple(weight.shape):
         raise ValueError(f"out has shape {list(out.shape)}, the packed weight is {list(weight.shape)}")
+    if weight.layout != "stream":
+        raise ValueError(f"codes in the {weight.layout} layout are read by the CPU kernels only")
     rows, cols = weight.shape
     groups = weight.scale.shape[-1] if weight.scale.ndim == 2 else 0
     if not groups or cols % groups:

@@ -47,7 +47,7 @@ import queue
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 
@@ -158,6 +158,20 @@ class ExpertCache:
             yield
         finally:
             self.unpin(layer, experts)
+
+    def relayout(self, layer: int, expert: int, change: Callable[[ExpertWeights], ExpertWeights]) -> ExpertWeights:
+        """Republish a pinned resident expert as change(weights): the same slot and bytes, re-laid in place for the
+        CPU kernels (hexq.packed.cpu.CpuKernels.relayout), so every later reader gets the new layout; the slot and its
+        accounting stay. Under the cache's lock: no reader sees the bytes half re-laid."""
+        key = (layer, expert)
+        with self._lock:
+            handle = self._handle(key)
+            version = handle.resolve()
+            if version is None or self._pins[key] <= 0:
+                raise ValueError(f"expert {key} is not pinned and resident")
+            weights = change(version.weights)
+            handle._publish(weights, version.nbytes)
+            return weights
 
     # ---------------------------------------------------------------- get
 

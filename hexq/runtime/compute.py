@@ -134,8 +134,7 @@ class Compute:
     def expand(self, weight: PackedWeight, key: str) -> torch.Tensor:
         """The packed matrix dequantized into the calling thread's scratch `key` (valid until its next use)."""
         out = self._expanded(key, weight.shape)
-        if self.kernels is None or not self.kernels.dequantize(out, weight.codes, weight.bits, weight.scale,
-                                                               weight.zero):
+        if self.kernels is None or not self.kernels.dequantize(out, weight):
             codes = self._local.__dict__.get("codes")
             if codes is None or codes.buffer.numel() < DequantScratch.nbytes_for(out.numel()):
                 codes = self._local.codes = DequantScratch(out.numel(), self.device)
@@ -165,8 +164,7 @@ class Compute:
                                  weight.shape[1] // weight.scale.shape[-1]).to(x.dtype)
         if self._from_codes((weight,), x.shape[0], self.profiles.dense):
             y = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
-            self.kernels.gemv([GemvJob(weight.codes, weight.scale, weight.zero, weight.bits, weight.shape,
-                                       x.float().contiguous(), y)])
+            self.kernels.gemv([GemvJob(weight, x.float().contiguous(), y)])
             self.counters.gemv_rows += x.shape[0]
             return y.to(x.dtype)
         self.counters.expanded_dense += 1
@@ -209,15 +207,13 @@ class Compute:
         x32 = x32.contiguous()
         inner = batch[0][0].gate_up.shape[0]
         hidden = torch.empty(x.shape[0], inner, dtype=torch.float32, device=x.device)
-        self.kernels.gemv([GemvJob(w.gate_up.codes, w.gate_up.scale, w.gate_up.zero, w.bits, w.gate_up.shape,
-                                   x32[s:s + n], hidden[s:s + n]) for w, s, n in batch])
+        self.kernels.gemv([GemvJob(w.gate_up, x32[s:s + n], hidden[s:s + n]) for w, s, n in batch])
         gate, up = hidden.chunk(2, dim=-1)
         mid = act_fn(gate) * up
         if mid_quant is not None:
             mid = mid_quant(mid)
         mid = mid.contiguous()
-        self.kernels.gemv([GemvJob(w.down.codes, w.down.scale, w.down.zero, w.bits, w.down.shape, mid[s:s + n],
-                                   y[s:s + n]) for w, s, n in batch])
+        self.kernels.gemv([GemvJob(w.down, mid[s:s + n], y[s:s + n]) for w, s, n in batch])
         self.counters.gemv_rows += sum(n for _, _, n in batch)
 
     # --- start-up measurements
@@ -300,13 +296,20 @@ class PackedLinear(torch.nn.Module):
         self.register_buffer("codes", weight.codes, persistent=False)
         self.register_buffer("scale", weight.scale, persistent=False)
         self.register_buffer("zero", weight.zero, persistent=False)
-        self.bits, self.quantizer, self.compute = weight.bits, quantizer, compute
+        self.bits, self.layout, self.quantizer, self.compute = weight.bits, weight.layout, quantizer, compute
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
         self.out_features, self.in_features = weight.shape
 
     @property
     def weight_packed(self) -> PackedWeight:
-        return PackedWeight(self.codes, self.scale, self.zero, self.bits, (self.out_features, self.in_features))
+        return PackedWeight(self.codes, self.scale, self.zero, self.bits, (self.out_features, self.in_features),
+                            self.layout)
+
+    def relayout(self, kernels) -> PackedWeight:
+        """Its codes re-laid in place for the CPU kernels (hexq.packed.cpu.CpuKernels.relayout); the new weight."""
+        weight = kernels.relayout(self.weight_packed)
+        self.layout = weight.layout
+        return weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])

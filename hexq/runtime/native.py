@@ -20,18 +20,23 @@ policies, deepseek's MLA, phimoe, Triton - keeps the transformers path. The prom
 path (expanding experts into BLAS where the cost model says so) and its KV cache copied into the native one.
 
 The weights are the model's own tensors (no copy, except the norms' float32 weights: a few KB per layer); the
-experts are the cache's resident packed versions, pinned for the decoder's lifetime.
+experts are the cache's resident packed versions, pinned for the decoder's lifetime. Both are re-laid in place into
+the kernels' planes layout when the decoder is built (hexq.packed.cpu `relayout`: the same bytes, read ~1.4x faster
+at 3 bits); the transformers path reads the re-laid codes through the same kernels (prefill).
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 
 import torch
 
 from hexq.adapters import SOFTMAX_TOPK, adapter_for
 from hexq.packed.cpu import gemv_takes
+from hexq.packed.weight import LAYOUTS
 from hexq.runtime.compute import PackedLinear
+from hexq.runtime.residency import ExpertWeights
 
 FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral")
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # inv_freq fixed at load (not "dynamic": it grows with length)
@@ -48,7 +53,8 @@ class Act(ctypes.Structure):
 class Matrix(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int32), ("bits", ctypes.c_int32), ("rows", ctypes.c_int64),
                 ("cols", ctypes.c_int64), ("group", ctypes.c_int64), ("data", ctypes.c_void_p),
-                ("scale", ctypes.c_void_p), ("zero", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("act", Act)]
+                ("scale", ctypes.c_void_p), ("zero", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("act", Act),
+                ("layout", ctypes.c_int32)]
 
 
 class Expert(ctypes.Structure):
@@ -124,7 +130,7 @@ class NativeDecoder:
         if module is None:
             return Matrix()
         if isinstance(module, PackedLinear):
-            return self._packed(module.weight_packed, module.quantizer, module.bias)
+            return self._packed(module.relayout(self.kernels), module.quantizer, module.bias)
         weight = module.weight
         kind = {torch.float32: MAT_F32, torch.bfloat16: MAT_BF16}.get(weight.dtype)
         if kind is None:
@@ -139,7 +145,12 @@ class NativeDecoder:
                             "grid")
         return Matrix(MAT_PACKED, weight.bits, weight.shape[0], weight.shape[1],
                       weight.shape[1] // weight.scale.shape[-1], self._tensor(weight.codes),
-                      self._tensor(weight.scale), self._tensor(weight.zero), self._float32(bias), _act(quantizer))
+                      self._tensor(weight.scale), self._tensor(weight.zero), self._float32(bias), _act(quantizer),
+                      LAYOUTS.index(weight.layout))
+
+    def _relayout(self, weights: ExpertWeights) -> ExpertWeights:
+        return dataclasses.replace(weights, gate_up=self.kernels.relayout(weights.gate_up),
+                                   down=self.kernels.relayout(weights.down))
 
     def _experts(self, row: int, module) -> tuple[int, int]:
         """The layer's experts at their allocation, from the cache (pinned for good): (pointer, intermediate)."""
@@ -155,6 +166,7 @@ class NativeDecoder:
             weights = runtime.cache.get(row, expert, bits)
             if weights.transient or not weights.packed:
                 raise NotNative("an expert is not resident in the packed cache")
+            weights = runtime.cache.relayout(row, expert, self._relayout)
             table[expert] = Expert(self._packed(weights.gate_up, input_quant), self._packed(weights.down, mid_quant))
             inter = max(inter, weights.gate_up.shape[0] // 2)
         self._keep.append(table)

@@ -192,8 +192,7 @@ class ArtifactSource:
             packed = tuple(_to_device(weight, scratch.staging) for weight in packed)
         gate_up, down = (part.view(shape) for part, shape in zip(slot.split(self.numels), self.shapes, strict=True))
         for out, weight in zip((gate_up, down), packed, strict=True):
-            if self.kernels is None or not self.kernels.dequantize(out, weight.codes, weight.bits, weight.scale,
-                                                                   weight.zero):
+            if self.kernels is None or not self.kernels.dequantize(out, weight):
                 dequantize_packed_into(out, weight, scratch.codes)
         if scratch.staging is not None:  # the staging buffer is reused by this thread's next load
             torch.cuda.current_stream(self.device).synchronize()
