@@ -308,6 +308,10 @@ def pack_command(
                   f"{summary.average_bits:.3f} bits on average, experts at the allocation "
                   f"{format_bytes(summary.allocated_bytes)}, artifact {format_bytes(summary.artifact_bytes)} "
                   f"({summary.seconds:.1f}s)")
+    if summary.without_4bit:
+        err_console.print(f"note: {summary.without_4bit} experts are stored above 4 bits with no 4-bit replica; "
+                          "`hexq export --format gguf` needs one for each in a 4-bit layer: pack with --bank export "
+                          "to keep them (or export with --experts q8_0)")
     if summary.empty_layers:
         err_console.print(f"warning: the allocation skips every routed expert of layer(s) "
                           f"{', '.join(map(str, summary.empty_layers))}: those layers serve no MoE output")

@@ -94,6 +94,9 @@ class PackSummary:
     artifact_bytes: int
     seconds: float
     empty_layers: tuple[int, ...] = ()  # MoE layers whose allocation skips every routed expert
+    # experts stored above 4 bits with no 4-bit form kept: a GGUF export of their layers as 4-bit blocks needs one
+    # (hexq.export.gguf.plan), which `--bank export` keeps
+    without_4bit: int = 0
 
 
 # ------------------------------------------------------------------------------------------ pure decisions
@@ -292,7 +295,7 @@ def pack(calib_dir: str | Path, out: str | Path, settings: Pack | None = None, b
         export_kept: dict[str, list[int]] = {}
         gguf_kept: dict[str, dict[str, list[int]]] = {}  # layer -> {K-quant: experts} (layer_kquant_tensors)
         stored_bytes: dict[int, int] = {}
-        dense_bytes = 0
+        dense_bytes = without_4bit = 0
         for index in range(num_layers):
             tensors, _ = load_layer(calib_dir, index)  # the layer's bank is a file of its own, read below
             with streamed.layer(index, experts=False) as loaded:
@@ -325,6 +328,8 @@ def pack(calib_dir: str | Path, out: str | Path, settings: Pack | None = None, b
                     extra |= kquants
                     if kept:
                         gguf_kept[str(index)] = kept
+                without_4bit += sum(1 for e, bits in enumerate(row) if bits > EXPORT_BITS
+                                    and EXPORT_BITS not in widths_of[e] and e not in needs)
                 if extra:
                     writer.add_tensors(export_shard(index), extra)
                 for b, n in nbytes.items():
@@ -374,7 +379,8 @@ def pack(calib_dir: str | Path, out: str | Path, settings: Pack | None = None, b
         })
     empty = tuple(layer for layer, row in zip(moe_layers, plan.allocation, strict=True) if not any(row))
     return PackSummary(out, num_layers, num_experts, plan.average_bits, used,
-                       sum(f.stat().st_size for f in out.rglob("*") if f.is_file()), time.time() - started, empty)
+                       sum(f.stat().st_size for f in out.rglob("*") if f.is_file()), time.time() - started, empty,
+                       without_4bit)
 
 
 def top_tensors(streamed) -> tuple[dict, dict[str, str]]:

@@ -22,6 +22,7 @@ from hexq.packed.bitpack import packed_nbytes
 from hexq.recipe import Pack
 from hexq.runtime.model import artifact_model
 from hexq_cli.main import app
+from tests.conftest import mixed_recipe
 
 runner = CliRunner()
 
@@ -269,3 +270,21 @@ def test_pack_never_replaces_its_input_a_parent_or_a_user_folder(mixed_calibrati
         pack(calibration, user, overwrite=True)
     assert (user / "notes.txt").read_text() == "keep" and folder_bytes(calibration) == before
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left behind
+
+
+def test_pack_says_at_once_what_a_gguf_export_will_need(mixed_calibration, tmp_path):
+    """Experts packed above 4 bits without a 4-bit replica: hexq pack says so (and how to keep one) rather than the
+    GGUF export stopping at the last step; with --bank export nothing is missing and nothing is said."""
+    from hexq.recipe import recipe_to_dict
+
+    recipe = tmp_path / "recipe.json"  # YAML's superset: a JSON recipe file is read as YAML
+    recipe.write_text(json.dumps(recipe_to_dict(replace(mixed_recipe(), pack=replace(Pack(), bits=(1, 2, 4, 8))))))
+    args = ["pack", str(mixed_calibration[0]), "-r", str(recipe), "--bits", "4.5"]
+    plain = runner.invoke(app, [*args, "-o", str(tmp_path / "plain")])
+    assert plain.exit_code == 0, plain.output
+    eights = sum(bits > 4 for row in Artifact(tmp_path / "plain").allocation for bits in row)
+    assert eights and f"note: {eights} experts are stored above 4 bits" in plain.output
+    assert "--bank export" in plain.output
+    kept = runner.invoke(app, [*args, "-o", str(tmp_path / "kept"), "--bank", "export"])
+    assert kept.exit_code == 0, kept.output
+    assert "note:" not in kept.output
