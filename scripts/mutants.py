@@ -129,6 +129,12 @@ MUTANTS = [
     Mutant("dequant-zero-point-ignored", "hexq/packed/kernels.c",
            "            if (out_kind == 0) ((float*)out)[i] = (q - z) * s;",
            "            if (out_kind == 0) ((float*)out)[i] = q * s;", ("tests/test_packed_cpu.py",)),
+    Mutant("planes-block-from-the-next-field", "hexq/packed/kernels.c",
+           "        q = _mm256_or_si256(q, plane_bits(v, w, k % per, off));",
+           "        q = _mm256_or_si256(q, plane_bits(v, w, (k + 1) % per, off));", ("tests/test_packed_cpu.py",)),
+    Mutant("planes-bytes-in-natural-order", "hexq/packed/kernels.c",
+           "static inline int perm32(int j) { return (j >> 3 == 1 || j >> 3 == 2) ? j ^ 24 : j; }",
+           "static inline int perm32(int j) { return j; }", ("tests/test_packed_cpu.py",)),
     # ------------------------------------------------------------------ the native decode step (C)
     Mutant("native-top-k-not-renormalised", "hexq/packed/decode.c",
            "    if (m->normalize)\n        for", "    if (0)\n        for", ("tests/test_native_decode.py",)),
@@ -149,10 +155,15 @@ MUTANTS = [
            "        const int64_t at = (((int64_t)layer * m->kv_heads + h) * m->max_pos + pos) * D;",
            "        const int64_t at = (((int64_t)layer * m->kv_heads + h) * m->max_pos + (pos ? pos - 1 : 0)) * D;",
            ("tests/test_native_decode.py",)),
+    Mutant("native-reads-planes-as-the-stream", "hexq/runtime/native.py",
+           "                      LAYOUTS.index(weight.layout))", "                      0)",
+           ("tests/test_native_decode.py",)),
     # ------------------------------------------------------------------ pack's guard
     Mutant("pack-accepts-an-average-below-every-width", "hexq/pack.py",
            "        if 0 in bits and avg < smallest and not budget.allow_skipping:",
            "        if False:", ("tests/test_cli.py",)),
+    Mutant("pack-silent-about-missing-4-bit-replicas", "cli/main.py", "    if summary.without_4bit:",
+           "    if False:", ("tests/test_pack.py",)),
 ]
 
 

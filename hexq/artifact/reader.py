@@ -3,6 +3,7 @@ one layer at a time, one expert replica read with pread into a caller's buffer (
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import struct
@@ -18,6 +19,7 @@ from hexq.checkpoint import safetensors_dtype
 from hexq.errors import HexqError
 from hexq.io import file_sha256
 from hexq.packed.weight import PROJECTIONS, PackedWeight, dequantize_packed
+from hexq.recipe import Recipe, recipe_from_dict
 
 # ------------------------------------------------------------------------------------------ byte ranges
 
@@ -226,6 +228,16 @@ class Artifact:
 
     def expert_shape(self, projection: str) -> tuple[int, int]:
         return tuple(self.manifest["experts"]["shapes"][projection])
+
+    @property
+    def expert_shapes(self) -> list[tuple[int, int]]:
+        """A routed expert's stored matrices' shapes, in PROJECTIONS order (gate_up, down)."""
+        return [self.expert_shape(p) for p in PROJECTIONS]
+
+    @functools.cached_property
+    def recipe(self) -> Recipe:
+        """The recipe the artifact was calibrated and packed with (its manifest's, every check applied)."""
+        return recipe_from_dict(self.manifest["recipe"])
 
     def packed_expert(self, row: int, expert: int, bits: int, projection: str) -> PackedWeight:
         """One stored replica matrix of MoE layer row `row`, read from its layer's shard only."""

@@ -6,9 +6,8 @@ from __future__ import annotations
 import torch
 
 from hexq.algos.rounding import Replica, optimize_rounding
+from hexq.packed.weight import PROJECTIONS
 from hexq.simulate import RoutedTokens, loss_sample
-
-PROJECTIONS = ("gate_up", "down")
 
 
 def routed_batch(routed: RoutedTokens, experts: list[int], limit: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,6 @@ from hexq.export.codec import (
     CtScheme,
 )
 from hexq.packed.grids import scheme_fits
-from hexq.recipe import recipe_from_dict
 
 EXPERT_MODES = ("auto", "w4", "w8", "vllm")
 
@@ -56,7 +55,7 @@ def activation_spec(setting, what: str) -> ActSpec | None:
 
 
 def dense_scheme(artifact: Artifact) -> CtScheme:
-    recipe = recipe_from_dict(artifact.manifest["recipe"])
+    recipe = artifact.recipe
     w = recipe.weights
     bits = 2 if (w.symmetric and w.bits == 1) else w.bits  # 1-bit symmetric is written as +-1 codes
     return CtScheme(bits, w.group_size, w.symmetric, activation_spec(recipe.activations, "attention inputs"))
@@ -135,7 +134,7 @@ def plan_export(artifact: Artifact, experts: str = "auto") -> list[LayerExport]:
     if experts not in EXPERT_MODES:
         raise HexqError(f"unknown experts scheme {experts!r}; choose one of {', '.join(EXPERT_MODES)}")
     refuse_skipped_experts(artifact, "compressed-tensors", "vLLM")
-    recipe = recipe_from_dict(artifact.manifest["recipe"])
+    recipe = artifact.recipe
     acts = activation_spec(recipe.expert_activations, "routed experts")
     table = artifact.tensor(STATS_SHARD, "loss_table").float() if "loss_table" in artifact.keys(STATS_SHARD) \
         else None

@@ -471,7 +471,7 @@ def compute_scratch_nbytes(artifact: Artifact, streamed, dtype: torch.dtype, tor
     """Scratch of hexq.runtime.compute: one expert expanded in the compute dtype and the largest quantized dense
     linear expanded (the paths taken where the cost model says so), and without the kernels the torch path's code
     buffer for the larger of the two."""
-    expert = [r * c for r, c in (artifact.expert_shape(p) for p in ("gate_up", "down"))]
+    expert = [r * c for r, c in artifact.expert_shapes]
     quantized = artifact.manifest["dense"]["quantized_linears"]
     dense = max((streamed.model.get_parameter(name).numel() for name in quantized), default=0)
     codes = max(*expert, dense) if torch_path else 0

@@ -21,7 +21,6 @@ from hexq.artifact.format import expert_shard
 from hexq.artifact.reader import Artifact
 from hexq.layer_pass import ExpertCompute, expert_chunk
 from hexq.packed.weight import CODE_PAD, PackedWeight
-from hexq.recipe import recipe_from_dict
 from hexq.runtime.compute import PackedLinear
 from hexq.simulate import ActQuantizer, act_quantizer, attach_input_quant
 from hexq.streaming import LoadedLayer, StreamedModel, _tensor_slots
@@ -49,7 +48,7 @@ def artifact_tokenizer(artifact: Artifact):
 
 def expert_quantizers(artifact: Artifact, row: int) -> tuple[ActQuantizer | None, ActQuantizer | None]:
     """(input, intermediate) activation quantizers of MoE layer row `row`'s routed experts, from the recipe."""
-    setting = recipe_from_dict(artifact.manifest["recipe"]).expert_activations
+    setting = artifact.recipe.expert_activations
     if setting.bits is None:
         return None, None
     shard = expert_shard(artifact.moe_layers[row])
@@ -60,7 +59,7 @@ def expert_quantizers(artifact: Artifact, row: int) -> tuple[ActQuantizer | None
 
 def attach_dense_quantizers(model: torch.nn.Module, artifact: Artifact, names: list[str]) -> list:
     """Activation quantization on the quantized linears among `names` (weight names); returns the hook handles."""
-    setting = recipe_from_dict(artifact.manifest["recipe"]).activations
+    setting = artifact.recipe.activations
     handles = []
     for weight_name in names:
         linear = weight_name.removesuffix(".weight")
@@ -145,7 +144,7 @@ def build_model(artifact: Artifact, experts: ExpertsFactory, device: torch.devic
     docstring). `streamed` is the skeleton (made first, to size a memory budget with dense_plan_bytes)."""
     quantized = artifact.manifest["dense"]["quantized_linears"]
     streamed.materialize_dense(leave=frozenset(quantized))
-    setting = recipe_from_dict(artifact.manifest["recipe"]).activations
+    setting = artifact.recipe.activations
     for weight_name in quantized:
         path = weight_name.removesuffix(".weight")
         parent, _, child = path.rpartition(".")

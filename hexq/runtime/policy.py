@@ -413,12 +413,12 @@ def make_policy(name: str, context: PolicyContext, **options) -> PrecisionPolicy
 def policy_context(artifact: Artifact, hot_fraction: float | None = None) -> PolicyContext:
     """The artifact's facts for the policies; hot_fraction overrides the pack recipe's."""
     stats = {key: artifact.tensor(STATS_SHARD, key) for key in ("loss_table", "loss_table.skip")}
-    pack = artifact.manifest["recipe"]["pack"]
     allocation = artifact.allocation
     return PolicyContext(allocation=allocation, loss_table=stats["loss_table"].float(),
                          skip_loss=stats["loss_table.skip"].float(), table_bits=tuple(artifact.replica_bits),
                          avg_bits=artifact.manifest["allocation"]["average_bits"],
-                         hot_fraction=hot_fraction or pack["hot_fraction"], top_k=artifact.manifest["model"]["top_k"])
+                         hot_fraction=hot_fraction or artifact.recipe.pack.hot_fraction,
+                         top_k=artifact.manifest["model"]["top_k"])
 
 
 def check_policy_widths(artifact: Artifact, policy) -> None:

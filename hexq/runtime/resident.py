@@ -22,7 +22,7 @@ class ResidentExperts:
     """One MoE layer's experts in one arena on `device` (see the module docstring)."""
 
     def __init__(self, artifact: Artifact, row: int, device: torch.device, read_buffer: torch.Tensor) -> None:
-        self.shapes = [artifact.expert_shape(p) for p in ("gate_up", "down")]
+        self.shapes = artifact.expert_shapes
         group = artifact.manifest["experts"].get("group_size")
         self.groups = [group or cols for _rows, cols in self.shapes]
         widths = artifact.allocation[row]

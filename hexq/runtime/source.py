@@ -40,7 +40,7 @@ ALIGN = 64
 def _replica_nbytes(artifact: Artifact, bits: int) -> int:
     """Bytes of one stored replica at `bits` (both matrices: codes, scale, zero) plus the alignment pread may add."""
     group = artifact.manifest["experts"].get("group_size")
-    shapes = [artifact.expert_shape(p) for p in ("gate_up", "down")]
+    shapes = artifact.expert_shapes
     return sum(packed_weight_nbytes(s, bits, group or s[1]) for s in shapes) + 8 * 6
 
 
@@ -66,7 +66,7 @@ class ArtifactSource:
         self.artifact, self.format, self.device = artifact, cache_format, device or torch.device("cpu")
         self.kernels = kernels if self.device.type == "cpu" else None
         self.packed = cache_format == "packed"
-        self.shapes = [artifact.expert_shape(p) for p in ("gate_up", "down")]
+        self.shapes = artifact.expert_shapes
         self.numels = [rows * cols for rows, cols in self.shapes]
         widths = sorted({b for row in artifact.allocation for b in row if b} | set(artifact.bank_bits))
         self.replica_bytes = {b: _replica_nbytes(artifact, b) for b in widths}

@@ -32,6 +32,7 @@ from hexq.export.check import LogitAccumulator
 from hexq.export.gguf.write import GgufPlan, reference_expert
 from hexq.layer_pass import stream_layers
 from hexq.packed.ggml import Q4_1, Q8_0
+from hexq.packed.weight import PROJECTIONS
 from hexq.runtime.model import artifact_model
 
 LLAMA_MISSING = ("llama-cpp-python is not installed (pip install 'hexq[gguf]'): checked every tensor's blocks with "
@@ -64,7 +65,7 @@ def export_weights(artifact: Artifact, plan: GgufPlan):
     def weights(row: int, experts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         layer = by_row[row]
         return tuple(torch.stack([reference_expert(artifact, layer, e, p) for e in experts])
-                     for p in ("gate_up", "down"))
+                     for p in PROJECTIONS)
 
     return weights
 

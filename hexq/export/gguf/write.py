@@ -33,8 +33,7 @@ from hexq.export.gguf.plan import ExpertSource, LayerPlan, dense_type, expert_ty
 from hexq.export.plan import refuse_skipped_experts
 from hexq.packed.bitpack import packed_nbytes
 from hexq.packed.ggml import decode, packed_blocks
-from hexq.packed.weight import PackedWeight, dequantize_packed
-from hexq.recipe import recipe_from_dict
+from hexq.packed.weight import PROJECTIONS, PackedWeight, dequantize_packed
 
 Progress = Callable[[str, int, int], None]
 FLOAT_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}  # GGMLQuantizationType of stored floats
@@ -115,7 +114,7 @@ def _quantized_tensor(name: str, artifact: Artifact, shard: str, key: str, bits:
 def _layer_tensors(artifact: Artifact, index: int, family: Family, config) -> list[TensorPlan]:
     """The dense part of decoder layer `index`, in the shard's order."""
     shard = dense_shard(index)
-    recipe = recipe_from_dict(artifact.manifest["recipe"])
+    recipe = artifact.recipe
     quantized = artifact.manifest["dense"]["quantized_linears"]
     out = []
     for key, (dtype, shape) in _shard_specs(artifact, shard).items():
@@ -173,7 +172,7 @@ def plan_gguf(artifact: Artifact, experts: str = "auto") -> GgufPlan:
     family = family_of(config)
     manifest = artifact.manifest
     symmetric, group = manifest["experts"]["symmetric"], manifest["experts"]["group_size"]
-    shapes = {p: artifact.expert_shape(p) for p in ("gate_up", "down")}
+    shapes = dict(zip(PROJECTIONS, artifact.expert_shapes, strict=True))
     kquants_fit = all(cols % 256 == 0 for _rows, cols in shapes.values())
     if not all(fits_blocks(group, cols, 32) for _rows, cols in shapes.values()):
         raise HexqError(f"{artifact.path}: experts in groups of {group} columns do not cover whole 32-weight blocks; "
