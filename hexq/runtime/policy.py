@@ -52,7 +52,14 @@ import torch
 
 from hexq.algos.allocation import allocate, avg_bit_budget, cosine_retention, loss_columns
 from hexq.algos.importance import importance
-from hexq.algos.policy_widths import DEPTH_LOW_BITS, context_bits, depth_high_bits, online_widths, used_widths
+from hexq.algos.policy_widths import (
+    DEPTH_LOW_BITS,
+    POLICIES,
+    context_bits,
+    depth_high_bits,
+    online_widths,
+    used_widths,
+)
 from hexq.artifact.format import STATS_SHARD
 from hexq.artifact.reader import Artifact
 from hexq.errors import HexqError
@@ -395,7 +402,8 @@ class DepthPolicy(_Policy):
 
 _REGISTRY: dict[str, type[_Policy]] = {cls.name: cls for cls in (StaticPolicy, ContextPolicy, OnlinePolicy,
                                                                  DepthPolicy)}
-POLICIES = tuple(_REGISTRY)
+# the names are hexq.algos.policy_widths.POLICIES (pack's --bank takes them too): one list, checked here
+assert tuple(_REGISTRY) == POLICIES, (tuple(_REGISTRY), POLICIES)
 
 
 def make_policy(name: str, context: PolicyContext, **options) -> PrecisionPolicy:
