@@ -184,8 +184,7 @@ def test_native_step_on_planes_is_the_stream_transformers_path(planes_artifact):
     for decode in ("native", "transformers"):
         with Runtime(planes_artifact, dtype="fp32", decode=decode) as runtime:
             runtime.compute.profiles = Profiles()  # from the codes
-            layouts = {w.layout for (layer, expert) in runtime.cache.resident()
-                       for w in (runtime.cache.get(layer, expert, 1).gate_up,)}
+            layouts = {runtime.cache.get(layer, expert, 1).gate_up.layout for layer, expert in runtime.cache.resident()}
             assert layouts == ({"planes"} if decode == "native" else {"stream"}), layouts
             _, past = runtime._next_logits(PROMPT, None)
             if decode == "native":

@@ -751,28 +751,7 @@ static AVX2 INLINE __m128i bf16_avx2(__m256 v) {
     return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
 }
 
-static AVX2 INLINE void dequant_avx2_bits(const uint8_t* packed, const int bits, const uint16_t* scale,
-                                          const uint16_t* zero, int64_t numel, int64_t group, void* out,
-                                          int out_kind) {
-    const uint8_t* end = packed + numel * bits / 8;
-    for (int64_t g = 0; g < numel / group; g++) {
-        const float sf = _cvtsh_ss(scale[g]), zf = _cvtsh_ss(zero[g]);
-        const __m256 s = _mm256_set1_ps(sf), z = _mm256_set1_ps(zf), b = _mm256_set1_ps(-(zf * sf));
-        for (int64_t i = g * group; i < (g + 1) * group; i += 8) {
-            const uint64_t codes = eight_codes(packed + i / 8 * bits, end, bits);
-            const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)codes)));
-            if (out_kind == 0) {
-                _mm256_storeu_ps((float*)out + i, _mm256_mul_ps(_mm256_sub_ps(q, z), s));
-            } else {
-                const __m256 v = _mm256_fmadd_ps(q, s, b);
-                const __m128i h = out_kind == 1 ? bf16_avx2(v) : _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT);
-                _mm_storeu_si128((__m128i*)((uint16_t*)out + i), h);
-            }
-        }
-    }
-}
-
-/* 8 codes as float32 (q), dequantized and stored at out + i (dequant_avx2_bits' arithmetic). */
+/* 8 codes as float32 (q), dequantized and stored at out + i. */
 static AVX2 INLINE void dequant8_avx2(__m256 q, __m256 s, __m256 z, __m256 b, void* out, int64_t i, int out_kind) {
     if (out_kind == 0) {
         _mm256_storeu_ps((float*)out + i, _mm256_mul_ps(_mm256_sub_ps(q, z), s));
@@ -783,11 +762,27 @@ static AVX2 INLINE void dequant8_avx2(__m256 q, __m256 s, __m256 z, __m256 b, vo
     }
 }
 
-/* The planes layout on AVX2: a block of 32 codes per step (planes_block with a shift count known at run time), the
-   stream's blocks 8 codes per pdep. group: a multiple of 32. */
+static AVX2 INLINE void dequant_avx2_bits(const uint8_t* packed, const int bits, const uint16_t* scale,
+                                          const uint16_t* zero, int64_t numel, int64_t group, void* out,
+                                          int out_kind) {
+    const uint8_t* end = packed + numel * bits / 8;
+    for (int64_t g = 0; g < numel / group; g++) {
+        const float sf = _cvtsh_ss(scale[g]), zf = _cvtsh_ss(zero[g]);
+        const __m256 s = _mm256_set1_ps(sf), z = _mm256_set1_ps(zf), b = _mm256_set1_ps(-(zf * sf));
+        for (int64_t i = g * group; i < (g + 1) * group; i += 8) {
+            const uint64_t codes = eight_codes(packed + i / 8 * bits, end, bits);
+            dequant8_avx2(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)codes))), s, z, b,
+                          out, i, out_kind);
+        }
+    }
+}
+
+/* The planes layout on AVX2: a block of 32 codes per step (planes_block, its shift counts known at run time here),
+   the stream's blocks 8 codes per pdep. group: a multiple of 32. */
 static AVX2 void dequant_planes_avx2(const uint8_t* packed, int bits, const uint16_t* scale, const uint16_t* zero,
                                      int64_t numel, int64_t group, int64_t cols, void* out, int out_kind) {
     const int64_t row_bytes = cols * bits / 8, blocks = cols / BLOCK, nbp = planes_blocks(cols, bits);
+    const int unit = 8 / (bits & -bits);
     for (int64_t r = 0; r < numel / cols; r++) {
         const uint8_t* row = packed + r * row_bytes;
         for (int64_t blk = 0; blk < blocks; blk++) {
@@ -803,19 +798,7 @@ static AVX2 void dequant_planes_avx2(const uint8_t* packed, int bits, const uint
                 }
                 continue;
             }
-            __m256i q = _mm256_setzero_si256();
-            const uint8_t* plane = row;
-            int off = 0;
-            for (int w = 4; w >= 1; w >>= 1) {
-                if (!(bits & w)) continue;
-                const int per = 8 / w, from = w * (int)(blk % per);
-                const __m256i v = _mm256_loadu_si256((const __m256i*)(plane + blk / per * 32));
-                const __m256i moved = from >= off ? _mm256_srl_epi16(v, _mm_cvtsi32_si128(from - off))
-                                                  : _mm256_sll_epi16(v, _mm_cvtsi32_si128(off - from));
-                q = _mm256_or_si256(q, _mm256_and_si256(moved, _mm256_set1_epi8((char)(((1 << w) - 1) << off))));
-                off += w;
-                plane += nbp * 4 * w;
-            }
+            const __m256i q = planes_block(row, nbp, blk - blk % unit, (int)(blk % unit), bits);
             const __m256i lo = _mm256_unpacklo_epi8(q, _mm256_setzero_si256());
             const __m256i hi = _mm256_unpackhi_epi8(q, _mm256_setzero_si256());
             const __m128i quarter[4] = {_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1),
