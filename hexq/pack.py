@@ -18,6 +18,7 @@ quantized codes; its experts' stored widths are sliced from the calibration's pa
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -39,6 +40,7 @@ from hexq.algos.importance import importance, importance_order
 from hexq.algos.placement import place
 from hexq.algos.policy_widths import POLICIES, policy_widths
 from hexq.artifact.format import (
+    HEAD_WEIGHT,
     MODEL_FILES,
     STATS_SHARD,
     TOP_SHARD,
@@ -48,8 +50,10 @@ from hexq.artifact.format import (
     export_shard,
 )
 from hexq.calib.fold import fold_calibrated
+from hexq.calib.head import HEAD_PREFIX
 from hexq.calib.store import (
     calibration_source,
+    load_head,
     load_layer,
     open_bank,
     open_layer,
@@ -336,12 +340,17 @@ def pack(calib_dir: str | Path, out: str | Path, settings: Pack | None = None, b
                     stored_bytes[b] = stored_bytes.get(b, 0) + n
             if progress:
                 progress("pack", index + 1, num_layers)
-        top, aliases = top_tensors(streamed)
+        head = load_head(calib_dir)
+        top, aliases = top_tensors(streamed, head)
+        if head is not None:
+            quantized[HEAD_WEIGHT] = recipe.head.bits
         writer.add_tensors(TOP_SHARD, top)
         dense_bytes += writer.files[TOP_SHARD]["bytes"]
         writer.add_tensors(STATS_SHARD, {**stats, "importance": plan.scores.float(), "placement": plan.placement})
         for name in MODEL_FILES:
-            if (model_path / name).is_file():
+            if name == "config.json" and head is not None:
+                writer.add_json(name, untied_config(model_path / name))
+            elif (model_path / name).is_file():
                 writer.add_file(name, model_path / name)
         writer.finish({
             "model": {"model_type": manifest["model"]["model_type"], "num_layers": num_layers,
@@ -383,14 +392,26 @@ def pack(calib_dir: str | Path, out: str | Path, settings: Pack | None = None, b
                        without_4bit)
 
 
-def top_tensors(streamed) -> tuple[dict, dict[str, str]]:
-    """Embeddings, final norm and head as stored in the source checkpoint; a tied head is an alias."""
+def top_tensors(streamed, head: dict[str, torch.Tensor] | None) -> tuple[dict, dict[str, str]]:
+    """Embeddings, final norm and head as stored in the source checkpoint, a tied head as an alias; or, with `head`
+    (the calibration's quantized head, hexq.calib.head), the head as its codes, scale and zero."""
     source, out, aliases = streamed.source, {}, {}
     for name, param in streamed.model.named_parameters():
         if name.startswith("model.layers."):
             continue
-        if name == "lm_head.weight" and getattr(streamed.config, "tie_word_embeddings", False):
+        if name == HEAD_WEIGHT and head is not None:
+            out |= {f"{name}.{part}": head[f"{HEAD_PREFIX}.{part}"] for part in ("codes", "scale", "zero")}
+            continue
+        if name == HEAD_WEIGHT and getattr(streamed.config, "tie_word_embeddings", False):
             aliases[name] = "model.embed_tokens.weight"
             continue
         out[name] = stored_tensor(source.read_param(name, tuple(param.shape)))
     return out, aliases
+
+
+def untied_config(path: Path) -> dict:
+    """The source's config.json for an artifact whose head is quantized: a head of its own, whatever the source tied
+    (the embeddings stay as stored)."""
+    config = json.loads(path.read_text())
+    config["tie_word_embeddings"] = False
+    return config

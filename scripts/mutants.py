@@ -158,6 +158,15 @@ MUTANTS = [
     Mutant("native-reads-planes-as-the-stream", "hexq/runtime/native.py",
            "                      LAYOUTS.index(weight.layout))", "                      0)",
            ("tests/test_native_decode.py",)),
+    # ------------------------------------------------------------------ the quantized head
+    Mutant("head-served-with-the-w8a8-grid", "hexq/runtime/model.py",
+           "        quantizer = None if weight_name == HEAD_WEIGHT else act_quantizer(",
+           "        quantizer = act_quantizer(", ("tests/test_quantized_head.py",)),
+    Mutant("head-rows-cut-with-the-wrong-scales", "hexq/packed/weight.py",
+           "self.scale[start:stop],", "self.scale[start:stop].flip(0),", ("tests/test_quantized_head.py",)),
+    Mutant("head-gptq-without-its-hessian", "hexq/calib/head.py",
+           "    if setting.method == \"gptq\":\n        importance", "    if False:\n        importance",
+           ("tests/test_quantized_head.py",)),
     # ------------------------------------------------------------------ pack's guard
     Mutant("pack-accepts-an-average-below-every-width", "hexq/pack.py",
            "        if 0 in bits and avg < smallest and not budget.allow_skipping:",

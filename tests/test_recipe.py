@@ -265,16 +265,17 @@ def test_low_bit_switches_name_widths_the_recipe_quantizes():
     fails(data, "weights.fit_bits is used only with method 'gptq'")
 
 
-def test_calibrations_made_before_the_low_bit_switches_keep_their_fingerprint():
-    """A recipe with the new switches at their defaults hashes as it did before they existed (the stored manifests of
-    older calibrations have no such keys); turning one on changes the hash."""
+def test_calibrations_made_before_later_switches_keep_their_fingerprint():
+    """A recipe with the later switches (the low-bit ones, the head section) at their defaults hashes as it did
+    before they existed (the stored manifests of older calibrations have no such keys); turning one on changes the
+    hash."""
     import hashlib
     import json
 
     from hexq.recipe import calibration_hash
 
     recipe = load_recipe("haq-w8a8")
-    data = {key: value for key, value in recipe_to_dict(recipe).items() if key != "pack"}
+    data = {key: value for key, value in recipe_to_dict(recipe).items() if key not in ("pack", "head")}
     for key in ("export_target", "round_bits", "round_steps", "round_tokens"):
         del data["experts"][key]
     del data["weights"]["fit_bits"]
@@ -283,3 +284,4 @@ def test_calibrations_made_before_the_low_bit_switches_keep_their_fingerprint():
     changed = recipe_to_dict(recipe)
     changed["weights"]["fit_bits"] = [8]
     assert calibration_hash(recipe_from_dict(changed)) != before
+    assert calibration_hash(recipe_from_dict(recipe_to_dict(recipe) | {"head": {"bits": 8}})) != before

@@ -3,8 +3,10 @@
     NAME.hexq/
       manifest.json                 format + version, model summary, provenance, recipe, allocation, placement,
                                     byte accounting, and the SHA-256 and size of every other file (written last)
-      config.json, tokenizer*.json  the source model's config and tokenizer, as they were
-      dense/top.safetensors         embeddings, final norm, LM head (absent when tied to the embeddings)
+      config.json, tokenizer*.json  the source model's config and tokenizer, as they were (a quantized head of a
+                                    tied model: tie_word_embeddings false, the head being a tensor of its own)
+      dense/top.safetensors         embeddings, final norm, LM head (absent when tied to the embeddings; codes,
+                                    scale and zero when the recipe quantizes it)
       dense/layer_NNN.safetensors   one decoder layer's non-expert tensors under their model names (smoothing
                                     folded into the norms); quantized linears as "<name>.weight.codes/.scale/.zero"
                                     plus a static activation range "<name>.act_range"; a dense layer's MLP too
@@ -35,7 +37,7 @@ import torch
 
 from hexq import __version__
 from hexq.errors import HexqError
-from hexq.io import file_record, read_sealed_json, save_tensors, write_sealed_json
+from hexq.io import file_record, read_sealed_json, save_tensors, write_json_atomic, write_sealed_json
 from hexq.packed.weight import PROJECTIONS
 
 FORMAT = "hexq-artifact"
@@ -44,6 +46,7 @@ MANIFEST = "manifest.json"
 TOP_SHARD = "dense/top.safetensors"
 STATS_SHARD = "stats.safetensors"
 # Files of the source model folder copied into the artifact (config and tokenizer; weights are re-packed).
+HEAD_WEIGHT = "lm_head.weight"  # a quantized head's name in dense.quantized_linears (weight-only: hexq.calib.head)
 MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model")
 
@@ -98,6 +101,10 @@ class ArtifactWriter:
 
     def add_file(self, name: str, source: Path) -> None:
         shutil.copyfile(source, self.folder / name)
+        self._record(name)
+
+    def add_json(self, name: str, data: dict) -> None:
+        write_json_atomic(self.folder / name, data)
         self._record(name)
 
     def finish(self, manifest: dict) -> None:

@@ -9,14 +9,17 @@ from pathlib import Path
 import torch
 
 from hexq.adapters import MoEAdapter
+from hexq.artifact.format import HEAD_WEIGHT
 from hexq.calib.capture import (
     quantized_linears,
 )
 from hexq.calib.fold import fold_calibrated
+from hexq.calib.head import HEAD_PREFIX
 from hexq.calib.quantize import default_expert_bits
 from hexq.calib.store import (
     bank_weights,
     calibration_source,
+    load_head,
     load_layer,
     open_bank,
     packed_matrix,
@@ -24,7 +27,7 @@ from hexq.calib.store import (
 )
 from hexq.errors import HexqError
 from hexq.layer_pass import ExpertCompute, expert_chunk
-from hexq.packed.weight import PROJECTIONS, dequantize_packed
+from hexq.packed.weight import PROJECTIONS, PackedWeight, dequantize_packed
 from hexq.recipe import Recipe, recipe_from_dict
 from hexq.simulate import (
     act_quantizer,
@@ -83,12 +86,41 @@ def calibration_plan(calib_dir: Path, expert_bits: int | None) -> tuple[dict, Re
     return manifest, recipe, bits
 
 
+class QuantizedHead:
+    """A checkpoint (hexq.streaming.LayerSource) whose LM head reads as a calibration's quantized head, dequantized
+    (float32); everything else is the checkpoint's."""
+
+    def __init__(self, source, head: PackedWeight) -> None:
+        self.source, self.head = source, head
+
+    def __getattr__(self, name: str):
+        return getattr(self.source, name)
+
+    def has_param(self, name: str) -> bool:
+        return name == HEAD_WEIGHT or bool(getattr(self.source, "has_param", lambda _name: True)(name))
+
+    def read_param(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        return dequantize_packed(self.head) if name == HEAD_WEIGHT else self.source.read_param(name, shape)
+
+    def read_param_copy(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        return self.read_param(name, shape) if name == HEAD_WEIGHT else self.source.read_param_copy(name, shape)
+
+    def param_dtype(self, name: str) -> torch.dtype | None:
+        return torch.float32 if name == HEAD_WEIGHT else self.source.param_dtype(name)
+
+
 def calibrated_model(calib_dir: str | Path, device: torch.device, expert_bits: int | None = None):
     """(streamed source model, tokenizer, prepare): the calibration's quantized model, layer by layer (smoothing
-    folded, dequantized dense weights with activation quantization, experts at `expert_bits`)."""
+    folded, dequantized dense weights with activation quantization, experts at `expert_bits`, the quantized head when
+    the recipe has one: a head of its own, as in the artifact)."""
     calib_dir = Path(calib_dir)
     manifest, recipe, bits = calibration_plan(calib_dir, expert_bits)
     streamed, tokenizer = open_model(Path(manifest["model"]["path"]), device)
+    head = load_head(calib_dir)
+    if head is not None:
+        shape = (streamed.config.vocab_size, streamed.config.hidden_size)
+        streamed.source = QuantizedHead(streamed.source, packed_matrix(head, HEAD_PREFIX, shape, recipe.head.bits))
+        streamed.config.tie_word_embeddings = False
 
     def prepare(loaded: LoadedLayer) -> ExpertCompute | None:
         tensors, _ = load_layer(calib_dir, loaded.index)

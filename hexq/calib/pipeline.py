@@ -22,6 +22,7 @@ experts in the checkpoint's dtype, upcast one chunk of experts at a time. The st
                  routed tokens, 002 §4.2) and the experts' output at `propagate_bits`: the next layer's inputs.
     record       calib.store.save_layer and progress.json (size and SHA-256 of every file): the resume point.
              A resumed run rebuilds the finished layers from their files (calib.calibrated) instead of A-C.
+  head       with the recipe's `head` section, the LM head quantized on the last layer's outputs (hexq.calib.head).
   finish     the sealed manifest (recipe, fingerprint, per-layer reports, file records); the folder is renamed into
              place.
 
@@ -47,6 +48,7 @@ from hexq.calib.capture import (
     quantized_linears,
 )
 from hexq.calib.fold import unsmoothed_linears
+from hexq.calib.head import quantize_head
 from hexq.calib.loss_table import loss_table
 from hexq.calib.quantize import compute_experts, default_expert_bits, expert_bits_list, quantize_layer
 from hexq.calib.ranks import SINGLE, Ranks, join, leave
@@ -64,6 +66,7 @@ from hexq.calib.store import (
     open_bank,
     progress_files,
     read_json,
+    save_head,
     save_layer,
     tensor_fingerprint,
     write_progress,
@@ -307,7 +310,14 @@ def run_layers(streamed: StreamedModel, tokenizer, recipe: Recipe, windows, fold
         hidden = outputs
         if progress:
             progress("layers", index + 1, num_layers)
-    hidden.close()
+    try:
+        if recipe.head is not None and ranks.leader:  # after the last layer, on its quantized outputs
+            head_started = time.time()
+            files |= save_head(folder, quantize_head(streamed, hidden, recipe.head, progress))
+            timings["head"] = round(time.time() - head_started, 2)
+            write_json_atomic(folder / "timings.json", timings)
+    finally:
+        hidden.close()
     ranks.layer = None
     if not ranks.leader:
         return None

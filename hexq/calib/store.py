@@ -9,6 +9,7 @@ manifest written last (its presence means the run is complete).
                              holds experts.<proj>.b<bits>.codes [E, bytes per expert] and .scale/.zero
                              [E, rows, groups] float16)
       layer_000.json         smoothing exponents and errors, cold-expert fallbacks, damping, token counts
+      head.safetensors       the LM head's codes/scale/zero when the recipe quantizes it (hexq.calib.head)
       timings.json           wall time per layer and per stage (the one file that differs between identical
                              runs)
 
@@ -44,6 +45,27 @@ def save_layer(out: Path, index: int, tensors: dict[str, torch.Tensor], meta: di
     tensor_path, meta_path = layer_paths(out, index)
     save_tensors(tensor_path, tensors)
     write_json_atomic(meta_path, meta)
+
+
+HEAD_FILE = "head.safetensors"
+
+
+def save_head(out: Path, tensors: dict[str, torch.Tensor]) -> dict[str, dict]:
+    """The quantized head's tensors written (atomically); its file record."""
+    save_tensors(Path(out) / HEAD_FILE, tensors)
+    return {HEAD_FILE: file_record(Path(out) / HEAD_FILE)}
+
+
+def load_head(out: Path) -> dict[str, torch.Tensor] | None:
+    """The quantized head's tensors of a finished calibration (checked against its record), or None when its recipe
+    keeps the head as stored."""
+    if not (Path(out) / HEAD_FILE).is_file():
+        return None
+    path = checked(out, HEAD_FILE)
+    try:
+        return load_file(path)
+    except Exception as exc:  # OSError and safetensors' own error types
+        raise HexqError(f"the quantized head in {out} is unreadable ({exc}); rerun hexq calibrate") from None
 
 
 def layer_meta(out: Path, index: int) -> dict:

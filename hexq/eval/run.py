@@ -23,6 +23,7 @@ from hexq.eval.divergence import Divergence, divergence, streamed_head
 from hexq.eval.perplexity import PerplexityResult, make_windows
 from hexq.layer_pass import full_precision_plan, stream_layers, stream_nll
 from hexq.models import context_length
+from hexq.runtime.compute import weight_rows
 from hexq.runtime.model import artifact_model
 from hexq.streaming import open_model
 
@@ -153,8 +154,8 @@ def runtime_divergence(runtime, text: str, ids: torch.Tensor, seqlen: int, max_w
     head = runtime.model.lm_head
     try:
         with streamed_head(reference) as reference_head:
-            return divergence(states, (torch.nn.Identity(), head.weight, getattr(head, "bias", None), runtime.dtype),
-                              reference_hidden, reference_head, windows, 1)
+            ours = (torch.nn.Identity(), weight_rows(head), getattr(head, "bias", None), runtime.dtype)
+            return divergence(states, ours, reference_hidden, reference_head, windows, 1)
     finally:
         reference_hidden.close()
 

@@ -51,6 +51,17 @@ class PackedWeight:
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         return {f"{prefix}.codes": self.codes, f"{prefix}.scale": self.scale, f"{prefix}.zero": self.zero}
 
+    def rows(self, start: int, stop: int) -> PackedWeight:
+        """Rows [start, stop) as a PackedWeight of their own (views, no copy): in either layout a row's codes are its
+        own cols * bits / 8 bytes when that is a whole number."""
+        rows, cols = self.shape
+        if cols * self.bits % 8:
+            raise ValueError(f"a row of {cols} {self.bits}-bit codes does not end on a byte: rows cannot be cut out")
+        start, stop = max(0, start), min(rows, stop)
+        row_bytes = cols * self.bits // 8
+        return PackedWeight(self.codes[start * row_bytes:stop * row_bytes], self.scale[start:stop],
+                            self.zero[start:stop], self.bits, (stop - start, cols), self.layout)
+
 
 def pack_weight(codes: torch.Tensor, meta: Grid) -> PackedWeight:
     """Codes [out, in] (integers on meta's grid) and their meta as stored bytes."""

@@ -33,6 +33,11 @@ from hexq.runtime.cache import ExpertWeights
 from hexq.runtime.cost import LatencyProfile, measure_latency, n_critical, should_fill
 from hexq.simulate import quantized_expert_output
 
+# Rows of a dense packed matrix expanded at once (the scratch "dense"): every layer linear whole, a quantized head
+# ([vocab, hidden]: 151,936 rows at Qwen3-30B-A3B's vocabulary) a block at a time, in a decode step and in a
+# perplexity pass alike (PackedRows).
+EXPAND_ROWS = 16384
+
 WIDTH_SLOTS = 16  # sort key stride: expert * 16 + (8 - bits) puts an expert's highest width first
 # The cost model's timing runs: the GEMV on one slice of its tokens (the kernel takes 4 at a time), the expanded
 # product on as many tokens as a prefill gives an expert that has many (its per-token cost falls until the product's
@@ -168,7 +173,11 @@ class Compute:
             self.counters.gemv_rows += x.shape[0]
             return y.to(x.dtype)
         self.counters.expanded_dense += 1
-        return torch.nn.functional.linear(x.to(self.dtype), self.expand(weight, "dense")).to(x.dtype)
+        out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+        for start in range(0, weight.shape[0], EXPAND_ROWS):
+            block = self.expand(weight.rows(start, start + EXPAND_ROWS), "dense")
+            out[:, start:start + block.shape[0]] = torch.nn.functional.linear(x.to(self.dtype), block)
+        return out
 
     # --- routed experts
 
@@ -319,3 +328,24 @@ class PackedLinear(torch.nn.Module):
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.view(*x.shape[:-1], self.out_features)
+
+
+class PackedRows:
+    """A PackedLinear's weight read a block of rows at a time: `rows[start:stop]` is those rows dequantized in the
+    compute dtype (valid until the next block is read), so code that upcasts a head a block of vocabulary rows at a
+    time (hexq.streaming.blocked_nll, hexq.eval.divergence.head_logits) reads a packed head the same way, never
+    expanding all of it."""
+
+    def __init__(self, linear: PackedLinear) -> None:
+        self.linear = linear
+        self.shape = (linear.out_features, linear.in_features)
+        self.device = linear.codes.device
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        start, stop, _step = rows.indices(self.shape[0])
+        return self.linear.compute.expand(self.linear.weight_packed.rows(start, stop), "dense")
+
+
+def weight_rows(linear: torch.nn.Module):
+    """What blocked_nll / head_logits read a linear's weight from: its weight, or a PackedLinear's PackedRows."""
+    return PackedRows(linear) if isinstance(linear, PackedLinear) else linear.weight

@@ -53,7 +53,7 @@ from hexq.packed.bitpack import packed_nbytes
 from hexq.packed.cpu import load_cpu_kernels
 from hexq.packed.weight import dequantize_packed
 from hexq.runtime.cache import ExpertCache
-from hexq.runtime.compute import Compute, PackedLinear
+from hexq.runtime.compute import EXPAND_ROWS, Compute, PackedLinear, weight_rows
 from hexq.runtime.cost import admit_fill, calibration_usage, usage_update
 from hexq.runtime.experts import USAGE_HORIZON, CachedExperts, RunState
 from hexq.runtime.model import build_model, dense_plan_bytes, expert_quantizers, skeleton
@@ -374,8 +374,8 @@ class Runtime:
         applied in vocabulary blocks (hexq.streaming.blocked_nll): no [positions, vocab] logits exist at once."""
         hidden = self.window_states(window)[:-1]
         head = self.model.lm_head
-        nll = blocked_nll(hidden, head.weight, getattr(head, "bias", None), window[1:].to(self.device), 16384,
-                          self.dtype)
+        nll = blocked_nll(hidden, weight_rows(head), getattr(head, "bias", None), window[1:].to(self.device),
+                          EXPAND_ROWS, self.dtype)
         return nll.double().sum()
 
     def _next_logits(self, ids: torch.Tensor, past) -> tuple[torch.Tensor, object]:
@@ -469,11 +469,12 @@ def kv_position_bytes(config, dtype: torch.dtype) -> int:
 
 def compute_scratch_nbytes(artifact: Artifact, streamed, dtype: torch.dtype, torch_path: bool) -> int:
     """Scratch of hexq.runtime.compute: one expert expanded in the compute dtype and the largest quantized dense
-    linear expanded (the paths taken where the cost model says so), and without the kernels the torch path's code
-    buffer for the larger of the two."""
+    linear expanded (the paths taken where the cost model says so; a matrix taller than EXPAND_ROWS, a quantized head,
+    a block of rows at a time), and without the kernels the torch path's code buffer for the larger of the two."""
     expert = [r * c for r, c in artifact.expert_shapes]
     quantized = artifact.manifest["dense"]["quantized_linears"]
-    dense = max((streamed.model.get_parameter(name).numel() for name in quantized), default=0)
+    shapes = [streamed.model.get_parameter(name).shape for name in quantized]
+    dense = max((min(rows, EXPAND_ROWS) * cols for rows, cols in shapes), default=0)  # Compute.linear's blocks
     codes = max(*expert, dense) if torch_path else 0
     return (sum(expert) + dense) * dtype.itemsize + codes
 
@@ -507,7 +508,9 @@ def _unpadded(weight):
 
 
 def largest_packed_linear(model: torch.nn.Module) -> PackedLinear | None:
-    linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    """The largest packed linear of the decoder layers (the one the self-check and the cost model's dense profile
+    measure; a quantized head, vocab x hidden, is computed from the same kernels but would cost seconds to check)."""
+    linears = [m for m in model.model.layers.modules() if isinstance(m, PackedLinear)]
     return max(linears, key=lambda m: m.in_features * m.out_features, default=None)
 
 

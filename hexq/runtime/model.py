@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from hexq.artifact.format import expert_shard
+from hexq.artifact.format import HEAD_WEIGHT, expert_shard
 from hexq.artifact.reader import Artifact
 from hexq.layer_pass import ExpertCompute, expert_chunk
 from hexq.packed.weight import CODE_PAD, PackedWeight
@@ -156,7 +156,8 @@ def build_model(artifact: Artifact, experts: ExpertsFactory, device: torch.devic
         packed = PackedWeight(codes.to(device), packed.scale.to(device), packed.zero.to(device), packed.bits,
                               packed.shape)
         bias = linear.bias.detach() if getattr(linear, "bias", None) is not None else None
-        quantizer = act_quantizer(setting, artifact.act_range(path))
+        # the head is weight-only (hexq.calib.head): its input, the final norm's output, stays in full precision
+        quantizer = None if weight_name == HEAD_WEIGHT else act_quantizer(setting, artifact.act_range(path))
         setattr(streamed.model.get_submodule(parent), child, PackedLinear(packed, bias, quantizer, compute))
         artifact.release()
     adapter = streamed.adapter

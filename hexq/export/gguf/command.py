@@ -26,6 +26,7 @@ from hexq.export.gguf.check import (
     llama_check,
 )
 from hexq.export.gguf.write import GgufPlan, plan_gguf, write_gguf
+from hexq.export.plan import check_exportable
 from hexq.outputs import TEMP, check_inputs, destination_lock, pid_alive, resolve, sibling
 
 Progress = Callable[[str, int, int], None]
@@ -107,6 +108,7 @@ def export_gguf(path: str | Path, out: str | Path, experts: str = "auto", force:
     """Write the artifact at `path` as the GGUF file `out` and check it (module docstring)."""
     started = time.time()
     artifact = Artifact(path)
+    check_exportable(artifact)
     plan = plan_gguf(artifact, experts)
     with output_file(Path(out), force, [artifact.path]) as tmp:
         write_gguf(artifact, tmp, plan, progress)

@@ -1,0 +1,83 @@
+"""The LM head quantized weight-only (the recipe's `head` section), after the last decoder layer: GPTQ (003 eq. 4-6)
+with the Hessian of the head's input - the final norm's output over every calibration token, computed from the
+quantized model's last-layer outputs like every other linear's - or RTN.
+
+GPTQ's rows are independent once the inverse-Hessian factor exists, so the head ([vocab, hidden]: 151,936 x 2048
+at Qwen3-30B-A3B's vocabulary) is quantized HEAD_ROWS rows at a time from one factor, each block upcast from the
+stored dtype and bit-packed as it is made: neither a float32 head nor its unpacked codes exist at once. Blocks of
+whole rows pack to whole bytes (rows x hidden x bits is a multiple of 8 for every hidden width a group divides),
+so the blocks' packed codes joined are the head's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from hexq.algos.gptq import gptq_bank
+from hexq.algos.hessian import factorize_hessian
+from hexq.algos.quant import quantize
+from hexq.calib.capture import SiteStats
+from hexq.packed.weight import PackedWeight, pack_weight
+from hexq.recipe import WeightQuant
+from hexq.streaming import HiddenStore, StreamedModel
+
+HEAD_ROWS = 8192  # rows of the head quantized at once: ~64 MB of float32 at hidden 2048, x the GPTQ working set
+HEAD_PREFIX = "linear.lm_head"  # its tensors in the calibration's head file (codes, scale, zero)
+
+Progress = Callable[[str, int, int], None]
+
+
+@torch.no_grad()
+def head_statistics(streamed: StreamedModel, hidden: HiddenStore) -> SiteStats:
+    """Hessian (2 sum x x^T), range and per-channel max of the head's input over every token of `hidden` (the last
+    decoder layer's outputs, one entry per batch)."""
+    stats = SiteStats.empty(streamed.config.hidden_size, streamed.device)
+    with streamed.parts("model.norm"):
+        norm = streamed.model.model.norm
+        for batch in hidden:
+            stats.add(norm(batch.to(streamed.device)))
+    return stats
+
+
+def quantize_rows(weight: torch.Tensor, stats: SiteStats | None, setting: WeightQuant,
+                  progress: Progress | None = None) -> PackedWeight:
+    """weight [rows, cols] (any float dtype) quantized by `setting`, HEAD_ROWS rows at a time, as stored bytes.
+    stats: the input's statistics (GPTQ needs its Hessian; None only with RTN)."""
+    rows, cols = weight.shape
+    factor = None
+    if setting.method == "gptq":
+        importance = stats.abs_max if setting.act_order == "max_activation" else None
+        factor = factorize_hessian(stats.hessian, damp=setting.damp, act_order=setting.act_order,
+                                   column_importance=importance)
+    spec = setting.spec()
+    codes, scales, zeros = [], [], []
+    for start in range(0, rows, HEAD_ROWS):
+        block = weight[start:start + HEAD_ROWS].to(device=stats.hessian.device if stats else weight.device,
+                                                   dtype=torch.float32)
+        if factor is None:
+            quantized, meta = quantize(block, spec)
+        else:
+            result = gptq_bank(block[None], factor, (setting.bits,), spec, block_size=setting.block_size,
+                               fit_bits=setting.fit_bits)[setting.bits].expert(0)
+            quantized, meta = result.codes, result.meta
+        packed = pack_weight(quantized, meta)
+        codes.append(packed.codes.cpu())
+        scales.append(packed.scale.cpu())
+        zeros.append(packed.zero.cpu())
+        if progress:
+            progress("head rows", min(start + HEAD_ROWS, rows), rows)
+    return PackedWeight(torch.cat(codes), torch.cat(scales), torch.cat(zeros), setting.bits, (rows, cols))
+
+
+def quantize_head(streamed: StreamedModel, hidden: HiddenStore, setting: WeightQuant,
+                  progress: Progress | None = None) -> dict[str, torch.Tensor]:
+    """The head quantized by `setting` from the last decoder layer's outputs `hidden`: its tensors for the
+    calibration's head file (HEAD_PREFIX + .codes/.scale/.zero). A tied head is the embedding matrix."""
+    stats = head_statistics(streamed, hidden) if setting.method == "gptq" else None
+    tied = getattr(streamed.config, "tie_word_embeddings", False)
+    stored = streamed.source_dtype("model.embed_tokens.weight" if tied else "lm_head.weight")
+    with streamed.parts("lm_head", dtype=stored):
+        packed = quantize_rows(streamed.model.lm_head.weight.detach(), stats, setting, progress)
+    return packed.tensors(HEAD_PREFIX)

@@ -1,0 +1,140 @@
+"""The LM head quantized by the recipe's `head` section (hexq.calib.head): calibrated after the last layer, packed as
+codes, served from them by both decode paths, and the same model in `hexq eval` of the calibration, of the artifact
+and `hexq run --ppl`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from hexq.artifact.format import HEAD_WEIGHT
+from hexq.artifact.reader import Artifact
+from hexq.calib.head import HEAD_ROWS, quantize_rows
+from hexq.calib.pipeline import calibrate
+from hexq.data import eval_text, tokenize
+from hexq.errors import HexqError
+from hexq.eval.run import evaluate_model, runtime_divergence, runtime_perplexity
+from hexq.pack import Budget, pack
+from hexq.packed.weight import dequantize_packed
+from hexq.recipe import RecipeError, WeightQuant, recipe_from_dict
+from hexq.runtime.engine import Runtime
+from hexq.runtime.model import artifact_config
+from tests.conftest import save_tiny_model, small_recipe
+
+WIDE = dict(hidden_size=64, moe_intermediate_size=64, intermediate_size=128, head_dim=16)
+
+
+@pytest.fixture(scope="module")
+def head_artifact(tmp_path_factory):
+    """A tied tiny Qwen3-MoE (as the reference models are) calibrated with experts-mixed plus a 4-bit head in groups
+    of 32 (GPTQ); attention W8A8 as bundled, the head weight-only; (model folder, calibration, artifact)."""
+    folder = tmp_path_factory.mktemp("head")
+    model = save_tiny_model(folder / "model", "qwen3_moe", tie_word_embeddings=True, **WIDE)
+    recipe = replace(small_recipe("experts-mixed"), head=WeightQuant(bits=4, group_size=32))
+    calibrate(model, recipe, "bundled", folder / "cal")
+    pack(folder / "cal", folder / "model.hexq", budget=Budget(avg_bits=3))
+    return folder / "model", folder / "cal", folder / "model.hexq"
+
+
+def test_recipe_head_section():
+    recipe = recipe_from_dict({"name": "x", "head": {"bits": 6, "group_size": 32, "method": "rtn"}})
+    assert recipe.head == WeightQuant(bits=6, group_size=32, method="rtn")
+    assert recipe_from_dict({"name": "x"}).head is None  # its fingerprint: tests/test_recipe.py
+    with pytest.raises(RecipeError, match="head.bits"):
+        recipe_from_dict({"name": "x", "head": {"bits": 9}})
+    with pytest.raises(RecipeError, match="head.fit_bits"):
+        recipe_from_dict({"name": "x", "head": {"bits": 4, "fit_bits": [3]}})
+
+
+def test_rows_in_blocks_are_the_whole_matrix(monkeypatch):
+    """quantize_rows blocks the rows (GPTQ rows are independent given the factor): the joined blocks are the matrix
+    quantized at once, codes, scales and zeros alike."""
+    from hexq.calib.capture import SiteStats
+
+    torch.manual_seed(0)
+    weight, x = torch.randn(40, 64), torch.randn(200, 64)
+    stats = SiteStats.empty(64, torch.device("cpu"))
+    stats.add(x)
+    setting = WeightQuant(bits=3, group_size=32)
+    whole = quantize_rows(weight, stats, setting)
+    monkeypatch.setattr("hexq.calib.head.HEAD_ROWS", 16)
+    blocked = quantize_rows(weight, stats, setting)
+    for a, b in zip((whole.codes, whole.scale, whole.zero), (blocked.codes, blocked.scale, blocked.zero), strict=True):
+        assert torch.equal(a, b)
+    assert HEAD_ROWS % 8 == 0
+    # GPTQ minimises the output error on x: below round-to-nearest's on the same grid
+    rtn = quantize_rows(weight, None, replace(setting, method="rtn"))
+    error = {name: float((x @ (dequantize_packed(w) - weight).T).norm()) for name, w in (("gptq", whole), ("rtn", rtn))}
+    assert error["gptq"] < error["rtn"]
+
+
+def test_artifact_stores_the_head_as_codes(head_artifact):
+    model, _cal, path = head_artifact
+    artifact = Artifact(path)
+    assert artifact.manifest["dense"]["quantized_linears"][HEAD_WEIGHT] == 4
+    assert HEAD_WEIGHT not in artifact.manifest["dense"]["aliases"]
+    assert not artifact_config(artifact).tie_word_embeddings  # a head of its own; the embeddings stay as stored
+    assert json.loads((model / "config.json").read_text())["tie_word_embeddings"]  # the source untouched
+    vocab, hidden = 8192, WIDE["hidden_size"]
+    assert artifact.packed_param_nbytes(HEAD_WEIGHT) == vocab * hidden // 2 + vocab * hidden // 32 * 4
+    head = artifact.read_param(HEAD_WEIGHT, (vocab, hidden))
+    embed = artifact.read_param("model.embed_tokens.weight", (vocab, hidden)).float()
+    relative = float((head - embed).norm() / embed.norm())
+    assert 0 < relative < 0.2  # 4-bit codes of the tied matrix, not the matrix itself
+
+
+def test_every_path_computes_the_same_model(head_artifact):
+    """`hexq eval` of the calibration and of the artifact, and `hexq run --ppl` (the transformers path, the head a
+    packed linear read a block of rows at a time) give one perplexity (the calibration's experts at 4 bits, the
+    artifact's at 3 on average: close, not equal), and the artifact and `hexq run` one KL divergence from the source
+    model."""
+    model, cal, path = head_artifact
+    rows = {name: evaluate_model(target, ["austen"], 64, 4, 4, "cpu", kl_against=model)[0]
+            for name, target in (("calibration", cal), ("artifact", path))}
+    with Runtime(path, dtype="fp32") as runtime:
+        text = eval_text("austen")
+        ids = tokenize(runtime.tokenizer, text)
+        served, _tokens, _seconds = runtime_perplexity(runtime, ids, 64, 4)
+        served_kl = runtime_divergence(runtime, text, ids, 64, 4, model).summary()
+    ppl = {name: row.result.perplexity for name, row in rows.items()}
+    assert abs(ppl["artifact"] / ppl["calibration"] - 1) < 1e-3
+    assert abs(served / ppl["artifact"] - 1) < 1e-3
+    kld = rows["artifact"].divergence["kld_mean"]
+    assert kld > 0 and abs(served_kl["kld_mean"] / kld - 1) < 1e-2
+
+
+def test_native_step_reads_the_packed_head(head_artifact):
+    """The native step computes the head from its codes like the transformers path (test_native_decode's bound)."""
+    from tests.test_native_decode import agrees, compare
+
+    _model, _cal, path = head_artifact
+    with Runtime(path, dtype="fp32") as runtime:
+        assert type(runtime.model.lm_head).__name__ == "PackedLinear"
+    assert agrees(compare(path))
+
+
+def test_exports_refuse_a_quantized_head(head_artifact, tmp_path):
+    from hexq.export.command import export_artifact
+    from hexq.export.gguf.command import export_gguf
+
+    _model, _cal, path = head_artifact
+    with pytest.raises(HexqError, match="LM head quantized"):
+        export_artifact(path, tmp_path / "ct")
+    with pytest.raises(HexqError, match="LM head quantized"):
+        export_gguf(path, tmp_path / "m.gguf")
+    assert not (tmp_path / "ct").exists() and not (tmp_path / "m.gguf").exists()
+
+
+def test_served_head_is_weight_only(head_artifact):
+    """The served head is its dequantized codes times the full-precision input: the GEMV's int16 activation blocks
+    leave ~3e-5 relative (hexq.packed.cpu); the recipe's W8A8 grid on its input would leave ~1e-2."""
+    _model, _cal, path = head_artifact
+    with Runtime(path, dtype="fp32") as runtime:
+        head = runtime.model.lm_head
+        x = torch.randn(3, head.in_features, generator=torch.Generator().manual_seed(0))
+        want = x.double() @ Artifact(path).read_param(HEAD_WEIGHT, (head.out_features, head.in_features)).double().T
+        got = head(x).double()
+    assert float((got - want).norm() / want.norm()) < 1e-3
