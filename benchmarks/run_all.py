@@ -39,6 +39,7 @@ BENCHMARKS = {
     "distributed": ("distributed.py", "distributed.json"),
     "scale": ("scale.py", "scale.json"),
     "gguf_quality": ("gguf_quality.py", "gguf_quality.json"),
+    "head": ("head.py", "head.json"),
 }
 
 # benchmarks that need arguments only the user can give; run_all renders their results but does not run them
@@ -46,6 +47,7 @@ RUN_BY_HAND = {"scale": "python benchmarks/scale.py --work DIR",
                "distributed": "python benchmarks/distributed.py --checkpoint CKPT",
                "engines": "python benchmarks/engines.py --checkpoint CKPT --llama-cpp DIR --cgroup",
                "gguf_quality": "python benchmarks/gguf_quality.py --work DIR --llama-cpp SRC",
+               "head": "python benchmarks/head.py --checkpoint CKPT --quality",
                "runtime_cgroup": "python benchmarks/runtime.py --models --real ART --real-checkpoint CKPT "
                                  "--expert-fractions --cgroup -o benchmarks/results/runtime_cgroup.json"}
 

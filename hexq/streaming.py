@@ -312,7 +312,7 @@ class StreamedModel:
             if name == "lm_head" and tied:  # one copy, as the source had: never a second one, even for a moment
                 self.model.lm_head.weight = self.model.model.embed_tokens.weight
                 continue
-            self._materialize_top(self.model.get_submodule(name), name, copy=True)
+            self._materialize_top(self.model.get_submodule(name), name, copy=True, leave=leave)
             self.source.release()
 
     @contextmanager
@@ -330,11 +330,13 @@ class StreamedModel:
                 _to_meta(module)
 
     def _materialize_top(self, module: torch.nn.Module, name: str, dtype: torch.dtype | None = None,
-                         copy: bool = False) -> None:
+                         copy: bool = False, leave: frozenset[str] = frozenset()) -> None:
         tied = name == "lm_head" and getattr(self.config, "tie_word_embeddings", False)
         for rel, owner, attr, is_parameter in _tensor_slots(module):
             current = owner._parameters[attr] if is_parameter else owner._buffers[attr]
             key = f"{name}.{rel}"
+            if key in leave:  # e.g. a quantized head's weight: never read whole, not even for a moment
+                continue
             if tied and not self.source_has(key):
                 key = "model.embed_tokens.weight"
             stored, owned = self._read(key, tuple(current.shape), copy)

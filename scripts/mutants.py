@@ -164,6 +164,8 @@ MUTANTS = [
            "        quantizer = act_quantizer(", ("tests/test_quantized_head.py",)),
     Mutant("head-rows-cut-with-the-wrong-scales", "hexq/packed/weight.py",
            "self.scale[start:stop],", "self.scale[start:stop].flip(0),", ("tests/test_quantized_head.py",)),
+    Mutant("head-dequantized-whole-at-start-up", "hexq/streaming.py",
+           "            if key in leave:", "            if False:", ("tests/test_quantized_head.py",)),
     Mutant("head-gptq-without-its-hessian", "hexq/calib/head.py",
            "    if setting.method == \"gptq\":\n        importance", "    if False:\n        importance",
            ("tests/test_quantized_head.py",)),

@@ -19,7 +19,7 @@ from hexq.errors import HexqError
 from hexq.eval.run import evaluate_model, runtime_divergence, runtime_perplexity
 from hexq.pack import Budget, pack
 from hexq.packed.weight import dequantize_packed
-from hexq.recipe import RecipeError, WeightQuant, recipe_from_dict
+from hexq.recipe import RecipeError, WeightQuant, recipe_from_dict, validate_for_model
 from hexq.runtime.engine import Runtime
 from hexq.runtime.model import artifact_config
 from tests.conftest import save_tiny_model, small_recipe
@@ -47,6 +47,10 @@ def test_recipe_head_section():
         recipe_from_dict({"name": "x", "head": {"bits": 9}})
     with pytest.raises(RecipeError, match="head.fit_bits"):
         recipe_from_dict({"name": "x", "head": {"bits": 4, "fit_bits": [3]}})
+    grouped = recipe_from_dict({"name": "x", "head": {"bits": 4, "group_size": 128}})
+    validate_for_model(grouped, 256, {})
+    with pytest.raises(RecipeError, match="head.group_size"):
+        validate_for_model(grouped, 192, {})
 
 
 def test_rows_in_blocks_are_the_whole_matrix(monkeypatch):
@@ -138,3 +142,33 @@ def test_served_head_is_weight_only(head_artifact):
         want = x.double() @ Artifact(path).read_param(HEAD_WEIGHT, (head.out_features, head.in_features)).double().T
         got = head(x).double()
     assert float((got - want).norm() / want.norm()) < 1e-3
+
+
+def test_memory_plan_counts_the_head_as_codes(head_artifact):
+    """`--memory` plans the packed head at its stored bytes (not a bf16 copy, not twice with the embeddings), and the
+    plan is what was materialized."""
+    from hexq.runtime.model import dense_bytes
+
+    _model, _cal, path = head_artifact
+    artifact = Artifact(path)
+    with Runtime(path, dtype="bf16", warm="none") as runtime:
+        assert runtime.dense_bytes == dense_bytes(runtime.model)
+        head = sum(b.numel() * b.element_size() for b in runtime.model.lm_head.buffers())
+        assert head == artifact.packed_param_nbytes(HEAD_WEIGHT)  # the head's whole share: its codes, scale, zero
+        assert runtime.model.lm_head.codes.data_ptr() != runtime.model.model.embed_tokens.weight.data_ptr()
+
+
+def test_serving_never_dequantizes_the_whole_head(head_artifact, monkeypatch):
+    """Start-up, decode and a perplexity pass read the head as codes (a block of rows at a time): at a real vocabulary
+    a float32 copy is 1.2 GB, which once made start-up peak 1.1 GB above the steady state."""
+    _model, _cal, path = head_artifact
+    read_param = Artifact.read_param
+
+    def guarded(self, name, shape):
+        assert name != HEAD_WEIGHT, "the packed head was dequantized whole"
+        return read_param(self, name, shape)
+
+    monkeypatch.setattr(Artifact, "read_param", guarded)
+    with Runtime(path, dtype="fp32") as runtime:
+        runtime.generate("It is a truth universally", 3)
+        assert runtime.window_nll(torch.arange(1, 33)) > 0
