@@ -150,6 +150,36 @@ def test_prefill_admits_only_the_layer_share(mixed_artifact):
     assert stats.cache.bypass_loads > 0
 
 
+def peak_rss_of(code: str) -> int:
+    """Peak RSS (bytes) of a fresh interpreter running `code` (its own getrusage, printed at exit)."""
+    import subprocess
+    import sys
+
+    wrapped = f"{code}\nimport resource; print('PEAK', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)"
+    done = subprocess.run([sys.executable, "-c", wrapped], capture_output=True, text=True, check=True)
+    return int(done.stdout.split("PEAK")[-1])
+
+
+def test_peak_rss_within_memory_over_the_interpreters_own(mixed_artifact):
+    """`--memory` is one budget for the whole process: `hexq run`'s peak RSS stays within it over the baseline of an
+    interpreter that has imported what the run must (the CLI, the runtime, the family's transformers model: ~160 MB of
+    it torch._dynamo, which transformers' masking utilities import, Triton with it) and loaded the tokenizer. What is
+    left is the plan (dense part, scratch, KV cache, experts) and ~40 MB the plan does not name (the model skeleton's
+    Python objects, the start-up checks' tensors, allocator slack), which the 64 MB here must also cover. Caught (each
+    tried): `import datasets` on the run's path (+83 MB), a stray 32 MB tensor. (A quantized head dequantized whole
+    at start-up has its own test: tests/test_quantized_head.py.)"""
+    memory = 64 * 2**20
+    baseline = peak_rss_of("import hexq_cli.main, hexq.runtime.engine, hexq.runtime.native\n"
+                           "import transformers.models.qwen3_moe.modeling_qwen3_moe\n"
+                           "from transformers import AutoTokenizer\n"
+                           f"AutoTokenizer.from_pretrained({str(mixed_artifact)!r})")
+    run = peak_rss_of("import sys; from hexq_cli.main import main\n"
+                      f"sys.argv = ['hexq', 'run', {str(mixed_artifact)!r}, '--memory', '{memory}', '--prompt', "
+                      "'It is a truth universally acknowledged', '-n', '8']\n"
+                      "try:\n    main()\nexcept SystemExit as exit:\n    assert not exit.code, exit.code")
+    assert run <= baseline + memory, f"peak {run / 2**20:.0f} MiB over a baseline of {baseline / 2**20:.0f} MiB"
+
+
 def test_memory_is_one_budget_for_dense_scratch_and_experts(mixed_artifact):
     from hexq.runtime.engine import kv_position_bytes
     from hexq.runtime.model import dense_bytes
