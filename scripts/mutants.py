@@ -56,6 +56,10 @@ MUTANTS = [
            "    return allocate(loss, bits, order, costs=list(bits), budget=avg_bit_budget(avg_bits, loss.shape[0]))",
            "    return allocate(torch.zeros_like(loss), bits, order, costs=list(bits), "
            "budget=avg_bit_budget(avg_bits, loss.shape[0]))", ("tests/test_allocation.py",)),
+    Mutant("runtime-drops-the-skipped-weight", "hexq/runtime/experts.py",
+           "        weights = served_weights(top_k_index, top_k_weights, bits > 0, self.num_experts)",
+           "        weights = top_k_weights",
+           ("tests/test_runtime_packed.py::test_skipped_experts_are_served_as_eval_computes_them",)),
     Mutant("skipped-weight-not-renormalised", "hexq/simulate.py",
            "    scale = torch.where(kept_mass > 0, total / kept_mass.masked_fill(kept_mass == 0, 1), "
            "torch.zeros_like(total))",

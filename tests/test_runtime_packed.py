@@ -66,25 +66,32 @@ def skipping_eval(skipping_artifact):
     return math.exp(float(nll.sum()) / (5 * 51)), stream_logits(streamed, windows, prepare, 1)
 
 
+# Relative L2 of the served logits against `hexq eval`'s on the skipping artifact, per cache. fp32: experts expanded
+# to float32 and no kernels (kernels="torch": every dense linear expanded too), what the evaluation computes, so
+# float32 noise (measured 0). From the codes, the kernels' int16 activation blocks (relative ~3e-5 per product) put
+# an occasional activation on the other side of a W8A8 rounding boundary, which moves these logits by 1.6e-3
+# (measured); as the cost model picks, either. Dropping a skipped expert's renormalised weight moves them by ~2%.
+LOGIT_BOUNDS = {"fp32": 1e-3, "packed-codes": 5e-3, "packed": 5e-3}
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("cache", ["packed", "packed-codes", "fp32"])
+@pytest.mark.parametrize("cache", list(LOGIT_BOUNDS))
 def test_skipped_experts_are_served_as_eval_computes_them(skipping_artifact, skipping_eval, device, cache):
     """0-bit experts: `hexq run` gives a skipped expert's routing weight to the token's kept experts exactly as
-    `hexq eval` does, on every device and cache: the perplexity within 0.1% (as test_run_matches_eval_on_every_device).
-    This random model's perplexity hardly moves whatever its experts do (losing the skipped experts' weight instead
-    moves it by ~4e-5), its logits do (by ~2%): with experts expanded to float32 the runtime computes what the
-    evaluation computes, so its logits are held to float32 noise, relative L2 1e-3 as in the decode check (measured
-    0). From the codes, the int16 activation blocks of the CPU kernels alone move these logits by ~1.5e-3."""
+    `hexq eval` does, on every device and cache: the perplexity within 0.1% (as test_run_matches_eval_on_every_device)
+    and, since this random model's perplexity hardly moves whatever its experts do (losing the skipped experts' weight
+    moves it by ~4e-5), the logits within LOGIT_BOUNDS."""
     want, want_logits = skipping_eval
-    with Runtime(skipping_artifact, device=device, dtype="fp32", cache=cache.removesuffix("-codes")) as runtime:
+    kernels = "torch" if cache == "fp32" and device == "cpu" else "auto"
+    with Runtime(skipping_artifact, device=device, dtype="fp32", cache=cache.removesuffix("-codes"),
+                 kernels=kernels) as runtime:
         if cache == "packed-codes":
             from_codes(runtime)
         got, _, _ = runtime_perplexity(runtime, IDS, 52, None)
         logits = runtime.forward(make_windows(IDS, 52).to(runtime.device)).logits.float().cpu()
         assert runtime.stats().skipped_slots > 0
     assert abs(got / want - 1) <= 1e-3, (got, want)
-    if cache == "fp32":
-        assert float((logits - want_logits).norm() / want_logits.norm()) <= 1e-3
+    assert float((logits - want_logits).norm() / want_logits.norm()) <= LOGIT_BOUNDS[cache]
 
 
 @needs_kernels(KERNELS)
