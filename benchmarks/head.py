@@ -9,7 +9,9 @@ published vocabulary of 151,936): the checkpoint calibrated once per head settin
 as in benchmarks/engines.py, on 4 windows: decode speed does not depend on how the codes were chosen; the head by
 GPTQ), packed at 3 bits; per artifact the bytes one decode step reads (engines.bytes_per_token_hexq: the whole head is
 read for every token), `hexq run`'s native decode tokens/s (engines' child: a 128-token prompt, --decode tokens, median
-of --repeats processes) and peak RSS, and the calibration's seconds for the head and peak RSS (GNU time).
+of --repeats processes) and peak RSS, and the calibration's seconds for the head and peak RSS (GNU time); with
+--llama-cpp, llama.cpp's Q4_0 of the same checkpoint (llama-quantize keeps its head at Q6_K) by llama-bench, tg
+--decode at depth 128.
 
 Quality: each reference model calibrated with the bundled experts-mixed recipe on --windows windows once per head
 setting, packed at 3 bits, and `hexq eval --kl-against` the model itself on --eval-windows held-out windows of 256
@@ -26,7 +28,16 @@ import sys
 from pathlib import Path
 
 import yaml
-from engines import PROMPT_TOKENS, RTN_RECIPE, bytes_per_token_hexq, packed, prompt_ids, repeated
+from engines import (
+    PROMPT_TOKENS,
+    RTN_RECIPE,
+    bytes_per_token_gguf,
+    bytes_per_token_hexq,
+    llama_ggufs,
+    packed,
+    prompt_ids,
+    repeated,
+)
 
 from provenance import start_run, write_results
 
@@ -67,7 +78,7 @@ def calibrated(model: Path, recipe: Path, out: Path) -> dict:
     return {"head_seconds": timings.get("head"), "calibration_peak_rss_mib": peak_rss_mib(timed)}
 
 
-def speed(args: argparse.Namespace, results: dict, run: dict) -> None:
+def speed(args: argparse.Namespace, results: dict, save) -> None:
     work = args.work / "speed"
     work.mkdir(parents=True, exist_ok=True)
     base = yaml.safe_load(RTN_RECIPE)
@@ -83,10 +94,20 @@ def speed(args: argparse.Namespace, results: dict, run: dict) -> None:
         row = repeated(spec, args.repeats)
         rows.append(row | cost | {"head": name, "bytes_per_token_mb": traffic["total"] / 1e6,
                                   "dense_mb": traffic["dense"] / 1e6})
-        write_results(args.out, results, run, merged=True)
+        save()
+    if args.llama_cpp is None:
+        return
+    config = json.loads((args.checkpoint / "config.json").read_text())
+    gguf = llama_ggufs(args.checkpoint, args.llama_cpp, work)["llama.cpp Q4_0"]
+    traffic = bytes_per_token_gguf(gguf, config["num_experts_per_tok"], config["num_experts"])
+    spec = {"kind": "llama", "gguf": str(gguf), "llama_bin": str(args.llama_cpp / "build" / "bin"),
+            "decode": args.decode, "threads": args.threads, "cold": False}
+    row = repeated(spec, args.repeats)
+    rows.append(row | {"head": "llama.cpp Q4_0 (its head Q6_K)", "bytes_per_token_mb": traffic["total"] / 1e6})
+    save()
 
 
-def quality(args: argparse.Namespace, results: dict, run: dict) -> None:
+def quality(args: argparse.Namespace, results: dict, save) -> None:
     from hexq.recipe import recipe_to_dict
     from hexq.recipe_files import load_recipe
 
@@ -102,32 +123,35 @@ def quality(args: argparse.Namespace, results: dict, run: dict) -> None:
             cost = calibrated(model, recipe, work / f"calibration-{tag}")
             artifact = packed(work / f"calibration-{tag}", recipe, work / f"{tag}-3.hexq", 3)
             report = work / f"{tag}-eval.json"
-            hexq("eval", str(artifact), "-d", ",".join(TEXTS), "-n", str(args.eval_windows), "--kl-against",
-                 str(model), "--json", str(report))
+            texts = [arg for text in TEXTS for arg in ("-d", text)]
+            hexq("eval", str(artifact), *texts, "-n", str(args.eval_windows), "--kl-against", str(model), "--json",
+                 str(report))
             for entry in json.loads(report.read_text())["results"]:
                 kl = entry["kl"]
                 rows.append({"model": model_name, "head": name, "data": entry["data"], "kld_mean": kl["kld_mean"],
                              "kld_p99": kl["kld_p99"], "top1_agreement": kl["top1_agreement"],
                              "perplexity": entry["perplexity"], "reference_perplexity": kl["reference_perplexity"],
                              **cost})
-            write_results(args.out, results, run, merged=True)
+            save()
 
 
 def render(results: dict) -> str:
     lines = []
     if results.get("speed"):
-        lines += [f"Real vocabulary (151,936 x 2048 head), {results['threads']} threads, native decode, "
-                  f"{PROMPT_TOKENS}-token prompt:", "",
-                  "| head | bytes/token (MB) | decode tokens/s | peak RSS (MiB) | head GPTQ (s) | calibration peak "
-                  "RSS (MiB) |", "|---|---|---|---|---|---|"]
+        llama = next((r for r in results["speed"] if r["head"].startswith("llama.cpp") and "error" not in r), None)
+        lines += [f"Real vocabulary (151,936 x 2048 head), {results['threads']} threads, {PROMPT_TOKENS}-token prompt; "
+                  "hexq: 3-bit experts, native decode:", "",
+                  "| hexq head / engine | bytes/token (MB) | decode tokens/s | / llama.cpp Q4_0 | peak RSS (MiB) | "
+                  "head GPTQ (s) | calibration peak RSS (MiB) |", "|---|---|---|---|---|---|---|"]
         for row in results["speed"]:
             if "error" in row:
-                lines.append(f"| {row['head']} | error: {row['error'][:100]} | | | | |")
+                lines.append(f"| {row['head']} | error: {row['error'][:100]} | | | | | |")
                 continue
-            seconds = row.get("head_seconds")
-            lines.append(f"| {row['head']} | {row['bytes_per_token_mb']:.0f} | {row['tokens_per_s']:.2f} | "
+            seconds, calibration = row.get("head_seconds"), row.get("calibration_peak_rss_mib")
+            ratio = f"{row['tokens_per_s'] / llama['tokens_per_s']:.2f}x" if llama else ""
+            lines.append(f"| {row['head']} | {row['bytes_per_token_mb']:.0f} | {row['tokens_per_s']:.2f} | {ratio} | "
                          f"{row['peak_rss_mib']:.0f} | {'' if seconds is None else f'{seconds:.0f}'} | "
-                         f"{row['calibration_peak_rss_mib'] or 0:.0f} |")
+                         f"{'' if calibration is None else f'{calibration:.0f}'} |")
     if results.get("quality"):
         lines += ["", "Reference models, experts-mixed packed at 3 bits, KL divergence from the model itself:", "",
                   "| model | head | text | mean KLD | top-1 agreement | perplexity (full precision) |",
@@ -141,6 +165,8 @@ def render(results: dict) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", type=Path, help="a real-vocabulary checkpoint (scripts/make_checkpoint.py)")
+    parser.add_argument("--llama-cpp", type=Path, help="with --checkpoint: llama.cpp's source tree with its tools "
+                        "built (benchmarks/engines.py): its Q4_0 of the checkpoint measured in the same run")
     parser.add_argument("--quality", action="store_true", help="the reference models' KL divergence per head")
     parser.add_argument("--work", type=Path, default=ROOT / "benchmarks" / "work" / "head")
     parser.add_argument("--threads", type=int, default=2)
@@ -153,17 +179,29 @@ def main() -> int:
     if args.checkpoint is None and not args.quality:
         parser.error("give --checkpoint, --quality or both")
     run = start_run(args)
-    # the part not run now keeps its rows (and their run's record): speed and quality can be measured apart
+    # the part not run now keeps its rows and the records of the runs that made them: speed and quality are measured
+    # apart
     earlier = json.loads(args.out.read_text()) if args.out.is_file() else {}
-    results: dict = {key: earlier[key] for key in ("speed", "quality") if key in earlier}
+    rerun = {"speed": args.checkpoint is not None, "quality": args.quality}
+    kept = [key for key in ("speed", "quality") if key in earlier and not rerun[key]]
+    results: dict = {key: earlier[key] for key in kept}
+
+    def keep(record: dict) -> bool:
+        made = {"speed": record["parameters"].get("checkpoint") is not None,
+                "quality": bool(record["parameters"].get("quality"))}
+        return any(made[key] for key in kept)
+
     results |= {"benchmark": "head", "threads": args.threads, "decode": args.decode}
+    def save(complete: bool = False) -> None:
+        write_results(args.out, results, run, complete=complete, merged=True, keep=keep)
+
     if args.checkpoint is not None:
         results["speed"] = []
-        speed(args, results, run)
+        speed(args, results, save)
     if args.quality:
         results["quality"] = []
-        quality(args, results, run)
-    write_results(args.out, results, run, complete=True, merged=True)
+        quality(args, results, save)
+    save(complete=True)
     print(render(results))
     return 0
 

@@ -100,17 +100,18 @@ def start_run(args: argparse.Namespace, argv: list[str] | None = None) -> dict:
             "_clock": time.time()}
 
 
-def write_results(path: Path, results: dict, run: dict, complete: bool = False, merged: bool = False) -> None:
+def write_results(path: Path, results: dict, run: dict, complete: bool = False, merged: bool = False,
+                  keep=None) -> None:
     """Write `results` to `path` with this run's record, stamped with the time written and whether it is complete (a
     run that stops half-way leaves a file that says so). merged: the results keep rows of earlier runs from the same
-    file, so their records stay too."""
+    file, so their records stay too (only those `keep(record)` accepts, when given: the runs whose rows are left)."""
     record = {k: v for k, v in run.items() if k != "_clock"} | {
         "written": utc_now(), "seconds": round(time.time() - run["_clock"], 1), "complete": complete}
     earlier = []  # records of the runs whose rows this file still holds
     if merged and Path(path).is_file():
         try:
             earlier = [r for r in json.loads(Path(path).read_text()).get("provenance", [])
-                       if isinstance(r, dict) and r.get("started") != record["started"]]
+                       if isinstance(r, dict) and r.get("started") != record["started"] and (keep is None or keep(r))]
         except (OSError, ValueError, AttributeError):
             earlier = []
     write_json_atomic(path, {"provenance": [*earlier, record],
