@@ -21,7 +21,8 @@ What runs (every row a fresh process, --threads threads, nothing else running; t
                           a prompt's worth of positions, as for hexq), prefill pp128
 Artifacts: the checkpoint calibrated with round-to-nearest replicas (decode speed does not depend on how the codes
 were chosen) on 16 windows, packed at 3.0 and 4.0 bits (the 4-bit one with `--bank export`: the 4-bit replica of
-every 8-bit expert, which the GGUF export writes for it); and once more with the dense linears at 4 bits in groups
+every 8-bit expert, which the GGUF export writes for it) and at 2.5 bits (2, 3, 4 and 8-bit experts mixed in every
+layer by the allocation; native decode row only); and once more with the dense linears at 4 bits in groups
 of 32 with full-precision activations (W4A16, attention at Q4_0's width; DENSE4_RECIPE), packed at 3.0 bits (native
 decode row only).
 
@@ -54,6 +55,8 @@ from provenance import start_run, write_results
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT_TOKENS = 128
 DENSE4 = "hexq 3-bit, dense W4A16 g32"
+MIXED = "hexq mixed 2.5-bit"  # the allocation's 2, 3, 4 and 8-bit experts side by side in every layer
+NATIVE_ONLY = (DENSE4, MIXED)  # rows measured on the native step alone
 RTN_RECIPE = """name: experts-rtn
 version: 1
 smoothing: {method: none}
@@ -198,7 +201,7 @@ def calibrated(checkpoint: Path, work: Path, name: str, text: str) -> tuple[Path
     return recipe, calibration
 
 
-def packed(calibration: Path, recipe: Path, out: Path, bits: int, *extra: str) -> Path:
+def packed(calibration: Path, recipe: Path, out: Path, bits: float, *extra: str) -> Path:
     if not (out / "manifest.json").exists():
         subprocess.run([sys.executable, "-m", "hexq_cli.main", "pack", str(calibration), "-r", str(recipe), "--bits",
                         str(bits), "-o", str(out), "--force", *extra], check=True, cwd=ROOT)
@@ -211,6 +214,7 @@ def hexq_artifacts(checkpoint: Path, work: Path) -> dict[str, Path]:
     for bits in (3, 4):
         bank = ["--bank", "export"] if bits == 4 else []  # what the GGUF export of the 4-bit artifact needs
         artifacts[f"hexq {bits}-bit"] = packed(calibration, recipe, work / f"hexq-{bits}.hexq", bits, *bank)
+    artifacts[MIXED] = packed(calibration, recipe, work / "hexq-2.5.hexq", 2.5)
     recipe, calibration = calibrated(checkpoint, work, "experts-rtn-dense4", DENSE4_RECIPE)
     artifacts[DENSE4] = packed(calibration, recipe, work / "hexq-3-dense4.hexq", 3)
     return artifacts
@@ -319,7 +323,7 @@ def main() -> int:
     results["bandwidth_gbps"] = run_child({"kind": "bandwidth", "threads": args.threads})["read_gbps"]
     for name, artifact in artifacts.items():
         traffic = bytes_per_token_hexq(artifact)
-        for path in ("native",) if name == DENSE4 else ("native", "transformers"):
+        for path in ("native",) if name in NATIVE_ONLY else ("native", "transformers"):
             row = repeated(base | {"kind": "hexq", "artifact": str(artifact), "cache": "packed", "path": path},
                            args.repeats)
             row |= {"engine": f"{name}, {path} decode", "bytes_per_token_mb": traffic["total"] / 1e6}
@@ -357,7 +361,8 @@ def ratios(results: dict) -> dict:
     if exported and q4:
         out["llama.cpp on hexq's GGUF export (4-bit) / llama.cpp Q4_0 tokens/s"] = (exported["tokens_per_s"]
                                                                                    / q4["tokens_per_s"])
-    for name in ("hexq 3-bit, native decode", "hexq 4-bit, native decode", f"{DENSE4}, native decode"):
+    for name in ("hexq 3-bit, native decode", "hexq 4-bit, native decode", f"{MIXED}, native decode",
+                 f"{DENSE4}, native decode"):
         ours, old = rows.get(name), rows.get(name.replace("native", "transformers"))
         if ours and q4:
             out[f"{name} / llama.cpp Q4_0 tokens/s"] = ours["tokens_per_s"] / q4["tokens_per_s"]
