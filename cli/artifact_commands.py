@@ -46,7 +46,8 @@ def inspect(
               if accounting["bank_bits"] else "")
     console.print(f"experts stored (allocation{banked}): {format_bytes(accounting['stored_experts'])} = "
                   f"{accounting['experts_vs_bf16']:.1%} of their bf16 size {format_bytes(accounting['bf16_experts'])}"
-                  f"; dense part {format_bytes(accounting['dense'])}; artifact {format_bytes(accounting['files'])}"
+                  f"; dense part {format_bytes(accounting['dense'])} (head {accounting['head']}); artifact "
+                  f"{format_bytes(accounting['files'])}"
                   f"; checksums {'ok' if info['checksums_ok'] else 'FAILED'}")
     if json_out is not None:
         write_json_atomic(json_out, info)

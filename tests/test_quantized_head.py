@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from hexq.artifact.format import HEAD_WEIGHT
+from hexq.artifact.inspect import summarize
 from hexq.artifact.reader import Artifact
 from hexq.calib.head import HEAD_ROWS, quantize_rows
 from hexq.calib.pipeline import calibrate
@@ -88,6 +89,7 @@ def test_artifact_stores_the_head_as_codes(head_artifact):
     embed = artifact.read_param("model.embed_tokens.weight", (vocab, hidden)).float()
     relative = float((head - embed).norm() / embed.norm())
     assert 0 < relative < 0.2  # 4-bit codes of the tied matrix, not the matrix itself
+    assert summarize(path)["accounting"]["head"] == "4-bit codes"  # what `hexq inspect` says
 
 
 def test_every_path_computes_the_same_model(head_artifact):

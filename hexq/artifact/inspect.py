@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from hexq.artifact.format import MANIFEST
+from hexq.artifact.format import HEAD_WEIGHT, MANIFEST
 from hexq.artifact.reader import Artifact
 
 
@@ -39,6 +39,9 @@ def summarize(path: str | Path) -> dict:
     layers = [{"layer": moe_layers[index], "histogram": {str(b): n for b, n in sorted(Counter(row).items())},
                "average_bits": sum(row) / len(row), "bytes": sum(costs[b] for b in row), "hot": hot[index]}
               for index, row in enumerate(allocation["bits"])]
+    head_bits = manifest["dense"]["quantized_linears"].get(HEAD_WEIGHT)
+    head = (f"{head_bits}-bit codes" if head_bits else
+            "tied to the embeddings" if HEAD_WEIGHT in manifest["dense"]["aliases"] else "as stored")
     budget = allocation["budget"]
     described = (f"{budget['total_bytes']} bytes, {budget['schedule']} over layers"
                  if budget["total_bytes"] is not None else f"{budget['avg_bits']} bits per layer")
@@ -58,7 +61,7 @@ def summarize(path: str | Path) -> dict:
                        "bf16_experts": manifest["accounting"]["bf16_expert_bytes"],
                        "experts_vs_bf16": manifest["accounting"]["stored_expert_bytes"]
                        / manifest["accounting"]["bf16_expert_bytes"],
-                       "dense": manifest["accounting"]["dense_bytes"],
+                       "dense": manifest["accounting"]["dense_bytes"], "head": head,
                        "files": sum(entry["bytes"] for entry in artifact.files.values()) + manifest_bytes},
         "files": files,
         "checksums_ok": all(files.values()),
