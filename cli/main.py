@@ -259,7 +259,6 @@ def pack_command(
     expert_bytes: Annotated[str | None, typer.Option("--expert-bytes", help="Stored bytes for all routed experts of "
                                                      "the model, e.g. 3MB or 2.5MiB; split across layers by the "
                                                      "recipe's pack.schedule.")] = None,
-    old_budget: Annotated[str | None, typer.Option("--budget", hidden=True)] = None,
     schedule: Annotated[str | None, typer.Option("--schedule", help="How --expert-bytes is split across layers: "
                                                  "uniform or cosine (deeper layers get less).")] = None,
     bank: Annotated[str | None, typer.Option("--bank", help="Widths kept for every expert besides its allocated one, "
@@ -280,8 +279,6 @@ def pack_command(
     from hexq.recipe_files import load_recipe
     from hexq.units import format_bytes, parse_bytes
 
-    if old_budget is not None:  # `hexq run --budget` is cache memory; pack's byte budget says what it counts
-        raise HexqError(f"hexq pack --budget is now --expert-bytes: pass --expert-bytes {old_budget}")
     if bits is not None and expert_bytes is not None:
         raise HexqError("give either --bits (average per layer) or --expert-bytes (bytes for the model), not both")
     settings = load_recipe(recipe).pack if recipe else None
@@ -376,7 +373,6 @@ def run(
     context: ContextOpt = None,
     dtype: DtypeOpt = "bf16",
     cache: CacheOpt = "packed",
-    cache_dtype: Annotated[str | None, typer.Option("--cache-dtype", hidden=True)] = None,
     threads: ThreadsOpt = None,
     kernels: KernelsOpt = "auto",
     decode: DecodeOpt = "auto",
@@ -405,8 +401,6 @@ def run(
     """Generate text or measure perplexity with the experts served from a budgeted cache."""
     if (prompt is None) == (ppl is None):
         raise HexqError("give exactly one of --prompt TEXT or --ppl DATA")
-    if cache_dtype is not None:
-        raise HexqError(f"--cache-dtype is now --cache (packed, bf16 or fp32): use --cache {cache_dtype}")
     config = runtime_config(memory=memory, budget=budget, context=context, dtype=dtype, cache=cache, threads=threads,
                             kernels=kernels, decode=decode, warm=warm, cost_model=cost_model, policy=policy,
                             prefetch=prefetch, prefetch_top=prefetch_top, mode=mode, device=device)

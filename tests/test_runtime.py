@@ -276,5 +276,3 @@ def test_cli_memory_option_and_stats(mixed_artifact, tmp_path):
     assert small.exit_code == 1 and "below the minimum" in small.output and len(small.output.splitlines()) == 1
     bad = runner.invoke(app, ["run", str(mixed_artifact), "--prompt", "x", "--cache", "fp8"])
     assert bad.exit_code == 1 and "--cache fp8" in bad.output and len(bad.output.splitlines()) == 1
-    renamed = runner.invoke(app, ["run", str(mixed_artifact), "--prompt", "x", "--cache-dtype", "fp32"])
-    assert renamed.exit_code == 1 and "use --cache fp32" in renamed.output

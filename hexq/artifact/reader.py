@@ -100,9 +100,10 @@ def read_spans_into(fd: int, spans: list[TensorSpan], buffer: torch.Tensor) -> l
     return out
 
 
-def spans_buffer_nbytes(spans: list[TensorSpan]) -> int:
-    """Bytes `read_spans_into` needs for these spans in the worst case (7 alignment bytes per read)."""
-    return sum(s.end - s.start for s in spans) + 8 * len(spans)
+def read_buffer_nbytes(nbytes: int, tensors: int) -> int:
+    """Bytes `read_spans_into` needs for `tensors` tensors of `nbytes` in all, in the worst case: each read keeps its
+    file offset modulo 8, so up to 7 bytes of padding before each."""
+    return nbytes + 8 * tensors
 
 
 # ------------------------------------------------------------------------------------------ the reader
@@ -265,8 +266,8 @@ class Artifact:
 
     def read_expert(self, row: int, expert: int, bits: int, buffer: torch.Tensor) -> tuple[PackedWeight, ...]:
         """(gate_up, down) of one stored replica read with pread into `buffer` (1-D uint8 CPU tensor of at least
-        spans_buffer_nbytes(expert_spans(...)) bytes; the PackedWeights are views of it, valid until it is reused).
-        Nothing is memory-mapped: the process keeps only `buffer`, whatever the artifact's size."""
+        read_buffer_nbytes(the replica's bytes, 6) bytes; the PackedWeights are views of it, valid until it is
+        reused). Nothing is memory-mapped: the process keeps only `buffer`, whatever the artifact's size."""
         spans = self.expert_spans(row, expert, bits)
         shard = expert_shard(self.moe_layers[row])
         fd = self._fds.get(shard)

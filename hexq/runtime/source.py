@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hexq.artifact.reader import Artifact
+from hexq.artifact.reader import Artifact, read_buffer_nbytes
 from hexq.packed.bitpack import DequantScratch
 from hexq.packed.weight import PackedWeight, dequantize_packed_into, packed_weight_nbytes
 from hexq.runtime.cache import ExpertWeights
@@ -41,7 +41,8 @@ def _replica_nbytes(artifact: Artifact, bits: int) -> int:
     """Bytes of one stored replica at `bits` (both matrices: codes, scale, zero) plus the alignment pread may add."""
     group = artifact.manifest["experts"].get("group_size")
     shapes = artifact.expert_shapes
-    return sum(packed_weight_nbytes(s, bits, group or s[1]) for s in shapes) + 8 * 6
+    tensors = [packed_weight_nbytes(s, bits, group or s[1]) for s in shapes]
+    return read_buffer_nbytes(sum(tensors), 3 * len(tensors))  # codes, scale and zero of each matrix
 
 
 @dataclass
