@@ -384,6 +384,11 @@ class StreamedModel:
         stored = self.source.param_dtype(name)
         return stored if stored is not None and stored.is_floating_point else self.dtype
 
+    def head_dtype(self) -> torch.dtype:
+        """The dtype the LM head is stored in (the embeddings' when tied to them): `parts("lm_head", dtype=...)`."""
+        tied = getattr(self.config, "tie_word_embeddings", False)
+        return self.source_dtype("model.embed_tokens.weight" if tied else "lm_head.weight")
+
     @torch.no_grad()
     def head_nll(self, hidden: HiddenStore, ids: torch.Tensor, batch_size: int, positions: int = 1024,
                  vocab_rows: int = 32768) -> torch.Tensor:
@@ -393,9 +398,7 @@ class StreamedModel:
         vocabulary is an online logsumexp over those blocks (running max and scaled sum), so neither a float32
         copy of a large head nor [positions, vocab] logits exist at once."""
         out = []
-        head_dtype = self.source_dtype("lm_head.weight") if not getattr(self.config, "tie_word_embeddings", False) \
-            else self.source_dtype("model.embed_tokens.weight")
-        with self.parts("model.norm"), self.parts("lm_head", dtype=head_dtype):
+        with self.parts("model.norm"), self.parts("lm_head", dtype=self.head_dtype()):
             norm, weight = self.model.model.norm, self.model.lm_head.weight
             bias = getattr(self.model.lm_head, "bias", None)
             for index, batch in enumerate(ids.split(batch_size)):

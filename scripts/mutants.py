@@ -171,7 +171,7 @@ MUTANTS = [
     Mutant("head-dequantized-whole-at-start-up", "hexq/streaming.py",
            "            if key in leave:", "            if False:", ("tests/test_quantized_head.py",)),
     Mutant("head-gptq-without-its-hessian", "hexq/calib/head.py",
-           "    if setting.method == \"gptq\":\n        importance", "    if False:\n        importance",
+           "expert_factor(hessian, setting, channel_max)", "expert_factor(torch.eye(cols)[None], setting, channel_max)",
            ("tests/test_quantized_head.py",)),
     # ------------------------------------------------------------------ pack's guard
     Mutant("pack-accepts-an-average-below-every-width", "hexq/pack.py",

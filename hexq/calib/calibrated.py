@@ -97,13 +97,10 @@ class QuantizedHead:
         return getattr(self.source, name)
 
     def has_param(self, name: str) -> bool:
-        return name == HEAD_WEIGHT or bool(getattr(self.source, "has_param", lambda _name: True)(name))
+        return name == HEAD_WEIGHT or self.source.has_param(name)
 
     def read_param(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         return dequantize_packed(self.head) if name == HEAD_WEIGHT else self.source.read_param(name, shape)
-
-    def read_param_copy(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        return self.read_param(name, shape) if name == HEAD_WEIGHT else self.source.read_param_copy(name, shape)
 
     def param_dtype(self, name: str) -> torch.dtype | None:
         return torch.float32 if name == HEAD_WEIGHT else self.source.param_dtype(name)

@@ -15,10 +15,9 @@ from collections.abc import Callable
 
 import torch
 
-from hexq.algos.gptq import gptq_bank
-from hexq.algos.hessian import factorize_hessian
-from hexq.algos.quant import quantize
+from hexq.algos.quant import QuantMeta
 from hexq.calib.capture import SiteStats
+from hexq.calib.quantize import expert_factor, quantize_expert_chunk
 from hexq.packed.weight import PackedWeight, pack_weight
 from hexq.recipe import WeightQuant
 from hexq.streaming import HiddenStore, StreamedModel
@@ -43,32 +42,26 @@ def head_statistics(streamed: StreamedModel, hidden: HiddenStore) -> SiteStats:
 
 def quantize_rows(weight: torch.Tensor, stats: SiteStats | None, setting: WeightQuant,
                   progress: Progress | None = None) -> PackedWeight:
-    """weight [rows, cols] (any float dtype) quantized by `setting`, HEAD_ROWS rows at a time, as stored bytes.
-    stats: the input's statistics (GPTQ needs its Hessian; None only with RTN)."""
+    """weight [rows, cols] (any float dtype) quantized by `setting`, HEAD_ROWS rows at a time from one factor
+    (hexq.calib.quantize, as a routed expert's replica), as stored bytes. stats: the input's statistics (GPTQ needs
+    its Hessian; None only with RTN)."""
     rows, cols = weight.shape
-    factor = None
-    if setting.method == "gptq":
-        importance = stats.abs_max if setting.act_order == "max_activation" else None
-        factor = factorize_hessian(stats.hessian, damp=setting.damp, act_order=setting.act_order,
-                                   column_importance=importance)
-    spec = setting.spec()
-    codes, scales, zeros = [], [], []
+    hessian = None if stats is None else stats.hessian[None]
+    channel_max = None if stats is None else stats.abs_max
+    factor = None if setting.method == "rtn" else expert_factor(hessian, setting, channel_max)
+    group = setting.group_size or cols
+    parts = []
     for start in range(0, rows, HEAD_ROWS):
-        block = weight[start:start + HEAD_ROWS].to(device=stats.hessian.device if stats else weight.device,
+        block = weight[start:start + HEAD_ROWS].to(device=weight.device if stats is None else stats.hessian.device,
                                                    dtype=torch.float32)
-        if factor is None:
-            quantized, meta = quantize(block, spec)
-        else:
-            result = gptq_bank(block[None], factor, (setting.bits,), spec, block_size=setting.block_size,
-                               fit_bits=setting.fit_bits)[setting.bits].expert(0)
-            quantized, meta = result.codes, result.meta
-        packed = pack_weight(quantized, meta)
-        codes.append(packed.codes.cpu())
-        scales.append(packed.scale.cpu())
-        zeros.append(packed.zero.cpu())
+        quantized, _report = quantize_expert_chunk(block[None], hessian, setting, (setting.bits,), channel_max,
+                                                   factor=factor)
+        codes, scale, zero = (t[0].cpu() for t in quantized[setting.bits])
+        parts.append(pack_weight(codes, QuantMeta(scale, zero, group, setting.bits)))
         if progress:
             progress("head rows", min(start + HEAD_ROWS, rows), rows)
-    return PackedWeight(torch.cat(codes), torch.cat(scales), torch.cat(zeros), setting.bits, (rows, cols))
+    return PackedWeight(*(torch.cat([getattr(p, name) for p in parts]) for name in ("codes", "scale", "zero")),
+                        setting.bits, (rows, cols))
 
 
 def quantize_head(streamed: StreamedModel, hidden: HiddenStore, setting: WeightQuant,
@@ -76,8 +69,6 @@ def quantize_head(streamed: StreamedModel, hidden: HiddenStore, setting: WeightQ
     """The head quantized by `setting` from the last decoder layer's outputs `hidden`: its tensors for the
     calibration's head file (HEAD_PREFIX + .codes/.scale/.zero). A tied head is the embedding matrix."""
     stats = head_statistics(streamed, hidden) if setting.method == "gptq" else None
-    tied = getattr(streamed.config, "tie_word_embeddings", False)
-    stored = streamed.source_dtype("model.embed_tokens.weight" if tied else "lm_head.weight")
-    with streamed.parts("lm_head", dtype=stored):
+    with streamed.parts("lm_head", dtype=streamed.head_dtype()):
         packed = quantize_rows(streamed.model.lm_head.weight.detach(), stats, setting, progress)
     return packed.tensors(HEAD_PREFIX)

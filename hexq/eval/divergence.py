@@ -78,9 +78,7 @@ def token_divergence(logits: torch.Tensor, reference: torch.Tensor, targets: tor
 def streamed_head(streamed) -> Iterator[tuple]:
     """(norm, head weight, head bias, compute dtype) of a hexq.streaming.StreamedModel, materialized for the block
     (the head in its stored dtype)."""
-    tied = getattr(streamed.config, "tie_word_embeddings", False)
-    head_dtype = streamed.source_dtype("model.embed_tokens.weight" if tied else "lm_head.weight")
-    with streamed.parts("model.norm"), streamed.parts("lm_head", dtype=head_dtype):
+    with streamed.parts("model.norm"), streamed.parts("lm_head", dtype=streamed.head_dtype()):
         yield (streamed.model.model.norm, streamed.model.lm_head.weight, getattr(streamed.model.lm_head, "bias", None),
                streamed.dtype)
 

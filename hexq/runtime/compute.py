@@ -173,10 +173,11 @@ class Compute:
             self.counters.gemv_rows += x.shape[0]
             return y.to(x.dtype)
         self.counters.expanded_dense += 1
+        rows = x.to(self.dtype)
         out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
         for start in range(0, weight.shape[0], EXPAND_ROWS):
             block = self.expand(weight.rows(start, start + EXPAND_ROWS), "dense")
-            out[:, start:start + block.shape[0]] = torch.nn.functional.linear(x.to(self.dtype), block)
+            out[:, start:start + block.shape[0]] = torch.nn.functional.linear(rows, block)
         return out
 
     # --- routed experts
