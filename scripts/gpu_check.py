@@ -99,9 +99,8 @@ def format_row(row: dict) -> str:
     value = f"{row['value']:.4g}{row['unit']}"
     if row["reference"] is None:
         return f"| {row['model']} | {row['what']} | {value} | | | |"
-    verdict = "ok" if row["ok"] else "FAIL"
-    return (f"| {row['model']} | {row['what']} | {value} | {row['reference']:.4g}{row['unit']} | "
-            f"{row['change']:.2e} | <= {row['tolerance']:g} {verdict} |")
+    bound = "" if row["tolerance"] is None else f"<= {row['tolerance']:g} {'ok' if row['ok'] else 'FAIL'}"
+    return f"| {row['model']} | {row['what']} | {value} | {row['reference']:.4g}{row['unit']} | {row['change']:.2e} | {bound} |"
 
 
 def check_model(check: Check, name: str, model: Path, windows: int, seqlen: int, calib_windows: int,
@@ -177,7 +176,7 @@ def main() -> int:
         check_model(check, "qwen3moe", ROOT / "models" / "hexq-tiny-qwen3moe", windows=4 if tiny else 16,
                     seqlen=256, calib_windows=8 if tiny else 32, cpu_calibration=not tiny,
                     decode_tokens=16 if tiny else 64, export=True)
-    except (RuntimeError, OSError, ValueError, KeyError, subprocess.SubprocessError) as exc:
+    except Exception as exc:  # noqa: BLE001 - any failure is a row; the check goes on
         check.failed("qwen3moe", exc)
     if not tiny:
         checkpoint = args.work / "qwen3-30b-a3b-2layers"
@@ -190,7 +189,7 @@ def main() -> int:
             # its text and an export check do not (the export at real size is measured on the CPU: README)
             check_model(check, "qwen3-30b-a3b x2", checkpoint, windows=4, seqlen=256, calib_windows=128,
                         cpu_calibration=False, decode_tokens=32, export=False)
-        except (RuntimeError, OSError, ValueError, KeyError, subprocess.SubprocessError) as exc:
+        except Exception as exc:  # noqa: BLE001 - any failure is a row; the check goes on
             check.failed("qwen3-30b-a3b x2", exc)
         shutil.rmtree(checkpoint, ignore_errors=True)
     if not args.skip_tests and device != "cpu":
