@@ -174,12 +174,14 @@ def test_gpu_path_serves_the_same_model(packed_artifact, eval_perplexity):
 @pytest.mark.skipif(not gpu.available(), reason="triton is not installed")
 def test_gpu_path_serves_skipped_experts_as_eval(skipping_artifact, skipping_eval):
     """The resident CUDA arena renormalises a skipped expert's routing weight on the device, as `hexq eval` does:
-    the same logits within float32 noise (test_skipped_experts_are_served_as_eval_computes_them)."""
+    the same logits within float32 noise (test_skipped_experts_are_served_as_eval_computes_them), and --stats counts
+    the skipped slots."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     windows = make_windows(IDS, 52, 1)
     with Runtime(skipping_artifact, device=device, kernels="triton", dtype="fp32") as runtime:
         assert all(m.resident is not None for m in runtime.model.modules() if hasattr(m, "resident"))
         logits = runtime.forward(windows.to(runtime.device)).logits.float().cpu()
+        assert runtime.stats().skipped_slots > 0  # counted on the device, read once here
     want = skipping_eval[1][:1]
     assert float((logits - want).norm() / want.norm()) <= 1e-3
 

@@ -232,6 +232,7 @@ class Runtime:
                 module.resident = ResidentExperts(artifact, layer, device, buffer)
             self.budget_bytes = sum(module.resident.nbytes for module in modules.values())
             self.state.prefetch = False
+        self.resident = [module.resident for module in modules.values() if module.resident is not None]
         for layer, module in modules.items():  # look-ahead: layer l holds layer l+1's router
             if layer + 1 < num_layers:
                 module.next_router = routers[layer + 1]
@@ -338,11 +339,16 @@ class Runtime:
         self.cache.wait_idle()
         self.cache.reset_stats()
 
+    def skipped_slots(self) -> int:
+        """(token, slot) pairs served without their skipped expert: the host's count, or the resident layers' device
+        counters (one read here, none in a forward pass)."""
+        return self.state.skipped_slots + sum(int(layer.skipped) for layer in self.resident)
+
     def stats(self, **timing) -> RunStats:
         counters = self.compute.counters
         kernels = self.compute.kernels
         return RunStats(self.budget_bytes, self.expert_bytes, self.cache.budget.peak, self.cache.stats,
-                        self.state.prefetch_stats, self.state.skipped_slots, dense_bytes=self.dense_bytes,
+                        self.state.prefetch_stats, self.skipped_slots(), dense_bytes=self.dense_bytes,
                         scratch_bytes=self.scratch_bytes, kv_bytes=self.kv_bytes, context=self.context,
                         memory_bytes=self.config.memory_bytes,
                         bytes_read=self.artifact.bytes_read, warm_experts=self.warm_experts,
@@ -426,6 +432,8 @@ class Runtime:
             else:
                 logits, past = self._next_logits(torch.tensor([[token]], device=self.device), past)
             if steps is not None:
+                if self.device.type == "cuda":  # the step's queued work, not only its launches (the next token's
+                    torch.cuda.synchronize(self.device)  # argmax waits for it anyway)
                 steps.append(time.perf_counter() - step)
 
     def generate(self, prompt: str, max_new_tokens: int, on_text: Callable[[str], None] | None = None,

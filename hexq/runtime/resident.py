@@ -45,6 +45,8 @@ class ResidentExperts:
         self.code_offset, self.param_offset = code_offset.to(device), param_offset.to(device)
         self.bits = torch.tensor(widths, dtype=torch.int32, device=device)
         self.num_experts = len(widths)
+        # (token, slot) pairs routed to a skipped expert, counted on the device (read by --stats, never per step)
+        self.skipped = torch.zeros((), dtype=torch.int64, device=device)
 
     @property
     def nbytes(self) -> int:
@@ -60,6 +62,7 @@ class ResidentExperts:
         valid = (experts >= 0) & (experts < self.num_experts)  # some families mark dropped slots out of range
         experts = torch.where(valid, experts, torch.zeros_like(experts))
         bits = self.bits[experts]
+        self.skipped += ((bits == 0) & valid).sum()
         weights = served_weights(top_k_index, top_k_weights, (bits > 0).view(tokens, k), self.num_experts)
         weights = weights.reshape(-1).float()
         x = hidden_states.float().repeat_interleave(k, dim=0)
