@@ -64,6 +64,12 @@ def test_output_folder_layout_and_loss_table(mixed_run):
         assert int(tensors["router.counts"].sum()) == 6 * 32 * 2  # tokens x top-2
         assert tensors["router.topk"].shape == (6 * 32, 2)
         assert torch.equal(tensors["loss_table.tokens"].clamp(max=1), (tensors["experts.tokens"] > 0).long())
+    # timings.json: every part of a layer's wall time has its stage (reading it in, each pass, writing it out)
+    timings = read_json(out / "timings.json")
+    for index in range(2):
+        stages = timings["stages"][f"layer_{index:03d}"]
+        assert list(stages) == ["load", "smoothing", "quantize", "quantized pass", "loss table", "save"]
+        assert sum(stages.values()) <= timings[f"layer_{index:03d}"] + 0.01
 
 
 def test_loss_sample_strides_over_every_window():

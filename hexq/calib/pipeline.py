@@ -281,6 +281,7 @@ def run_layers(streamed: StreamedModel, tokenizer, recipe: Recipe, windows, fold
         ranks.layer = index
         layer_started = time.time()
         with streamed.layer(index, experts=index >= done) as loaded:
+            load_seconds = round(time.time() - layer_started, 3)  # read from the checkpoint onto the device
             if index < done:  # resume: rebuild the quantized layer below from its saved results
                 tensors, _ = load_layer(folder, index)
                 apply_dense_part(loaded, adapter, tensors, recipe, fold=True)
@@ -293,11 +294,13 @@ def run_layers(streamed: StreamedModel, tokenizer, recipe: Recipe, windows, fold
             else:
                 tensors, meta, outputs = calibrate_layer(loaded, adapter, hidden, kwargs, recipe, index, device,
                                                          activation_limit, folder, progress, ranks)
-                stages = meta.pop("stage_seconds")
+                stages = {"load": load_seconds} | meta.pop("stage_seconds")
                 same_outputs(outputs, ranks)
                 every_rank = ranks.objects({"stages": stages, "peak_rss_bytes": peak_rss_bytes()})
                 if ranks.leader:
+                    saving = time.time()
                     save_layer(folder, index, tensors, meta)
+                    stages["save"] = round(time.time() - saving, 3)
                     files |= layer_file_records(folder, index)
                     timings[f"layer_{index:03d}"] = round(time.time() - layer_started, 2)
                     timings.setdefault("stages", {})[f"layer_{index:03d}"] = stages
