@@ -40,6 +40,7 @@ BENCHMARKS = {
     "scale": ("scale.py", "scale.json"),
     "gguf_quality": ("gguf_quality.py", "gguf_quality.json"),
     "head": ("head.py", "head.json"),
+    "gpu_check": ("../scripts/gpu_check.py", "gpu_check.json"),
 }
 
 # benchmarks that need arguments only the user can give; run_all renders their results but does not run them
@@ -48,6 +49,8 @@ RUN_BY_HAND = {"scale": "python benchmarks/scale.py --work DIR",
                "engines": "python benchmarks/engines.py --checkpoint CKPT --llama-cpp DIR --cgroup",
                "gguf_quality": "python benchmarks/gguf_quality.py --work DIR --llama-cpp SRC",
                "head": "python benchmarks/head.py --checkpoint CKPT --quality",
+               "gpu_check": "bash scripts/gpu_check.sh on a machine with a GPU, its gpu_check.json copied to "
+                            "benchmarks/results/",
                "runtime_cgroup": "python benchmarks/runtime.py --models --real ART --real-checkpoint CKPT "
                                  "--expert-fractions --cgroup -o benchmarks/results/runtime_cgroup.json"}
 

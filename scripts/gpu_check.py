@@ -11,7 +11,9 @@ Tolerances. eval on GPU vs CPU: the same float32 streamed computation on two dev
 the runtime's accuracy goal. A CUDA-calibrated artifact against the CPU-calibrated one (GPTQ in float32 on two
 devices takes different rounding paths): 1%. Timings are reported, not compared.
 
-Run `DEVICE=cpu python scripts/gpu_check.py --size tiny` on any machine to check the script itself.
+Run `DEVICE=cpu python scripts/gpu_check.py --size tiny` on any machine to check the script itself. The results file
+records its provenance (benchmarks/provenance.py); copied to benchmarks/results/gpu_check.json, README and
+docs/gpu.md render its table from it (benchmarks/run_all.py --render-only --only gpu_check).
 """
 
 from __future__ import annotations
@@ -27,11 +29,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 HEXQ = [sys.executable, "-m", "hexq_cli.main"]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from provenance import start_run, write_results  # noqa: E402  (benchmarks/ is not a package)
 
 
 class Check:
-    def __init__(self, work: Path, device: str) -> None:
-        self.work, self.device = work, device
+    def __init__(self, work: Path, device: str, run: dict) -> None:
+        self.work, self.device, self.run = work, device, run
         self.rows: list[dict] = []
         self.started = time.perf_counter()
         self.log = (work / "gpu_check.log").open("a")
@@ -61,15 +65,13 @@ class Check:
         print(format_row(row), flush=True)
         self.save()
 
-    def save(self) -> None:
+    def save(self, complete: bool = False) -> None:
         import torch
 
         results = {"device": self.device, "seconds": time.perf_counter() - self.started, "rows": self.rows,
                    "torch": torch.__version__,
                    "gpu": torch.cuda.get_device_name() if self.device.startswith("cuda") else None}
-        partial = self.work / "gpu_check.json.tmp"
-        partial.write_text(json.dumps(results, indent=1))
-        partial.replace(self.work / "gpu_check.json")
+        write_results(self.work / "gpu_check.json", results, self.run, complete=complete)
 
     def failed(self, model: str, exc: Exception) -> None:
         """A step that raised: a failing row of its own, and the check goes on with the next model."""
@@ -95,12 +97,22 @@ class Check:
         return json.loads(out.read_text())
 
 
+def render(results: dict) -> str:
+    """The check's table as README and docs/gpu.md show it (benchmarks/run_all.py --render-only --only gpu_check)."""
+    failed = sum(row["ok"] is False for row in results["rows"])
+    lines = [f"{results.get('gpu') or results['device']}, torch {results['torch']}: {len(results['rows'])} rows, "
+             f"{failed} past tolerance or failed",
+             "| model | what | value | CPU | change | tolerance |", "|---|---|---|---|---|---|"]
+    return "\n".join(lines + [format_row(row).replace("|   of which", "| of which") for row in results["rows"]])
+
+
 def format_row(row: dict) -> str:
     value = f"{row['value']:.4g}{row['unit']}"
     if row["reference"] is None:
         return f"| {row['model']} | {row['what']} | {value} | | | |"
     bound = "" if row["tolerance"] is None else f"<= {row['tolerance']:g} {'ok' if row['ok'] else 'FAIL'}"
-    return f"| {row['model']} | {row['what']} | {value} | {row['reference']:.4g}{row['unit']} | {row['change']:.2e} | {bound} |"
+    reference = f"{row['reference']:.4g}{row['unit']}"
+    return f"| {row['model']} | {row['what']} | {value} | {reference} | {row['change']:.2e} | {bound} |"
 
 
 def check_model(check: Check, name: str, model: Path, windows: int, seqlen: int, calib_windows: int,
@@ -112,7 +124,11 @@ def check_model(check: Check, name: str, model: Path, windows: int, seqlen: int,
     layers = json.loads((calibration / "manifest.json").read_text())["model"]["layers"]
     check.compare(name, f"calibrate on {device}: seconds per layer ({calib_windows} windows)", seconds / layers,
                   None, None, " s")
-    stages = json.loads((calibration / "timings.json").read_text()).get("stages", {})
+    timings = json.loads((calibration / "timings.json").read_text())
+    walls = [seconds for name, seconds in timings.items() if name.startswith("layer_")]
+    check.compare(name, "  of which the layer loop (mean per layer: load, stages, save)", sum(walls) / len(walls),
+                  None, None, " s")
+    stages = timings.get("stages", {})
     for stage in sorted({stage for layer in stages.values() for stage in layer}):
         check.compare(name, f"  of which {stage} (mean per layer)",
                       sum(layer.get(stage, 0.0) for layer in stages.values()) / max(1, len(stages)), None, None, " s")
@@ -169,7 +185,7 @@ def main() -> int:
     args = parser.parse_args()
     device = os.environ.get("DEVICE", "cuda")
     args.work.mkdir(parents=True, exist_ok=True)
-    check = Check(args.work, device)
+    check = Check(args.work, device, start_run(args))
     print("| model | what | value | CPU | change | tolerance |\n|---|---|---|---|---|---|", flush=True)
     tiny = args.size == "tiny"
     try:
@@ -201,7 +217,7 @@ def main() -> int:
         summary = (done.stdout.strip().splitlines() or ["no output"])[-1]
         check.add({"model": "tests", "what": f"pytest -m gpu: {summary}", "value": done.returncode,
                    "reference": None, "change": None, "tolerance": None, "unit": "", "ok": done.returncode == 0})
-    check.save()
+    check.save(complete=True)
     failed = [row for row in check.rows if row["ok"] is False]
     print(f"\n{len(check.rows)} rows, {len(failed)} past tolerance or failed, "
           f"{time.perf_counter() - check.started:.0f} s")
