@@ -32,6 +32,7 @@ What later stages read: calib.store (the folder format, calibration_source), cal
 
 from __future__ import annotations
 
+import functools
 import shutil
 import time
 from collections.abc import Callable
@@ -49,7 +50,7 @@ from hexq.calib.capture import (
 )
 from hexq.calib.fold import unsmoothed_linears
 from hexq.calib.head import quantize_head
-from hexq.calib.loss_table import loss_table
+from hexq.calib.loss_table import loss_chunk, loss_table
 from hexq.calib.quantize import compute_experts, default_expert_bits, expert_bits_list, quantize_layer
 from hexq.calib.ranks import SINGLE, Ranks, join, leave
 from hexq.calib.scales import smooth_layer
@@ -124,15 +125,15 @@ def calibrate_layer(loaded: LoadedLayer, adapter: MoEAdapter, hidden: HiddenStor
     if routed is not None:
         propagate = calibrated_experts(loaded, tensors, recipe, default_expert_bits(recipe), device, folder)
         widths = expert_bits_list(recipe)
-        with open_bank(folder, index) as bank:
-            experts_out = loss_table(routed, weights_of, tensors, bank, widths, default_expert_bits(recipe),
-                                     (propagate.input_quant, propagate.mid_quant), moe_sample, loaded.act_fn,
-                                     propagate.chunk, recipe.experts.loss_tokens, progress, ranks)
+        chunk = loss_chunk(tuple(loaded.gate_up.shape[1:]), tuple(loaded.down.shape[1:]), propagate.chunk, device)
+        experts_out = loss_table(routed, weights_of, tensors, functools.partial(open_bank, folder, index), widths,
+                                 default_expert_bits(recipe), (propagate.input_quant, propagate.mid_quant),
+                                 moe_sample, loaded.act_fn, chunk, recipe.experts.loss_tokens, progress, ranks)
         add_expert_outputs(outputs, routed, experts_out)
         clock.stage("loss table")
     meta = {"layer": index, "smoothing": smoothing, "unsmoothed": unsmoothed_linears(loaded.module, adapter),
             **report}
-    return tensors, meta | {"stage_seconds": clock.seconds}, outputs
+    return tensors, meta | {"stage_seconds": clock.seconds, "stage_peak_rss": clock.peak_rss}, outputs
 
 
 def same_outputs(outputs: HiddenStore, ranks: Ranks) -> None:
@@ -148,16 +149,18 @@ def same_outputs(outputs: HiddenStore, ranks: Ranks) -> None:
 
 
 class StageClock:
-    """Seconds of each stage of one layer's calibration (on a GPU measured to the end of its queued work)."""
+    """Seconds of each stage of one layer's calibration (on a GPU measured to the end of its queued work), and the
+    process's peak RSS at the end of each (a high-water mark: the stage where it rises is the one that needed it)."""
 
     def __init__(self, device: torch.device) -> None:
-        self.device, self.seconds, self._last = device, {}, time.perf_counter()
+        self.device, self.seconds, self.peak_rss, self._last = device, {}, {}, time.perf_counter()
 
     def stage(self, name: str) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         now = time.perf_counter()
         self.seconds[name] = round(now - self._last, 3)
+        self.peak_rss[name] = peak_rss_bytes()
         self._last = now
 
 
@@ -295,8 +298,10 @@ def run_layers(streamed: StreamedModel, tokenizer, recipe: Recipe, windows, fold
                 tensors, meta, outputs = calibrate_layer(loaded, adapter, hidden, kwargs, recipe, index, device,
                                                          activation_limit, folder, progress, ranks)
                 stages = {"load": load_seconds} | meta.pop("stage_seconds")
+                stage_rss = meta.pop("stage_peak_rss")
                 same_outputs(outputs, ranks)
-                every_rank = ranks.objects({"stages": stages, "peak_rss_bytes": peak_rss_bytes()})
+                every_rank = ranks.objects({"stages": stages, "peak_rss_bytes": peak_rss_bytes(),
+                                            "stage_peak_rss": stage_rss})
                 if ranks.leader:
                     saving = time.time()
                     save_layer(folder, index, tensors, meta)
@@ -304,6 +309,7 @@ def run_layers(streamed: StreamedModel, tokenizer, recipe: Recipe, windows, fold
                     files |= layer_file_records(folder, index)
                     timings[f"layer_{index:03d}"] = round(time.time() - layer_started, 2)
                     timings.setdefault("stages", {})[f"layer_{index:03d}"] = stages
+                    timings.setdefault("peak_rss_bytes", {})[f"layer_{index:03d}"] = stage_rss
                     if ranks.distributed:  # each rank's seconds per stage and peak RSS: imbalance shows here
                         timings.setdefault("ranks", {})[f"layer_{index:03d}"] = every_rank
                     write_json_atomic(folder / "timings.json", timings)
