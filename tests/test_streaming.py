@@ -158,3 +158,37 @@ def test_streamed_perplexity_equals_the_in_memory_path(name):
     want = perplexity(model, tokenize(tokenizer, eval_text("austen")), 128, 6, 4).perplexity
     (row,) = evaluate_model(folder, ["austen"], 128, 6, 4, "cpu", activation_limit=100_000)  # spills too
     assert math.isclose(row.result.perplexity, want, rel_tol=1e-5)
+
+
+def test_experts_assembled_from_per_expert_tensors_hold_one_copy(tmp_path):
+    """A hub checkpoint stores each expert's projections as tensors of their own, assembled into one [E, ...] tensor
+    per projection: the shards' pages read for it are released every MAPPED_BYTES, so the peak RSS grows by the
+    copy, not by the copy and every page it was read from (twice the layer's experts before; measured with each of
+    the two)."""
+    import subprocess
+    import sys
+
+    experts, inner, hidden = 24, 512, 1024
+    tensors = {}
+    for e in range(experts):
+        for name, shape in (("gate_proj", (inner, hidden)), ("up_proj", (inner, hidden)), ("down_proj", (hidden, inner))):
+            tensors[f"model.layers.0.mlp.experts.{e}.{name}.weight"] = torch.full(shape, e + 1.0, dtype=torch.bfloat16)
+    save_file(tensors, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
+    expert_bytes = experts * 3 * inner * hidden * 2  # 72 MiB
+    code = f"""
+from hexq import checkpoint
+checkpoint.MAPPED_BYTES = 4 << 20
+source = checkpoint.Checkpoint({str(tmp_path)!r})
+from hexq.devices import peak_rss_bytes
+with open("/proc/self/clear_refs", "w") as handle:  # resets the peak (VmHWM) to the current RSS
+    handle.write("5")
+before = peak_rss_bytes()
+gate_up, down = source.read_fused_experts("model.layers.0.mlp.experts", {experts}, ({2 * inner}, {hidden}),
+                                          ({hidden}, {inner}))
+assert float(gate_up[5, -1, 0]) == 6.0 and float(down[{experts - 1}, 0, 0]) == {experts}.0
+print("GROWTH", peak_rss_bytes() - before)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    growth = int(done.stdout.split("GROWTH")[-1])
+    assert growth < 1.3 * expert_bytes, f"{growth / 2**20:.0f} MiB for {expert_bytes / 2**20:.0f} MiB of experts"

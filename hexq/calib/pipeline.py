@@ -285,6 +285,7 @@ def run_layers(streamed: StreamedModel, tokenizer, recipe: Recipe, windows, fold
         layer_started = time.time()
         with streamed.layer(index, experts=index >= done) as loaded:
             load_seconds = round(time.time() - layer_started, 3)  # read from the checkpoint onto the device
+            load_rss = peak_rss_bytes()
             if index < done:  # resume: rebuild the quantized layer below from its saved results
                 tensors, _ = load_layer(folder, index)
                 apply_dense_part(loaded, adapter, tensors, recipe, fold=True)
@@ -298,7 +299,7 @@ def run_layers(streamed: StreamedModel, tokenizer, recipe: Recipe, windows, fold
                 tensors, meta, outputs = calibrate_layer(loaded, adapter, hidden, kwargs, recipe, index, device,
                                                          activation_limit, folder, progress, ranks)
                 stages = {"load": load_seconds} | meta.pop("stage_seconds")
-                stage_rss = meta.pop("stage_peak_rss")
+                stage_rss = {"load": load_rss} | meta.pop("stage_peak_rss")
                 same_outputs(outputs, ranks)
                 every_rank = ranks.objects({"stages": stages, "peak_rss_bytes": peak_rss_bytes(),
                                             "stage_peak_rss": stage_rss})
