@@ -171,7 +171,8 @@ def test_experts_assembled_from_per_expert_tensors_hold_one_copy(tmp_path):
     experts, inner, hidden = 24, 512, 1024
     tensors = {}
     for e in range(experts):
-        for name, shape in (("gate_proj", (inner, hidden)), ("up_proj", (inner, hidden)), ("down_proj", (hidden, inner))):
+        for name, shape in (("gate_proj", (inner, hidden)), ("up_proj", (inner, hidden)),
+                            ("down_proj", (hidden, inner))):
             tensors[f"model.layers.0.mlp.experts.{e}.{name}.weight"] = torch.full(shape, e + 1.0, dtype=torch.bfloat16)
     save_file(tensors, tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
