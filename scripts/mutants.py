@@ -173,6 +173,23 @@ MUTANTS = [
     Mutant("head-gptq-without-its-hessian", "hexq/calib/head.py",
            "expert_factor(hessian, setting, channel_max)", "expert_factor(torch.eye(cols)[None], setting, channel_max)",
            ("tests/test_quantized_head.py",)),
+    # ------------------------------------------------------------------ work and memory that scale
+    Mutant("allocation-loops-over-experts-squared", "hexq/algos/allocation.py",
+           "        return _to_experts([0] * E, bits, ids)\n",
+           "        return _to_experts([0] * E, bits, ids)\n    for _a in range(E):\n        for _b in range(E):\n"
+           "            pass\n",
+           ("tests/test_allocation.py::test_allocation_work_grows_no_faster_than_the_experts",)),
+    Mutant("loss-table-output-reset-per-chunk", "hexq/calib/loss_table.py",
+           "        fp_gate_up, fp_down = weights_of(experts)\n        rows =",
+           "        out.zero_()\n        fp_gate_up, fp_down = weights_of(experts)\n        rows =",
+           ("tests/test_calibrate.py::test_same_inputs_give_the_same_bytes",)),
+    Mutant("checkpoint-maps-never-released", "hexq/checkpoint.py",
+           "            if (expert + 1) % max(1, MAPPED_BYTES // expert_bytes) == 0:",
+           "            if False:",
+           ("tests/test_streaming.py::test_experts_assembled_from_per_expert_tensors_hold_one_copy",)),
+    Mutant("resident-skips-not-counted", "hexq/runtime/resident.py",
+           "        self.skipped += ((bits == 0) & valid).sum()", "        pass",
+           ("tests/test_runtime_packed.py::test_gpu_path_serves_skipped_experts_as_eval",)),
     # ------------------------------------------------------------------ pack's guard
     Mutant("pack-accepts-an-average-below-every-width", "hexq/pack.py",
            "        if 0 in bits and avg < smallest and not budget.allow_skipping:",
