@@ -1,4 +1,4 @@
-"""GPTQ replica-bank speed: the per-expert, per-width column loop (tests/gptq_reference.py) against the batched
+"""GPTQ replica-bank speed: the per-expert, per-width column loop (benchmarks/gptq_reference.py) against the batched
 `gptq_bank` (every expert of a chunk and every width in one column loop), on Qwen3-30B-A3B expert shapes.
 
     PYTHONPATH=. python benchmarks/gptq_speed.py --experts 8 --threads 1
@@ -23,13 +23,13 @@ import sys
 import time
 from pathlib import Path
 
+import gptq_reference as reference
 import torch
 
 from hexq.algos.gptq import gptq_bank
 from hexq.algos.hessian import factorize_hessians
 from hexq.algos.quant import QuantSpec
 from hexq.io import write_json_atomic
-from tests import gptq_reference as reference
 
 ROOT = Path(__file__).resolve().parent.parent
 HIDDEN, INTERMEDIATE = 2048, 768  # Qwen3-30B-A3B: hidden_size, moe_intermediate_size

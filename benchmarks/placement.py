@@ -13,16 +13,18 @@ path coverage, the share of tokens whose every routed expert on every layer is i
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from hexq.algos.placement import (
     SCHEMES,
+    check_k,
+    check_trace,
     expert_counts,
-    global_frequency_placement,
+    hit_rates,
     place,
-    placement_metrics,
     stack_trace,
 )
 from hexq.calib.routing import capture_router_topk
@@ -35,6 +37,47 @@ from provenance import start_run, write_results
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = {"mixtral": ROOT / "models" / "hexq-tiny-mixtral", "qwen3moe": ROOT / "models" / "hexq-tiny-qwen3moe"}
 SEQLEN, WINDOWS, FRACTIONS = 256, 64, (0.25, 0.5)
+
+
+# ------------------------------------------------------------------ 003 Table IV's metrics and Scheme 2 as published
+# (what this benchmark reports; the library places with hexq.algos.placement.place)
+
+
+def global_frequency_placement(counts: torch.Tensor, total: int) -> torch.Tensor:
+    """003's Scheme 2 as published: the `total` most frequent (layer, expert) pairs of the whole model, so the
+    number per layer varies. Counts of different layers compare because every layer routes the same T*k pairs."""
+    L, E = counts.shape
+    check_k(total, L * E)
+    order = torch.sort(counts.reshape(-1), descending=True, stable=True).indices[:total]  # ties: layer, then id
+    return torch.zeros(L * E, dtype=torch.bool, device=order.device).scatter_(0, order, True).view(L, E)
+
+
+def path_coverage(mask: torch.Tensor, topk: torch.Tensor) -> float:
+    """Share of tokens whose every routed expert, on every layer, is in the fast set."""
+    check_trace(topk, mask.shape[1])
+    hits = mask.gather(1, topk.reshape(topk.shape[0], -1).long()).view(topk.shape)
+    return float(hits.all(dim=2).all(dim=0).double().mean())
+
+
+@dataclass(frozen=True)
+class PlacementMetrics:
+    """003 Table IV on one trace. std is the population std over layers (every layer counted, none sampled)."""
+
+    mean: float  # mean over layers of the per-layer hit rate
+    std: float
+    gap: float  # best layer's hit rate minus the worst layer's
+    per_layer: tuple[float, ...]
+    path_coverage: float  # tokens served by the fast tier on every layer
+
+    def as_dict(self) -> dict:
+        return {"mean": self.mean, "std": self.std, "gap": self.gap, "per_layer": list(self.per_layer),
+                "path_coverage": self.path_coverage}
+
+
+def placement_metrics(mask: torch.Tensor, topk: torch.Tensor) -> PlacementMetrics:
+    rates = hit_rates(mask, topk)
+    return PlacementMetrics(float(rates.mean()), float(rates.std(correction=0)), float(rates.max() - rates.min()),
+                            tuple(rates.tolist()), path_coverage(mask, topk))
 
 
 @torch.no_grad()

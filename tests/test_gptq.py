@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gptq_reference import assert_same_up_to_ties
 
 from hexq.algos import hessian as hessian_mod
 from hexq.algos.gptq import GPTQResult, gptq_replicas
 from hexq.algos.hessian import factorize_hessian
 from hexq.algos.quant import QuantSpec, dequantize, grid_params, quantize, quantize_to_grid
-from tests.gptq_reference import assert_same_up_to_ties
 from tests.gptq_single import gptq_quantize
 
 

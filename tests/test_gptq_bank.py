@@ -1,4 +1,5 @@
-"""Batched GPTQ (gptq_bank, factorize_hessians) against the per-expert, per-width reference (tests/gptq_reference.py).
+"""Batched GPTQ (gptq_bank, factorize_hessians) against the per-expert, per-width reference
+(benchmarks/gptq_reference.py).
 
 Two GPTQ runs with different floating-point summation orders agree on every code except at rounding ties: a
 symmetric grid puts a group's most negative weight exactly half-way between two levels (w / scale = -(qmax+1)/2 +
@@ -10,6 +11,7 @@ the quantization order up to the first difference, and that first difference is 
 
 from __future__ import annotations
 
+import gptq_reference as ref
 import pytest
 import torch
 
@@ -18,7 +20,6 @@ from hexq.algos import hessian as hessian_mod
 from hexq.algos.gptq import GPTQBankResult, gptq_bank, gptq_replicas
 from hexq.algos.hessian import HessianFactor, factorize_hessians
 from hexq.algos.quant import QuantSpec, dequantize, grid_params
-from tests import gptq_reference as ref
 from tests.conftest import HexqFactoriesOnMeta
 from tests.gptq_single import gptq_quantize
 

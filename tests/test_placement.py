@@ -3,18 +3,16 @@ from itertools import combinations, product
 
 import pytest
 import torch
+from placement import global_frequency_placement, path_coverage, placement_metrics  # benchmarks/placement.py
 
 from hexq.adapters import adapter_for
 from hexq.algos.placement import (
     SCHEMES,
     expert_counts,
     frequency_placement,
-    global_frequency_placement,
     hit_rates,
-    path_coverage,
     path_placement,
     place,
-    placement_metrics,
     stack_trace,
     transition_counts,
     two_stage_placement,

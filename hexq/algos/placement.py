@@ -28,15 +28,14 @@ schemes fall back to frequency.
 
 Why every scheme has a per-layer K. 003's Scheme 2 is a global budget: the most frequent experts of the whole
 model, so the number per layer varies, and Table IV's large spread across layers for Scheme 2 comes from that.
-`global_frequency_placement` is that baseline. With the same K in every layer, scheme 2 maximizes every layer's
-hit rate on the trace it was built from; what paths aim at is joint coverage of a token's consecutive choices
-(`path_coverage`: tokens served by the fast tier on every layer). Whether that pays off is a measurement
+`global_frequency_placement` (in benchmarks/placement.py, which reports it) is that baseline. With the same K in
+every layer, scheme 2 maximizes every layer's hit rate on the trace it was built from; what paths aim at is joint
+coverage of a token's consecutive choices (`path_coverage`, there too: tokens served by the fast tier on every
+layer). Whether that pays off is a measurement
 (benchmarks/placement.py), not an assumption.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
@@ -113,15 +112,6 @@ def frequency_placement(counts: torch.Tensor, K: int) -> torch.Tensor:
     return first_k_mask(ranked(counts), K)
 
 
-def global_frequency_placement(counts: torch.Tensor, total: int) -> torch.Tensor:
-    """003's Scheme 2 as published: the `total` most frequent (layer, expert) pairs of the whole model, so the
-    number per layer varies. Counts of different layers compare because every layer routes the same T*k pairs."""
-    L, E = counts.shape
-    check_k(total, L * E)
-    order = torch.sort(counts.reshape(-1), descending=True, stable=True).indices[:total]  # ties: layer, then id
-    return torch.zeros(L * E, dtype=torch.bool, device=order.device).scatter_(0, order, True).view(L, E)
-
-
 def path_placement(topk: torch.Tensor, num_experts: int, K: int) -> torch.Tensor:
     """Scheme 1: each layer's K experts on the hottest layer-to-layer transitions -> mask [L, E]."""
     return two_stage_placement(topk, num_experts, K, path_k=K)
@@ -162,31 +152,3 @@ def hit_rates(mask: torch.Tensor, topk: torch.Tensor) -> torch.Tensor:
     if mask.shape[0] != topk.shape[0]:
         raise ValueError(f"mask has {mask.shape[0]} layers, trace has {topk.shape[0]}")
     return mask.gather(1, topk.reshape(topk.shape[0], -1).long()).double().mean(dim=1)
-
-
-def path_coverage(mask: torch.Tensor, topk: torch.Tensor) -> float:
-    """Share of tokens whose every routed expert, on every layer, is in the fast set."""
-    check_trace(topk, mask.shape[1])
-    hits = mask.gather(1, topk.reshape(topk.shape[0], -1).long()).view(topk.shape)
-    return float(hits.all(dim=2).all(dim=0).double().mean())
-
-
-@dataclass(frozen=True)
-class PlacementMetrics:
-    """003 Table IV on one trace. std is the population std over layers (every layer counted, none sampled)."""
-
-    mean: float  # mean over layers of the per-layer hit rate
-    std: float
-    gap: float  # best layer's hit rate minus the worst layer's
-    per_layer: tuple[float, ...]
-    path_coverage: float  # tokens served by the fast tier on every layer
-
-    def as_dict(self) -> dict:
-        return {"mean": self.mean, "std": self.std, "gap": self.gap, "per_layer": list(self.per_layer),
-                "path_coverage": self.path_coverage}
-
-
-def placement_metrics(mask: torch.Tensor, topk: torch.Tensor) -> PlacementMetrics:
-    rates = hit_rates(mask, topk)
-    return PlacementMetrics(float(rates.mean()), float(rates.std(correction=0)), float(rates.max() - rates.min()),
-                            tuple(rates.tolist()), path_coverage(mask, topk))

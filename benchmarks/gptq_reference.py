@@ -1,4 +1,4 @@
-"""Test reference: hexq's original GPTQ, one column loop per bit width per weight (float64 factorization).
+"""Reference GPTQ: hexq's original, one column loop per bit width per weight (float64 factorization).
 
 This is the per-expert, per-width implementation hexq.algos.gptq replaced with the batched `gptq_bank`; tests and
 benchmarks/gptq_speed.py compare against it. Paper 003 §III.B eq. 4-6; GPTQ (Frantar et al.) lazy block updates.
