@@ -4,6 +4,7 @@ inputs, resuming) and by `hexq eval CALIBRATION` (calibrated_model)."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -56,19 +57,28 @@ def apply_dense_part(loaded: LoadedLayer, adapter: MoEAdapter, tensors: dict, re
             loaded.hooks.append(attach_input_quant(module, quantizer))
 
 
+def bank_replicas(loaded: LoadedLayer, device: torch.device, folder: Path):
+    """replicas(bits, experts) -> (gate_up, down): those experts' replicas at `bits`, dequantized in float32 on
+    `device`, from the layer's bank file in `folder`. The bank is opened for each read, so its memory map is closed
+    after each and the pages read never add up to the whole bank in the process's RSS."""
+    _num, gate_up_shape, down_shape = loaded.shapes
+    shapes = {"gate_up": gate_up_shape, "down": down_shape}
+
+    def replicas(bits: int, experts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        with open_bank(folder, loaded.index) as bank:
+            return tuple(bank_weights(bank, p, bits, experts, shapes[p], torch.float32, device) for p in PROJECTIONS)
+
+    return replicas
+
+
 def calibrated_experts(loaded: LoadedLayer, tensors: dict, recipe: Recipe, bits: int, device: torch.device,
                        folder: Path) -> ExpertCompute:
     """The layer's routed experts as calibrated: the replica at `bits` read chunk by chunk from the layer's bank file
     in `folder`, with the recipe's activation quantization."""
     _num, gate_up_shape, down_shape = loaded.shapes
-    shapes = {"gate_up": gate_up_shape, "down": down_shape}
-
-    def weights_of(experts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        with open_bank(folder, loaded.index) as bank:
-            return tuple(bank_weights(bank, p, bits, experts, shapes[p], torch.float32, device) for p in PROJECTIONS)
-
     setting = recipe.expert_activations
-    return ExpertCompute(weights_of, act_quantizer(setting, tensors.get("act.experts.input")),
+    return ExpertCompute(functools.partial(bank_replicas(loaded, device, folder), bits),
+                         act_quantizer(setting, tensors.get("act.experts.input")),
                          act_quantizer(setting, tensors.get("act.experts.mid")),
                          expert_chunk(gate_up_shape, down_shape, torch.float32))
 

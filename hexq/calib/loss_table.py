@@ -9,9 +9,6 @@ from collections.abc import Callable
 import torch
 
 from hexq.calib.ranks import SINGLE, Ranks
-from hexq.calib.store import (
-    bank_weights,
-)
 from hexq.layer_pass import expert_chunk
 from hexq.simulate import (
     RoutedTokens,
@@ -45,7 +42,7 @@ def loss_chunk(gate_up_shape: tuple[int, int], down_shape: tuple[int, int], chun
 
 
 @torch.no_grad()
-def loss_table(routed: RoutedTokens, weights_of, tensors: dict, open_replicas, bits_list: tuple[int, ...],
+def loss_table(routed: RoutedTokens, weights_of, tensors: dict, replicas, bits_list: tuple[int, ...],
                propagate_bits: int, quantizers: tuple, moe_sample: torch.Tensor, act_fn, chunk: int,
                loss_tokens: int, progress: Progress | None, ranks: Ranks = SINGLE) -> torch.Tensor:
     """Fill tensors["loss_table"] [E, len(bits_list)] with the output MSE of each replica against the
@@ -59,8 +56,8 @@ def loss_table(routed: RoutedTokens, weights_of, tensors: dict, open_replicas, b
     Working set: a chunk of full-precision experts, the same chunk's replicas at one width (read from the bank when
     needed, so a bank of five widths is never dequantized at once), each expert's reference outputs on its measured
     rows, a bounded number of token rows, and the full-precision experts' combined output [T, H] (what the skip
-    entries are measured against). open_replicas() opens the layer's bank (calib.store.open_bank) for one read: its
-    memory map is closed after each, so the pages read do not add up to the whole bank in the process's RSS.
+    entries are measured against). replicas(bits, experts) reads a chunk's replicas at one width from the layer's bank
+    (calib.calibrated.bank_replicas).
 
     Across ranks (hexq.calib.ranks) each rank measures the rows of its own experts and their part of both combined
     outputs; the parts and the rows are summed (Ranks.sum), so every rank returns the same table and output."""
@@ -99,8 +96,7 @@ def loss_table(routed: RoutedTokens, weights_of, tensors: dict, open_replicas, b
             inputs.append((token, slot, x, measure))
             references.append(reference)
         for b, bits in enumerate(bits_list):  # one width of the chunk's replicas at a time
-            gate_ups = propagate_bank(open_replicas, "gate_up", bits, experts, fp_gate_up)
-            downs = propagate_bank(open_replicas, "down", bits, experts, fp_down)
+            gate_ups, downs = replicas(bits, experts)
             for j, expert in enumerate(experts):
                 token, slot, x, measure = inputs[j]
                 parts = zip(measure.split(rows), references[j].split(rows), strict=True)
@@ -123,8 +119,3 @@ def loss_table(routed: RoutedTokens, weights_of, tensors: dict, open_replicas, b
     tensors["loss_table.tokens"] = tokens
     tensors["loss_table.bits"] = torch.tensor(bits_list, dtype=torch.int64, device="cpu")
     return out.to(routed.x.dtype)
-
-
-def propagate_bank(open_replicas, projection: str, bits: int, experts: list[int], like: torch.Tensor) -> torch.Tensor:
-    with open_replicas() as bank:
-        return bank_weights(bank, projection, bits, experts, tuple(like.shape[1:]), like.dtype, like.device)

@@ -32,7 +32,6 @@ What later stages read: calib.store (the folder format, calibration_source), cal
 
 from __future__ import annotations
 
-import functools
 import shutil
 import time
 from collections.abc import Callable
@@ -44,7 +43,7 @@ import torch
 
 from hexq import __version__
 from hexq.adapters import MoEAdapter
-from hexq.calib.calibrated import apply_dense_part, calibrated_experts
+from hexq.calib.calibrated import apply_dense_part, bank_replicas, calibrated_experts
 from hexq.calib.capture import (
     quantized_linears,
 )
@@ -64,7 +63,6 @@ from hexq.calib.store import (
     layer_meta,
     layers_done,
     load_layer,
-    open_bank,
     progress_files,
     read_json,
     save_head,
@@ -105,12 +103,13 @@ class CalibrationSummary:
 
 def calibrate_layer(loaded: LoadedLayer, adapter: MoEAdapter, hidden: HiddenStore, kwargs: list[dict],
                     recipe: Recipe, index: int, device: torch.device, activation_limit: int | None,
-                    folder: Path, progress: Progress | None, ranks: Ranks = SINGLE) -> tuple[dict, dict, HiddenStore]:
+                    folder: Path, progress: Progress | None, clock: StageClock,
+                    ranks: Ranks = SINGLE) -> tuple[dict, dict, HiddenStore]:
     """Passes A-C of one layer (see the module docstring); the bank goes to `folder` (the calibration being written,
-    which also takes spilled activations). Returns the layer's other tensors, its report and its outputs. Across
+    which also takes spilled activations); each pass is a stage of `clock`. Returns the layer's other tensors, its
+    report and its outputs. Across
     ranks (hexq.calib.ranks) the routed experts' work is split and every rank returns the same results."""
     tensors: dict[str, torch.Tensor] = {}
-    clock = StageClock(device)
     smoothing, expert_scale = smooth_layer(loaded, adapter, hidden, kwargs, recipe, recipe.calibration.seed + index,
                                            tensors)
     clock.stage("smoothing")
@@ -126,14 +125,14 @@ def calibrate_layer(loaded: LoadedLayer, adapter: MoEAdapter, hidden: HiddenStor
         propagate = calibrated_experts(loaded, tensors, recipe, default_expert_bits(recipe), device, folder)
         widths = expert_bits_list(recipe)
         chunk = loss_chunk(tuple(loaded.gate_up.shape[1:]), tuple(loaded.down.shape[1:]), propagate.chunk, device)
-        experts_out = loss_table(routed, weights_of, tensors, functools.partial(open_bank, folder, index), widths,
+        experts_out = loss_table(routed, weights_of, tensors, bank_replicas(loaded, device, folder), widths,
                                  default_expert_bits(recipe), (propagate.input_quant, propagate.mid_quant),
                                  moe_sample, loaded.act_fn, chunk, recipe.experts.loss_tokens, progress, ranks)
         add_expert_outputs(outputs, routed, experts_out)
         clock.stage("loss table")
     meta = {"layer": index, "smoothing": smoothing, "unsmoothed": unsmoothed_linears(loaded.module, adapter),
             **report}
-    return tensors, meta | {"stage_seconds": clock.seconds, "stage_peak_rss": clock.peak_rss}, outputs
+    return tensors, meta, outputs
 
 
 def same_outputs(outputs: HiddenStore, ranks: Ranks) -> None:
@@ -154,6 +153,10 @@ class StageClock:
 
     def __init__(self, device: torch.device) -> None:
         self.device, self.seconds, self.peak_rss, self._last = device, {}, {}, time.perf_counter()
+
+    def restart(self) -> None:
+        """The next stage starts now (what ran since the last one belongs to none)."""
+        self._last = time.perf_counter()
 
     def stage(self, name: str) -> None:
         if self.device.type == "cuda":
@@ -283,9 +286,9 @@ def run_layers(streamed: StreamedModel, tokenizer, recipe: Recipe, windows, fold
     for index in range(num_layers):
         ranks.layer = index
         layer_started = time.time()
+        clock = StageClock(device)
         with streamed.layer(index, experts=index >= done) as loaded:
-            load_seconds = round(time.time() - layer_started, 3)  # read from the checkpoint onto the device
-            load_rss = peak_rss_bytes()
+            clock.stage("load")  # read from the checkpoint onto the device
             if index < done:  # resume: rebuild the quantized layer below from its saved results
                 tensors, _ = load_layer(folder, index)
                 apply_dense_part(loaded, adapter, tensors, recipe, fold=True)
@@ -297,20 +300,18 @@ def run_layers(streamed: StreamedModel, tokenizer, recipe: Recipe, windows, fold
                 run_layer(loaded, hidden, kwargs, outputs, experts)
             else:
                 tensors, meta, outputs = calibrate_layer(loaded, adapter, hidden, kwargs, recipe, index, device,
-                                                         activation_limit, folder, progress, ranks)
-                stages = {"load": load_seconds} | meta.pop("stage_seconds")
-                stage_rss = {"load": load_rss} | meta.pop("stage_peak_rss")
+                                                         activation_limit, folder, progress, clock, ranks)
                 same_outputs(outputs, ranks)
-                every_rank = ranks.objects({"stages": stages, "peak_rss_bytes": peak_rss_bytes(),
-                                            "stage_peak_rss": stage_rss})
+                every_rank = ranks.objects({"stages": dict(clock.seconds), "peak_rss_bytes": peak_rss_bytes(),
+                                            "stage_peak_rss": dict(clock.peak_rss)})
                 if ranks.leader:
-                    saving = time.time()
+                    clock.restart()
                     save_layer(folder, index, tensors, meta)
-                    stages["save"] = round(time.time() - saving, 3)
+                    clock.stage("save")
                     files |= layer_file_records(folder, index)
                     timings[f"layer_{index:03d}"] = round(time.time() - layer_started, 2)
-                    timings.setdefault("stages", {})[f"layer_{index:03d}"] = stages
-                    timings.setdefault("peak_rss_bytes", {})[f"layer_{index:03d}"] = stage_rss
+                    timings.setdefault("stages", {})[f"layer_{index:03d}"] = clock.seconds
+                    timings.setdefault("peak_rss_bytes", {})[f"layer_{index:03d}"] = clock.peak_rss
                     if ranks.distributed:  # each rank's seconds per stage and peak RSS: imbalance shows here
                         timings.setdefault("ranks", {})[f"layer_{index:03d}"] = every_rank
                     write_json_atomic(folder / "timings.json", timings)
