@@ -56,13 +56,14 @@ class Check:
                 unit: str = "") -> None:
         change = None if reference is None else abs(value / reference - 1)
         ok = None if tolerance is None or change is None else change <= tolerance
-        self.add({"model": model, "what": what, "value": value, "reference": reference, "change": change,
-                  "tolerance": tolerance, "unit": unit, "ok": ok})
+        self.add(model, what, value, reference, change, tolerance, unit, ok)
 
-    def add(self, row: dict) -> None:
+    def add(self, model: str, what: str, value: float, reference: float | None = None, change: float | None = None,
+            tolerance: float | None = None, unit: str = "", ok: bool | None = None) -> None:
         """One row: printed, and the results file rewritten (a run stopped by a time limit keeps what it measured)."""
-        self.rows.append(row)
-        print(format_row(row), flush=True)
+        self.rows.append({"model": model, "what": what, "value": value, "reference": reference, "change": change,
+                          "tolerance": tolerance, "unit": unit, "ok": ok})
+        print(format_row(self.rows[-1]), flush=True)
         self.save()
 
     def save(self, complete: bool = False) -> None:
@@ -75,8 +76,7 @@ class Check:
 
     def failed(self, model: str, exc: Exception) -> None:
         """A step that raised: a failing row of its own, and the check goes on with the next model."""
-        self.add({"model": model, "what": f"FAILED: {str(exc)[:300]}", "value": float("nan"), "reference": None,
-                  "change": None, "tolerance": None, "unit": "", "ok": False})
+        self.add(model, f"FAILED: {str(exc)[:300]}", float("nan"), ok=False)
 
     def eval_ppl(self, target: Path, device: str, windows: int, seqlen: int) -> float:
         out = self.work / f"eval-{target.name}-{device}.json"
@@ -215,8 +215,7 @@ def main() -> int:
                                "--continue-on-collection-errors", "tests"], capture_output=True, text=True, cwd=ROOT)
         check.log.write(done.stdout + done.stderr)
         summary = (done.stdout.strip().splitlines() or ["no output"])[-1]
-        check.add({"model": "tests", "what": f"pytest -m gpu: {summary}", "value": done.returncode,
-                   "reference": None, "change": None, "tolerance": None, "unit": "", "ok": done.returncode == 0})
+        check.add("tests", f"pytest -m gpu: {summary}", done.returncode, ok=done.returncode == 0)
     check.save(complete=True)
     failed = [row for row in check.rows if row["ok"] is False]
     print(f"\n{len(check.rows)} rows, {len(failed)} past tolerance or failed, "
