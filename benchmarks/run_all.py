@@ -34,6 +34,7 @@ BENCHMARKS = {
     "low_bits": ("low_bits.py", "low_bits.json"),
     "runtime": ("runtime.py", "runtime.json"),
     "runtime_cgroup": ("runtime.py", "runtime_cgroup.json"),
+    "gemv_speed": ("gemv_speed.py", "gemv_speed.json"),
     "engines": ("engines.py", "engines.json"),
     "serve": ("serve.py", "serve.json"),
     "distributed": ("distributed.py", "distributed.json"),

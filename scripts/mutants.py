@@ -34,6 +34,7 @@ class Mutant:
     old: str
     new: str
     tests: tuple[str, ...]  # pytest arguments: files or node ids of the default suite
+    path: str | None = None  # the CPU kernel path the mutated code runs on (not run where the CPU lacks it)
 
 
 BAD_REQUESTS_TEST = "tests/test_serve.py::test_bad_requests_get_one_line_and_the_server_keeps_serving"
@@ -136,6 +137,9 @@ MUTANTS = [
     Mutant("planes-block-from-the-next-field", "hexq/packed/kernels.c",
            "        q = _mm256_or_si256(q, plane_bits(v, w, k % per, off));",
            "        q = _mm256_or_si256(q, plane_bits(v, w, (k + 1) % per, off));", ("tests/test_packed_cpu.py",)),
+    Mutant("vnni-high-byte-weighed-128", "hexq/packed/kernels.c",
+           "_mm256_dpbusd_epi32(_mm256_slli_epi32(high, 8), lo, q)",
+           "_mm256_dpbusd_epi32(_mm256_slli_epi32(high, 7), lo, q)", ("tests/test_packed_cpu.py",), path="avx512"),
     Mutant("planes-bytes-in-natural-order", "hexq/packed/kernels.c",
            "static inline int perm32(int j) { return (j >> 3 == 1 || j >> 3 == 2) ? j ^ 24 : j; }",
            "static inline int perm32(int j) { return j; }", ("tests/test_packed_cpu.py",)),
@@ -153,8 +157,11 @@ MUTANTS = [
     Mutant("native-whole-qk-norm-dropped", "hexq/packed/decode.c",
            "    if (L->qk_norm == QK_WHOLE) {", "    if (0) {", ("tests/test_native_decode.py",)),
     Mutant("native-w8a8-grid-dropped", "hexq/packed/decode.c",
-           "        if (m->act.bits) act_quant(&m->act, src, b->value, cols);",
-           "        if (0) act_quant(&m->act, src, b->value, cols);", ("tests/test_native_decode.py",)),
+           "        if (m->act.bits) act_quant(&m->act, src, b->value, cols, codes);",
+           "        if (0) act_quant(&m->act, src, b->value, cols, codes);", ("tests/test_native_decode.py",)),
+    Mutant("native-w8a8-integer-zero-term-off-by-one", "hexq/packed/decode.c",
+           "const double dot = qc + (128.0 - zx) * qsum", "const double dot = qc + (127.0 - zx) * qsum",
+           ("tests/test_native_decode.py",), path="avx512"),
     Mutant("native-kv-cache-position", "hexq/packed/decode.c",
            "        const int64_t at = (((int64_t)layer * m->kv_heads + h) * m->max_pos + pos) * D;",
            "        const int64_t at = (((int64_t)layer * m->kv_heads + h) * m->max_pos + (pos ? pos - 1 : 0)) * D;",
@@ -205,6 +212,14 @@ def dirty(files: set[str]) -> list[str]:
     return [line[3:] for line in status.stdout.splitlines()]
 
 
+def cpu_paths() -> list[str]:
+    """The kernel paths this CPU runs (none without the kernels)."""
+    from hexq.packed.cpu import available_paths, load_cpu_kernels
+
+    kernels = load_cpu_kernels()
+    return available_paths(kernels.library) if kernels else []
+
+
 def run_mutant(mutant: Mutant) -> tuple[bool, str, float]:
     """(killed, by what, seconds): the mutant applied, its tests run, the source restored."""
     path = ROOT / mutant.file
@@ -244,13 +259,17 @@ def main() -> int:
         print(f"error: uncommitted changes in {', '.join(changed)}: commit or stash them first", file=sys.stderr)
         return 2
     print("| mutant | file | killed by | seconds |\n|---|---|---|---|", flush=True)
-    survivors = []
+    survivors, paths = [], cpu_paths()
     for mutant in chosen:
+        if mutant.path and mutant.path not in paths:
+            print(f"| {mutant.name} | {mutant.file} | not run: this CPU has no {mutant.path} path | 0 |", flush=True)
+            continue
         killed, by, seconds = run_mutant(mutant)
         if not killed:
             survivors.append(mutant.name)
         print(f"| {mutant.name} | {mutant.file} | {by if killed else 'SURVIVED'} | {seconds:.0f} |", flush=True)
-    print(f"\n{len(chosen) - len(survivors)} of {len(chosen)} mutants killed"
+    ran = [m for m in chosen if not m.path or m.path in paths]
+    print(f"\n{len(ran) - len(survivors)} of {len(ran)} mutants killed ({len(chosen) - len(ran)} not run on this CPU)"
           + (f"; survivors: {', '.join(survivors)}" if survivors else ""))
     return 1 if survivors else 0
 

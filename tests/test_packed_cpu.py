@@ -199,9 +199,11 @@ def test_planes_are_not_made_for_8_bits_or_for_the_torch_path() -> None:
 @pytest.mark.parametrize("bits", range(1, 8))
 def test_gemv_on_planes_within_its_bound(path: str, bits: int) -> None:
     """The GEMV from re-laid codes: the same bound as from the stream (the same int16 products; only the float32
-    sums' order differs), over whole units and a stream tail, 1-6 tokens, groups of 32 and 128."""
+    sums' order differs), over whole units and a stream tail, 1-6 tokens, groups of 32, 64 and 128. 512 columns are
+    16 blocks, whole units of every width: the rows the AVX-512 path reads with its byte products (a stream tail goes
+    to the AVX2 code)."""
     kernels = KERNELS.with_path(path)
-    for cols, group in ((352, 32), (384, 128)):
+    for cols, group in ((352, 32), (384, 128), (512, 64)):
         for symmetric, ntok in ((False, 1), (True, 3), (False, 6)):
             codes, scale, zero, weights = packed_matrix(40, cols, bits, group, symmetric, seed=bits * 7 + cols)
             planes = KERNELS.relayout(PackedWeight(codes.clone(), scale, zero, bits, (40, cols)))

@@ -6,8 +6,10 @@ expanding to bf16 first reads the codes, writes bf16, and reads the bf16 again.
 
 The GEMV. y[t, r] = sum_c W[r, c] x[t, c] with W = (q - zero) * scale per group (hexq.packed: q are the `bits`-bit
 codes of one little-endian bit stream). x is quantized per block of 32 values to int16 (dx = max|x| / 32767), so
-that (q - z) s . x = s dx (q . xq - z sum(xq)) per block: the codes go through integer multiply-adds (AVX-512 VNNI
-`vpdpwssd`, or AVX2 `vpmaddwd`) and one float multiply-add per block. int16 keeps 15 bits of every value relative
+that (q - z) s . x = s dx (q . xq - z sum(xq)) per block: the codes go through integer multiply-adds (AVX2
+`vpmaddwd`; AVX-512 VNNI `vpdpwssd` from the stream, and from the planes layout `vpdpbusd` on the codes as bytes
+against xq split into its high and low bytes, the same integers without widening the codes) and one float
+multiply-add per block. int16 keeps 15 bits of every value relative
 to its block's largest, so the relative error of an output is ~3e-5 (measured; tests/test_packed_cpu.py bounds it),
 far below what the weights' own float16 scales and the bf16 activations of a served model carry; int8 activation
 blocks (what llama.cpp does) would be ~10x cheaper in multiplies but measured ~5e-3 here, and decode is bound by
