@@ -286,7 +286,7 @@ static AVX512 void rows_w8a8_avx512(const hexq_matrix* m, const act_codes* a, fl
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t* q = (const uint8_t*)m->data + r * n;
         if (r + ahead < m->rows)
-            for (int64_t o = 0; o < n; o += 64) _mm_prefetch((const char*)(q + ahead * n + o), _MM_HINT_T0);
+            for (int64_t o = 0; o < n; o += 64) __builtin_prefetch(q + ahead * n + o, 0, 3);
         __m512i dot0 = _mm512_setzero_si512(), dot1 = _mm512_setzero_si512(), sums = _mm512_setzero_si512();
         int64_t c = 0;
         for (; c + 128 <= n; c += 128) {

@@ -163,18 +163,17 @@ static inline uint32_t code_at(const uint8_t* stream, int64_t i, int bits) {
 
 static inline int64_t prefetch_ahead(int64_t row_bytes) { return 1 + PREFETCH_BYTES / row_bytes; }
 
-static inline void prefetch_row(const hexq_gemv_task* t, int64_t r, int64_t row_bytes, int64_t groups) {
-#if defined(__x86_64__)
+/* always_inline, and the builtin rather than _mm_prefetch: GCC 12 drops an _mm_prefetch of a plain inline function
+   inlined into the row functions' target("avx2") code (the library had no prefetch in its row functions). */
+static inline __attribute__((always_inline)) void prefetch_row(const hexq_gemv_task* t, int64_t r, int64_t row_bytes,
+                                                               int64_t groups) {
     if (r >= t->rows) return;
     const char* codes = (const char*)(t->codes + r * row_bytes);
-    for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch(codes + o, _MM_HINT_T0);
+    for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(codes + o, 0, 3);
     for (int64_t o = 0; o < groups * 2; o += 64) {
-        _mm_prefetch((const char*)(t->scale + r * groups) + o, _MM_HINT_T0);
-        _mm_prefetch((const char*)(t->zero + r * groups) + o, _MM_HINT_T0);
+        __builtin_prefetch((const char*)(t->scale + r * groups) + o, 0, 3);
+        __builtin_prefetch((const char*)(t->zero + r * groups) + o, 0, 3);
     }
-#else
-    (void)t, (void)r, (void)row_bytes, (void)groups;
-#endif
 }
 
 /* ------------------------------------------------------------------------------------------ the planes layout */
