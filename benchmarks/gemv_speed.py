@@ -10,9 +10,9 @@ products. A layer's experts are drawn from --layers distinct layers' worth of ra
 times the last-level cache), cycled, so the codes come from memory as they do in a real step.
 
 Bytes per layer: codes + scales + zeros of the 16 matrices; GB/s = bytes / median seconds per layer (median over
---reps passes over the working set); share = GB/s over the read bandwidth (torch.sum over a 2 GiB float32 tensor
-on the same threads, median of 5). Every path's outputs are checked against the scalar path's on one layer (the same
-integer arithmetic, so the bound is float32 summation order).
+--reps passes over the working set, the paths taking turns); share = GB/s over the read bandwidth (torch.sum over a
+2 GiB float32 tensor on the same threads, median of 5). Every path's outputs are checked against the scalar path's
+on one layer (the same integer arithmetic, so the bound is float32 summation order).
 """
 
 from __future__ import annotations
@@ -64,21 +64,24 @@ def layer_jobs(layer: dict, x: torch.Tensor, mid: torch.Tensor, y_up: torch.Tens
     return up, down
 
 
-def measure(kernels, layers: list[dict], reps: int) -> float:
-    """Median seconds per layer (gate_up call, then down call) over `reps` passes over every layer."""
+def measure(runs: dict, reps: int) -> dict[str, float]:
+    """Median seconds per layer (gate_up call, then down call) per path of `runs` ({path: (kernels, layers)}), over
+    `reps` passes over every layer; the paths take turns pass by pass, so a drift of the machine's speed during the
+    run (seen here: ~10 <-> ~13 GB/s for minutes at a time) reaches every path alike."""
     hidden, inter = SHAPES["gate_up"][1], SHAPES["down"][1]
     x = torch.randn(1, hidden)
     mid = torch.randn(TOP_K, inter)
     y_up, y_down = torch.empty(TOP_K, 2 * inter), torch.empty(TOP_K, hidden)
-    jobs = [layer_jobs(layer, x, mid, y_up, y_down) for layer in layers]
-    passes = []
+    jobs = {path: [layer_jobs(layer, x, mid, y_up, y_down) for layer in layers] for path, (_, layers) in runs.items()}
+    passes: dict[str, list[float]] = {path: [] for path in runs}
     for _ in range(reps + 1):  # the first pass warms the pool and the page tables
-        started = time.perf_counter()
-        for up, down in jobs:
-            kernels.gemv(up)
-            kernels.gemv(down)
-        passes.append((time.perf_counter() - started) / len(layers))
-    return statistics.median(passes[1:])
+        for path, (kernels, layers) in runs.items():
+            started = time.perf_counter()
+            for up, down in jobs[path]:
+                kernels.gemv(up)
+                kernels.gemv(down)
+            passes[path].append((time.perf_counter() - started) / len(layers))
+    return {path: statistics.median(times[1:]) for path, times in passes.items()}
 
 
 def check(kernels, reference, layer: dict) -> float:
@@ -134,12 +137,15 @@ def main() -> None:
                        for name in SHAPES} for _ in range(args.layers)]
             layer_bytes = sum(weight_bytes(w) for name in SHAPES for w in stream[0][name])
             reference = base.with_path("scalar")
+            runs = {}
             for path in paths:
                 kernels = load_cpu_kernels(path, threads)
-                layers = [{name: [kernels.relayout(replace(w, codes=w.codes.clone())) for w in layer[name]]
+                copies = [{name: [kernels.relayout(replace(w, codes=w.codes.clone())) for w in layer[name]]
                            for name in SHAPES} for layer in stream]  # re-laid in place: a copy per path
-                error = check(kernels, reference, layers[0])
-                seconds = measure(kernels, layers, args.reps)
+                runs[path] = (kernels, copies)
+            timed = measure(runs, args.reps)
+            for path, (kernels, layers) in runs.items():
+                error, seconds = check(kernels, reference, layers[0]), timed[path]
                 row = {"path": path, "bits": bits, "threads": threads, "ms_per_layer": seconds * 1e3,
                        "gbps": layer_bytes / seconds / 1e9, "share": layer_bytes / seconds / 1e9 / bandwidth,
                        "layer_mb": layer_bytes / 1e6, "layout": layers[0]["gate_up"][0].layout,
@@ -148,8 +154,8 @@ def main() -> None:
                 print(f"  {path:7s} {bits}-bit ({row['layout']}): {row['ms_per_layer']:.3f} ms/layer, "
                       f"{row['gbps']:.1f} GB/s, {row['share']:.0%} of the read bandwidth "
                       f"(max rel diff vs scalar {error:.1e})")
-                write_results(args.out, results, run)
-                del layers
+            write_results(args.out, results, run)
+            del runs
             del stream
     write_results(args.out, results, run, complete=True)
 

@@ -347,7 +347,7 @@ typedef struct {
     int n;
     rows_fn packed_rows;
     float_rows_fn float_rows;
-    int w8a8; /* the AVX-512 path: W8A8 matrices in integer arithmetic (rows_w8a8_avx512) */
+    int avx512; /* the AVX-512 path: W8A8 matrices in integer arithmetic (rows_w8a8_avx512), x's bytes for the planes */
 } phase;
 
 static void phase_add(phase* p, const hexq_matrix* m, const quantized_x* xq, const act_codes* codes, const float* x,
@@ -370,7 +370,7 @@ static void phase_item(void* arg, int64_t item) {
     const int64_t r0 = (item - p->first[lo]) * PHASE_ROWS;
     const int64_t r1 = r0 + PHASE_ROWS < m->rows ? r0 + PHASE_ROWS : m->rows;
 #ifdef DECODE_X86
-    if (p->w8a8 && takes_w8a8(m, t->codes)) {
+    if (p->avx512 && takes_w8a8(m, t->codes)) {
         rows_w8a8_avx512(m, t->codes, t->y, r0, r1);
     } else
 #endif
@@ -519,7 +519,9 @@ static void add_product(phase* p, input_set* set, const float* src, int64_t cols
         b->act = m->act;
         if (cols % BLOCK == 0) {
             const hexq_gemv_task t = {0, 0, 0, b->value, 0, 0, cols, BLOCK, cols, 0, 1, 1, LAYOUT_STREAM};
-            quantize_x(&t, &b->q);
+            quantized_x q = b->q;
+            if (!p->avx512) q.lo = NULL; /* the bytes are read on the AVX-512 path only */
+            quantize_x(&t, &q);
         }
     }
     phase_add(p, m, &b->q, m->act.bits == 8 ? &b->codes : NULL, b->value, y);
@@ -736,7 +738,7 @@ int hexq_decode(const hexq_model* m, int32_t token, int64_t pos, float* logits, 
     memset(&p, 0, sizeof(p));
     p.packed_rows = rows_for(path);
     p.float_rows = float_rows_for(path);
-    p.w8a8 = path == PATH_AVX512;
+    p.avx512 = path == PATH_AVX512;
     const int64_t H = m->hidden;
     if (m->embed_kind == MAT_F32) {
         memcpy(s.x, (const float*)m->embed + (int64_t)token * H, (size_t)H * 4);

@@ -79,16 +79,20 @@ static inline __attribute__((always_inline)) void quantize_x_body(const hexq_gem
                 out->q[k * t->cols + b * BLOCK + i] = q;
                 sum += q;
             }
-            if (out->lo) /* byte p of a block holds value perm32(p), as the planes hold code perm32(p) */
-                for (int p = 0; p < BLOCK; p++) {
-                    const int16_t q = out->q[k * t->cols + b * BLOCK + perm32(p)];
-                    out->lo[k * t->cols + b * BLOCK + p] = (uint8_t)(q & 0xff);
-                    out->hi[k * t->cols + b * BLOCK + p] = (int8_t)(q >> 8);
-                }
             out->dx[k * blocks + b] = dx;
             out->sum[k * blocks + b] = sum;
         }
     }
+}
+
+/* out->lo and out->hi from out->q: byte p of a block holds value perm32(p), as the planes hold code perm32(p). */
+static void split_bytes_portable(int64_t n, quantized_x* out) {
+    for (int64_t b = 0; b < n; b += BLOCK)
+        for (int p = 0; p < BLOCK; p++) {
+            const int16_t q = out->q[b + perm32(p)];
+            out->lo[b + p] = (uint8_t)(q & 0xff);
+            out->hi[b + p] = (int8_t)(q >> 8);
+        }
 }
 
 static void quantize_x_portable(const hexq_gemv_task* t, quantized_x* out) { quantize_x_body(t, out); }
@@ -97,6 +101,19 @@ static void quantize_x_portable(const hexq_gemv_task* t, quantized_x* out) { qua
    the same numbers bit for bit. */
 __attribute__((target("avx2,fma"))) static void quantize_x_avx2(const hexq_gemv_task* t, quantized_x* out) {
     quantize_x_body(t, out);
+}
+
+/* split_bytes_portable with vpack{us,s}wb, whose interleaving of the two halves' 128-bit lanes is perm32's order. */
+__attribute__((target("avx2"))) static void split_bytes_avx2(int64_t n, quantized_x* out) {
+    const __m256i low = _mm256_set1_epi16(0xff);
+    for (int64_t b = 0; b < n; b += BLOCK) {
+        const __m256i q0 = _mm256_loadu_si256((const __m256i*)(out->q + b));
+        const __m256i q1 = _mm256_loadu_si256((const __m256i*)(out->q + b + 16));
+        _mm256_storeu_si256((__m256i*)(out->lo + b),
+                            _mm256_packus_epi16(_mm256_and_si256(q0, low), _mm256_and_si256(q1, low)));
+        _mm256_storeu_si256((__m256i*)(out->hi + b),
+                            _mm256_packs_epi16(_mm256_srai_epi16(q0, 8), _mm256_srai_epi16(q1, 8)));
+    }
 }
 #endif
 
@@ -114,13 +131,16 @@ HIDDEN int cpu_has_avx2(void) {
 }
 
 HIDDEN void quantize_x(const hexq_gemv_task* t, quantized_x* out) {
+    const int64_t n = (int64_t)t->ntok * t->cols;
 #if defined(__x86_64__)
     if (cpu_has_avx2()) {
         quantize_x_avx2(t, out);
+        if (out->lo) split_bytes_avx2(n, out);
         return;
     }
 #endif
     quantize_x_portable(t, out);
+    if (out->lo) split_bytes_portable(n, out);
 }
 
 /* Per row: w_b = scale * dx of every block (block b in group b*32/group) and the zero term sum_b w_b * zero * sum_b,
@@ -156,9 +176,10 @@ static inline uint32_t code_at(const uint8_t* stream, int64_t i, int bits) {
 
 /* Why. A row is three short streams (codes, scales, zeros) of one matrix among the dozens a call reads: the hardware
    prefetchers, which ramp up within a page and stop at its end, keep few of them ahead, and a GEMV from memory ran at
-   ~7 GB/s on 2 cores of a machine that reads 30 GB/s. The row functions ask for the row PREFETCH_BYTES of codes ahead
-   (measured on an AMD EPYC, 3-bit experts: ~7.5 -> ~10 GB/s; 1-4 rows ahead alike). A prefetch never faults, but
-   rows past the task's end are not asked for (they are another matrix's, or nothing). */
+   ~9.5 GB/s on 2 cores of a machine that reads ~30 GB/s, its time in the loads of the codes (perf). The row functions
+   ask for the row PREFETCH_BYTES of codes ahead (AMD EPYC, 2 threads, 3-bit experts from memory: ~9.5 -> ~13 GB/s,
+   benchmarks/gemv_speed.py; 1-4 rows ahead measured alike). A prefetch never faults, but rows past the task's end are
+   not asked for (they are another matrix's, or nothing). */
 #define PREFETCH_BYTES 2048
 
 static inline int64_t prefetch_ahead(int64_t row_bytes) { return 1 + PREFETCH_BYTES / row_bytes; }
@@ -1183,7 +1204,7 @@ int hexq_gemv(const hexq_gemv_task* tasks, int ntasks, int path, int threads, ui
         scratch += (values / BLOCK * 4 + 63) / 64 * 64;
         xq[i].sum = (int32_t*)scratch;
         scratch += (values / BLOCK * 4 + 63) / 64 * 64;
-        xq[i].lo = scratch;
+        xq[i].lo = path == PATH_AVX512 ? scratch : NULL; /* only its row functions read the bytes */
         xq[i].hi = (int8_t*)(scratch + values);
         scratch += (values * 2 + 63) / 64 * 64;
     }

@@ -39,7 +39,7 @@ typedef struct {
     float* dx;    /* [ntok, blocks] */
     int32_t* sum; /* [ntok, blocks] */
     uint8_t* lo;  /* [ntok, cols] q = 256 hi + lo, each block's bytes in the planes' order (kernels.c perm32), for */
-    int8_t* hi;   /* the AVX-512 VNNI path's byte products; NULL: not computed */
+    int8_t* hi;   /* the AVX-512 VNNI path's byte products; lo NULL: not computed */
 } quantized_x;
 
 /* rows [r0, r1) of a task's y from its quantized x, on one instruction-set path */
