@@ -122,7 +122,7 @@ static void grid_of(const hexq_act* a, float lo, float hi, float amax, float* sc
 }
 
 /* An 8-bit activation grid's codes as the integer W8A8 product reads them: codes - 128 as int8 (value = (q + 128 -
-   zero) * scale), with their sum; q NULL where x is on no 8-bit grid. */
+   zero) * scale), with their sum. */
 typedef struct {
     int8_t* q;
     float scale, zero;
@@ -282,7 +282,7 @@ static AVX512 void rows_float_avx512(const hexq_matrix* m, const float* x, float
    multiply-adds per 64 codes. The same numbers as the float product of the grid values, up to one rounding. */
 static AVX512 void rows_w8a8_avx512(const hexq_matrix* m, const act_codes* a, float* y, int64_t r0, int64_t r1) {
     const int64_t n = m->cols;
-    const int64_t ahead = 1 + 2048 / n; /* rows ahead whose codes are prefetched (kernels.c PREFETCH_BYTES) */
+    const int64_t ahead = prefetch_ahead(n);
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t* q = (const uint8_t*)m->data + r * n;
         if (r + ahead < m->rows)
@@ -311,9 +311,9 @@ static AVX512 void rows_w8a8_avx512(const hexq_matrix* m, const act_codes* a, fl
 }
 #endif
 
-/* Whether the integer W8A8 rows take matrix m reading codes a (on the AVX-512 path). */
+/* Whether the integer W8A8 rows take matrix m reading codes a (NULL: its input's codes were not computed). */
 static int takes_w8a8(const hexq_matrix* m, const act_codes* a) {
-    return a && a->q && m->kind == MAT_PACKED && m->bits == 8 && m->layout == LAYOUT_STREAM && m->group == m->cols
+    return a && m->kind == MAT_PACKED && m->bits == 8 && m->layout == LAYOUT_STREAM && m->group == m->cols
            && m->act.bits == 8;
 }
 
@@ -336,7 +336,7 @@ static float_rows_fn float_rows_for(int path) {
 typedef struct {
     const hexq_matrix* m;
     const quantized_x* xq;
-    const act_codes* codes; /* x's 8-bit grid codes (their q NULL: none) */
+    const act_codes* codes; /* x's 8-bit grid codes (NULL: none) */
     const float* x;
     float* y;
 } product;
@@ -370,7 +370,7 @@ static void phase_item(void* arg, int64_t item) {
     const int64_t r0 = (item - p->first[lo]) * PHASE_ROWS;
     const int64_t r1 = r0 + PHASE_ROWS < m->rows ? r0 + PHASE_ROWS : m->rows;
 #ifdef DECODE_X86
-    if (p->avx512 && takes_w8a8(m, t->codes)) {
+    if (takes_w8a8(m, t->codes)) {
         rows_w8a8_avx512(m, t->codes, t->y, r0, r1);
     } else
 #endif
@@ -428,7 +428,7 @@ static void phase_run(phase* p, int threads) {
 typedef struct {
     float* value;   /* [cols] */
     quantized_x q;  /* int16 blocks of value */
-    act_codes codes; /* value's codes on an 8-bit grid (q NULL on any other) */
+    act_codes codes; /* value's codes on an 8-bit grid, on the AVX-512 path */
     hexq_act act;   /* the grid `value` is on */
 } input_buf;
 
@@ -511,9 +511,11 @@ static void add_product(phase* p, input_set* set, const float* src, int64_t cols
     input_buf* b = NULL;
     for (int i = 0; i < set->used; i++)
         if (same_act(&set->b[i].act, &m->act)) b = &set->b[i];
-    if (!b) {
-        b = &set->b[set->used++];
-        act_codes* codes = m->act.bits == 8 ? &b->codes : NULL;
+    const int computed = b != NULL;
+    if (!b) b = &set->b[set->used++];
+    /* the grid's codes only where rows_w8a8_avx512 reads them; a buffer found again was made for the same grid */
+    act_codes* codes = p->avx512 && m->act.bits == 8 ? &b->codes : NULL;
+    if (!computed) {
         if (m->act.bits) act_quant(&m->act, src, b->value, cols, codes);
         else memcpy(b->value, src, (size_t)cols * 4);
         b->act = m->act;
@@ -524,7 +526,7 @@ static void add_product(phase* p, input_set* set, const float* src, int64_t cols
             quantize_x(&t, &q);
         }
     }
-    phase_add(p, m, &b->q, m->act.bits == 8 ? &b->codes : NULL, b->value, y);
+    phase_add(p, m, &b->q, codes, b->value, y);
 }
 
 /* ------------------------------------------------------------------------------------------ attention */

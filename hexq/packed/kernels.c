@@ -179,10 +179,7 @@ static inline uint32_t code_at(const uint8_t* stream, int64_t i, int bits) {
    ~9.5 GB/s on 2 cores of a machine that reads ~30 GB/s, its time in the loads of the codes (perf). The row functions
    ask for the row PREFETCH_BYTES of codes ahead (AMD EPYC, 2 threads, 3-bit experts from memory: ~9.5 -> ~13 GB/s,
    benchmarks/gemv_speed.py; 1-4 rows ahead measured alike). A prefetch never faults, but rows past the task's end are
-   not asked for (they are another matrix's, or nothing). */
-#define PREFETCH_BYTES 2048
-
-static inline int64_t prefetch_ahead(int64_t row_bytes) { return 1 + PREFETCH_BYTES / row_bytes; }
+   not asked for (they are another matrix's, or nothing). PREFETCH_BYTES and prefetch_ahead: kernels.h. */
 
 /* always_inline, and the builtin rather than _mm_prefetch: GCC 12 drops an _mm_prefetch of a plain inline function
    inlined into the row functions' target("avx2") code (the library had no prefetch in its row functions). */
@@ -1163,8 +1160,8 @@ static void gemv_item(void* arg, int64_t item) {
         part.ntok = t->ntok - k < MAX_TOK ? t->ntok - k : MAX_TOK;
         part.y = t->y + k * t->y_stride;
         const quantized_x* q = &c->xq[lo];
-        const quantized_x slice = {q->q + k * t->cols, q->dx + k * blocks, q->sum + k * blocks, q->lo + k * t->cols,
-                                   q->hi + k * t->cols};
+        const quantized_x slice = {q->q + k * t->cols, q->dx + k * blocks, q->sum + k * blocks,
+                                   q->lo ? q->lo + k * t->cols : NULL, q->lo ? q->hi + k * t->cols : NULL};
         c->rows(&part, &slice, r0, r1);
     }
 }

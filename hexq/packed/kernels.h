@@ -42,6 +42,12 @@ typedef struct {
     int8_t* hi;   /* the AVX-512 VNNI path's byte products; lo NULL: not computed */
 } quantized_x;
 
+/* The row functions prefetch the codes, scales and zeros of the row PREFETCH_BYTES of codes ahead (kernels.c
+   "prefetch" says why); the native step's integer W8A8 rows (decode.c) too. */
+#define PREFETCH_BYTES 2048
+
+static inline int64_t prefetch_ahead(int64_t row_bytes) { return 1 + PREFETCH_BYTES / row_bytes; }
+
 /* rows [r0, r1) of a task's y from its quantized x, on one instruction-set path */
 typedef void (*rows_fn)(const hexq_gemv_task*, const quantized_x*, int64_t, int64_t);
 
