@@ -45,10 +45,9 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from runtime import MemoryCgroup, cgroup_root, child_env, drop_page_cache, files_under, vm_hwm
+from runtime import MemoryCgroup, cgroup_root, child_env, drop_page_cache, files_under, read_bandwidth, vm_hwm
 
 from provenance import start_run, write_results
 
@@ -143,16 +142,7 @@ def child_llama(spec: dict) -> dict:
 
 
 def child_bandwidth(spec: dict) -> dict:
-    import torch
-
-    torch.set_num_threads(spec["threads"])
-    data = torch.ones(1 << 29, dtype=torch.float32, device="cpu")  # 2 GiB
-    times = []
-    for _ in range(6):
-        started = time.perf_counter()
-        data.sum()
-        times.append(time.perf_counter() - started)
-    return {"read_gbps": data.numel() * 4 / statistics.median(times[1:]) / 1e9}
+    return {"read_gbps": read_bandwidth(spec["threads"])}
 
 
 CHILDREN = {"hexq": child_hexq, "llama": child_llama, "bandwidth": child_bandwidth}

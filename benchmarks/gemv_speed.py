@@ -11,8 +11,8 @@ times the last-level cache), cycled, so the codes come from memory as they do in
 
 Bytes per layer: codes + scales + zeros of the 16 matrices; GB/s = bytes / median seconds per layer (median over
 --reps passes over the working set, the paths taking turns); share = GB/s over the read bandwidth (torch.sum over a
-2 GiB float32 tensor on the same threads, median of 5). Every path's outputs are checked against the scalar path's
-on one layer (the same integer arithmetic, so the bound is float32 summation order).
+2 GiB float32 tensor on the same threads, median of 5: benchmarks/runtime.py read_bandwidth). Every path's outputs are
+checked against the scalar path's on one layer (the same integer arithmetic, so the bound is float32 summation order).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from runtime import read_bandwidth
 
 from hexq.packed.cpu import GemvJob, available_paths, load_cpu_kernels
 from hexq.packed.weight import PackedWeight
@@ -44,18 +45,6 @@ def random_weight(rows: int, cols: int, bits: int, generator: torch.Generator) -
 
 def weight_bytes(weight: PackedWeight) -> int:
     return weight.codes.numel() + 2 * weight.scale.numel() + 2 * weight.zero.numel()
-
-
-def read_bandwidth(threads: int) -> float:
-    torch.set_num_threads(threads)
-    data = torch.ones(1 << 29, dtype=torch.float32)  # 2 GiB
-    times = []
-    for _ in range(6):
-        started = time.perf_counter()
-        data.sum()
-        times.append(time.perf_counter() - started)
-    del data
-    return (1 << 31) / statistics.median(times[1:]) / 1e9
 
 
 def layer_jobs(layer: dict, x: torch.Tensor, mid: torch.Tensor, y_up: torch.Tensor, y_down: torch.Tensor):

@@ -73,6 +73,21 @@ def vm_hwm() -> int:
     return int(re.search(r"VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
 
 
+def read_bandwidth(threads: int) -> float:
+    """Memory read bandwidth in GB/s: torch.sum over a 2 GiB float32 tensor on `threads` threads (median of 5, after
+    one warm-up)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    data = torch.ones(1 << 29, dtype=torch.float32, device="cpu")  # 2 GiB
+    times = []
+    for _ in range(6):
+        started = time.perf_counter()
+        data.sum()
+        times.append(time.perf_counter() - started)
+    return data.numel() * 4 / statistics.median(times[1:]) / 1e9
+
+
 def disk_read_bytes() -> int:
     return int(re.search(r"read_bytes:\s+(\d+)", Path("/proc/self/io").read_text()).group(1))
 
