@@ -148,6 +148,12 @@ MUTANTS = [
            "static inline int perm32(int j) { return (j >> 3 == 1 || j >> 3 == 2) ? j ^ 24 : j; }",
            "static inline int perm32(int j) { return j; }", ("tests/test_packed_cpu.py",)),
     # ------------------------------------------------------------------ the native decode step (C)
+    Mutant("native-resume-runs-the-layer-again", "hexq/packed/decode.c",
+           "        const int resuming = layer == r->layer;", "        const int resuming = 0;",
+           ("tests/test_native_decode.py::test_native_step_under_a_small_fast_tier_loads_its_misses",)),
+    Mutant("native-eviction-leaves-the-table-entry", "hexq/runtime/native.py",
+           "            entry[0][key[1]] = _absent()", "            pass",
+           ("tests/test_native_decode.py::test_native_step_under_a_small_fast_tier_loads_its_misses",)),
     Mutant("native-top-k-not-renormalised", "hexq/packed/decode.c",
            "    if (m->normalize)\n        for", "    if (0)\n        for", ("tests/test_native_decode.py",)),
     Mutant("native-rope-sign", "hexq/packed/decode.c",

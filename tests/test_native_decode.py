@@ -27,6 +27,7 @@ from hexq.errors import HexqError
 from hexq.packed.cpu import available_paths, load_cpu_kernels
 from hexq.runtime.compute import Profiles
 from hexq.runtime.engine import Runtime
+from hexq.runtime.native import top_k_bytes
 from tests.conftest import REFERENCE_MODELS, needs_kernels, save_tiny_model, small_recipe
 
 KERNELS = load_cpu_kernels()
@@ -238,6 +239,43 @@ def test_reference_models(name, tmp_path):
     assert agrees(compare(tmp_path / "model.hexq", steps=16))
 
 
+def native_run(artifact, steps: int, **options) -> tuple[list[torch.Tensor], Runtime]:
+    """The native step's logits for `steps` greedy tokens after PROMPT, every step from its own KV cache, the prompt
+    prefilled by the transformers path of a runtime with every expert resident (the same KV cache for every run)."""
+    with Runtime(artifact, dtype="fp32") as full:
+        logits, past = full._next_logits(PROMPT, None)
+    out = []
+    with Runtime(artifact, dtype="fp32", **options) as runtime:
+        assert runtime.decode_path == "native", runtime.decode_path
+        runtime.native.start(past, PROMPT.shape[1], PROMPT.shape[1] + steps)
+        runtime.cache.reset_stats()
+        token = int(logits.argmax())
+        for _ in range(steps):
+            out.append(runtime.native.step(token))
+            token = int(out[-1].argmax())
+        return out, runtime
+
+
+def test_native_step_under_a_small_fast_tier_loads_its_misses(packed_artifact):
+    """A fast tier holding one layer's top-k experts: the native step stops at each layer whose kept experts are
+    not all resident, they are loaded through the cache (evicting others, whose table entries must become absent),
+    and it goes on: the logits are the ones with every expert resident, bit for bit (the same codes, re-laid the
+    same way, the same arithmetic). The cache's counts see every routed expert: each kept one is a hit or a miss."""
+    steps = 12
+    want, _ = native_run(packed_artifact, steps)
+    with Runtime(packed_artifact, dtype="fp32") as probe:
+        budget = top_k_bytes(probe)  # the least the native step takes: the most churn
+        assert budget < probe.expert_bytes
+        top_k, moe_layers = probe.model.config.num_experts_per_tok, len(probe.artifact.moe_layers)
+    got, runtime = native_run(packed_artifact, steps, budget_bytes=budget)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    stats = runtime.cache.stats
+    assert stats.misses > 0 and stats.evictions > 0 and stats.hits > 0
+    assert stats.hits + stats.misses == steps * top_k * moe_layers  # no 0-bit expert in this artifact
+    assert runtime.cache.budget.peak <= budget
+
+
 def test_generate_uses_the_native_step_and_says_why_not(packed_artifact):
     """`hexq run --prompt` decodes natively where it can, with the same greedy text as the transformers path, and
     names the reason where it cannot; --decode native refuses what it does not cover."""
@@ -246,8 +284,9 @@ def test_generate_uses_the_native_step_and_says_why_not(packed_artifact):
         with Runtime(packed_artifact, dtype="fp32", decode=decode) as runtime:
             texts[decode], stats = runtime.generate("It is a truth universally acknowledged", 12)
             assert stats.decode_path == ("native" if decode == "auto" else "transformers (--decode transformers)")
+            below = top_k_bytes(runtime) - 1  # room for one expert, not for a layer's top-k
     assert texts["auto"] == texts["transformers"]
     with Runtime(packed_artifact, cache="bf16") as runtime:
         assert runtime.decode_path.startswith("transformers (--cache bf16")
-    with pytest.raises(HexqError, match="--decode native: not every expert fits"):
-        Runtime(packed_artifact, budget_bytes=40_000, decode="native")
+    with pytest.raises(HexqError, match="--decode native: the fast tier holds fewer than"):
+        Runtime(packed_artifact, budget_bytes=below, decode="native")

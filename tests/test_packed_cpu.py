@@ -174,19 +174,6 @@ def test_planes_layout_is_its_description_and_goes_back(path: str, bits: int) ->
         assert back.layout == "stream" and torch.equal(back.codes, stream), cols
 
 
-@pytest.mark.parametrize("bits", (3, 4, 7))
-def test_planes_relayout_a_block_of_rows_at_a_time(monkeypatch, bits: int) -> None:
-    """relayout copies RELAYOUT_BYTES of rows at a time (a large matrix is never held twice): blocks of 2 rows and a
-    remainder give the layout of one pass."""
-    cols = PLANE_COLS[0]
-    monkeypatch.setattr("hexq.packed.cpu.RELAYOUT_BYTES", 2 * cols * bits // 8 + 1)
-    codes = torch.randint(0, 1 << bits, (9, cols), generator=torch.Generator().manual_seed(bits))
-    weight = PackedWeight(pack_bits(codes, bits), torch.ones(9, cols // 32, dtype=torch.float16),
-                          torch.zeros(9, cols // 32, dtype=torch.float16), bits, (9, cols))
-    planes = KERNELS.relayout(weight)
-    assert planes.layout == "planes" and torch.equal(planes.codes.view(9, -1), planes_reference(codes, bits))
-
-
 def test_planes_are_not_made_for_8_bits_or_for_the_torch_path() -> None:
     codes, scale, zero, _ = packed_matrix(4, 256, 8, 32, False, seed=0)
     weight = PackedWeight(codes, scale, zero, 8, (4, 256))

@@ -72,7 +72,6 @@ PATHS = ("scalar", "avx2", "avx512")  # the C enum's order
 OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 BLOCK = 32  # activation block of the GEMV (kernels.c BLOCK)
 MAX_BLOCKS = 1024  # blocks per row the GEMV takes (kernels.c MAX_BLOCKS)
-RELAYOUT_BYTES = 16 << 20  # codes re-laid per copy (CpuKernels.relayout)
 
 
 class GemvTask(ctypes.Structure):
@@ -199,18 +198,12 @@ class CpuKernels:
         if (weight.layout != "stream" or weight.codes.device.type != "cpu" or not 1 <= weight.bits <= 7
                 or not gemv_takes(weight.shape, weight.bits, weight.scale.shape[-1], self.path)):
             return weight
-        # rows are re-laid independently: a block of them at a time through a copy of that block, so re-laying a
-        # large matrix (a quantized head: 175 MB of codes at Qwen3-30B-A3B's vocabulary) never holds it twice
-        row_bytes = cols * weight.bits // 8
-        step = max(1, RELAYOUT_BYTES // row_bytes)
-        for start in range(0, rows, step):
-            count = min(step, rows - start)
-            source = weight.codes[start * row_bytes:(start + count) * row_bytes].clone()
-            if self.library.hexq_relayout(source.data_ptr(), weight.codes.data_ptr() + start * row_bytes, count, cols,
-                                          weight.bits, 1, self._path_index, self.threads) != 0:
-                if start:  # takes_planes depends on the shape alone: the first block answers for all
-                    raise RuntimeError("the planes re-layout refused a block after accepting the first")
-                return weight
+        # in place, each row through a copy of itself (kernels.c hexq_relayout): never a second copy of the codes (a
+        # quantized head: 175 MB of them at Qwen3-30B-A3B's vocabulary), and cheap enough for every cache miss of
+        # the native step under a small fast tier
+        if self.library.hexq_relayout(weight.codes.data_ptr(), weight.codes.data_ptr(), rows, cols, weight.bits, 1,
+                                      self._path_index, self.threads) != 0:
+            return weight
         return dataclasses.replace(weight, layout="planes")
 
     def stream(self, weight: PackedWeight) -> PackedWeight:

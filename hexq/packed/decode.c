@@ -28,7 +28,9 @@
 
 /* ------------------------------------------------------------------------------------------ the model, as data */
 
-enum { MAT_NONE = 0, MAT_PACKED = 1, MAT_F32 = 2, MAT_BF16 = 3 };
+/* MAT_ABSENT: a routed expert the step may serve but whose codes are not resident now (a fast tier smaller than the
+   experts): a token routed to it stops the step there (hexq_resume). */
+enum { MAT_NONE = 0, MAT_PACKED = 1, MAT_F32 = 2, MAT_BF16 = 3, MAT_ABSENT = 4 };
 
 /* The recipe's activation grid on a matrix input (hexq.simulate.ActQuantizer); bits 0: none. */
 typedef struct {
@@ -50,7 +52,8 @@ typedef struct {
 } hexq_matrix;
 
 /* One routed expert as served: its two packed matrices at the served width (kind MAT_NONE: skipped, its routing
-   weight renormalised onto the token's kept experts, hexq.simulate.served_weights). */
+   weight renormalised onto the token's kept experts, hexq.simulate.served_weights; MAT_ABSENT: served, but not
+   resident now). */
 typedef struct {
     hexq_matrix gate_up, down;
 } hexq_expert;
@@ -87,6 +90,22 @@ typedef struct {
     float* v_cache;
     int64_t max_pos;
 } hexq_model;
+
+/* Where a step stopped for experts, and resumes. Under a fast tier smaller than the experts, a token routed to an
+   absent expert stops the step after that layer's routing (hexq_decode returns 1): `layer` names the layer, ids and
+   weights its kept experts (the first n), the caller makes the absent ones resident (hexq.runtime.native) and calls
+   again with the same state, and the step goes on from that layer's expert products - everything before them (the
+   hidden state, the normed input, the shared expert's first products, the RoPE angles) waits in the scratch. layer
+   -1: a new token. `log` (NULL: none; room for layers * top_k entries from `logged` on) receives layer * num_experts
+   + expert for every kept expert a routing found resident: the cache's recency and hit counts, which the step cannot
+   update itself (hexq.runtime.native). */
+typedef struct {
+    int32_t layer, n;
+    int32_t ids[64];
+    float weights[64];
+    int32_t* log;
+    int32_t logged;
+} hexq_resume;
 
 /* ------------------------------------------------------------------------------------------ small math */
 
@@ -631,7 +650,7 @@ static int route_token(const hexq_model* m, const hexq_layer* L, const float* lo
         weights[n] = kept > 0.0f ? weights[j] * (all / kept) : 0.0f;
         n++;
     }
-    return n; /* kept experts, first n of ids / weights */
+    return n; /* kept experts, first n of ids / weights (absent ones included: they are served, once loaded) */
 }
 
 /* ------------------------------------------------------------------------------------------ the step */
@@ -641,21 +660,35 @@ static void gated(const float* gate_up, float* mid, int64_t inter) {
 }
 
 /* x += W_down (silu(W_gate h) * (W_up h)) for a dense MLP; in a MoE layer the same for the shared expert (scaled by
-   its sigmoid gate) beside the routed experts, whose products join the shared expert's phases. */
-static void layer_ffn(const hexq_model* m, const hexq_layer* L, scratch* s, phase* p, int threads) {
+   its sigmoid gate) beside the routed experts, whose products join the shared expert's phases. Returns 1 where a
+   kept expert is absent (its routing left in r, nothing of the layer's sum done yet); `resuming`: the routing and the
+   shared expert's first products were done by the call that stopped, go on from the routed experts. */
+static int layer_ffn(const hexq_model* m, const hexq_layer* L, int layer, scratch* s, phase* p, int threads,
+                     hexq_resume* r, int resuming) {
     const int64_t H = m->hidden, mlp_inter = L->mlp_gate.rows;
     const int dense = L->mlp_gate.kind != MAT_NONE;
+    int* ids = r->ids;
+    float* weights = r->weights;
     s->in_moe.used = 0;
-    add_product(p, &s->in_moe, s->h, H, &L->mlp_gate, s->mlp_hidden);
-    add_product(p, &s->in_moe, s->h, H, &L->mlp_up, s->mlp_hidden + mlp_inter);
-    add_product(p, &s->in_moe, s->h, H, &L->shared_gate, s->gate);
-    int ids[64], n = 0;
-    float weights[64];
+    if (!resuming) {
+        add_product(p, &s->in_moe, s->h, H, &L->mlp_gate, s->mlp_hidden);
+        add_product(p, &s->in_moe, s->h, H, &L->mlp_up, s->mlp_hidden + mlp_inter);
+        add_product(p, &s->in_moe, s->h, H, &L->shared_gate, s->gate);
+    }
+    int n = 0;
     int64_t inter = 0;
     if (L->moe) { /* the router's [E] logits first, on the pool with the shared expert's products */
-        add_product(p, &s->in_moe, s->h, H, &L->router, s->router);
-        phase_run(p, threads);
-        n = route_token(m, L, s->router, ids, weights);
+        if (!resuming) {
+            add_product(p, &s->in_moe, s->h, H, &L->router, s->router);
+            phase_run(p, threads);
+            r->n = route_token(m, L, s->router, ids, weights);
+            for (int j = 0; r->log && j < r->n; j++)
+                if (L->experts[ids[j]].gate_up.kind != MAT_ABSENT && r->logged < m->layers * m->top_k)
+                    r->log[r->logged++] = layer * m->num_experts + ids[j];
+        }
+        n = r->n;
+        for (int j = 0; j < n; j++) /* checked again on resuming: the caller may not have made them all resident */
+            if (L->experts[ids[j]].gate_up.kind == MAT_ABSENT) return 1;
         for (int j = 0; j < n; j++) { /* every kept expert's gate_up: one input, one phase */
             const hexq_expert* e = &L->experts[ids[j]];
             inter = e->gate_up.rows / 2;
@@ -680,6 +713,7 @@ static void layer_ffn(const hexq_model* m, const hexq_layer* L, scratch* s, phas
         const float g = L->shared_gate.kind == MAT_NONE ? 1.0f : 1.0f / (1.0f + expf(-s->gate[0]));
         for (int64_t i = 0; i < H; i++) s->x[i] += g * s->mlp_y[i];
     }
+    return 0;
 }
 
 static void layer_attention(const hexq_model* m, const hexq_layer* L, int layer, scratch* s, phase* p, int threads,
@@ -727,12 +761,29 @@ static void layer_attention(const hexq_model* m, const hexq_layer* L, int layer,
     for (int64_t i = 0; i < H; i++) s->x[i] += s->o[i];
 }
 
-/* One token at position `pos` (the KV cache holds positions [0, pos)): logits [vocab] float32. Returns 0, or -1 for
-   a position past the cache, a path this CPU does not run, or a model the step does not take. */
+/* A new token: its embedding row into x, and the RoPE angles of its position. */
+static void token_start(const hexq_model* m, scratch* s, int32_t token, int64_t pos) {
+    const int64_t H = m->hidden;
+    if (m->embed_kind == MAT_F32) {
+        memcpy(s->x, (const float*)m->embed + (int64_t)token * H, (size_t)H * 4);
+    } else {
+        const uint16_t* row = (const uint16_t*)m->embed + (int64_t)token * H;
+        for (int64_t i = 0; i < H; i++) s->x[i] = bf16_to_float(row[i]);
+    }
+    for (int64_t i = 0; i < m->head_dim / 2; i++) { /* float32 angle, as the transformers rotary embedding */
+        const float angle = (float)pos * m->inv_freq[i];
+        s->cos[i] = cosf(angle) * m->rope_scaling;
+        s->sin[i] = sinf(angle) * m->rope_scaling;
+    }
+}
+
+/* One token at position `pos` (the KV cache holds positions [0, pos)): logits [vocab] float32. Returns 0; 1 where a
+   kept expert is absent (`r` says where; make it resident and call again with the same arguments and `r`: see
+   hexq_resume); -1 for a position past the cache, a path this CPU does not run, or a model the step does not take. */
 int hexq_decode(const hexq_model* m, int32_t token, int64_t pos, float* logits, int path, int threads,
-                uint8_t* scratch_bytes) {
+                uint8_t* scratch_bytes, hexq_resume* r) {
     if (!(hexq_paths() >> path & 1) || pos < 0 || pos >= m->max_pos || token < 0 || token >= m->vocab
-        || m->top_k > 64 || m->num_experts > 1024)
+        || m->top_k > 64 || m->num_experts > 1024 || r->layer >= m->layers)
         return -1;
     scratch s;
     scratch_layout(m, (uint8_t*)(((uintptr_t)scratch_bytes + 63) / 64 * 64), &s);
@@ -742,25 +793,25 @@ int hexq_decode(const hexq_model* m, int32_t token, int64_t pos, float* logits, 
     p.float_rows = float_rows_for(path);
     p.avx512 = path == PATH_AVX512;
     const int64_t H = m->hidden;
-    if (m->embed_kind == MAT_F32) {
-        memcpy(s.x, (const float*)m->embed + (int64_t)token * H, (size_t)H * 4);
-    } else {
-        const uint16_t* row = (const uint16_t*)m->embed + (int64_t)token * H;
-        for (int64_t i = 0; i < H; i++) s.x[i] = bf16_to_float(row[i]);
-    }
-    for (int64_t i = 0; i < m->head_dim / 2; i++) { /* float32 angle, as the transformers rotary embedding */
-        const float angle = (float)pos * m->inv_freq[i];
-        s.cos[i] = cosf(angle) * m->rope_scaling;
-        s.sin[i] = sinf(angle) * m->rope_scaling;
-    }
+    const int first = r->layer < 0 ? 0 : r->layer;
+    if (r->layer < 0) token_start(m, &s, token, pos);
     const double began = now();
     pool_hot(1);
-    for (int layer = 0; layer < m->layers; layer++) {
+    for (int layer = first; layer < m->layers; layer++) {
         const hexq_layer* L = &m->layer[layer];
-        layer_attention(m, L, layer, &s, &p, threads, pos, path);
-        rms_norm(s.x, L->post_norm, s.h, H, m->eps);
-        layer_ffn(m, L, &s, &p, threads);
+        const int resuming = layer == r->layer;
+        if (!resuming) {
+            layer_attention(m, L, layer, &s, &p, threads, pos, path);
+            rms_norm(s.x, L->post_norm, s.h, H, m->eps);
+        }
+        if (layer_ffn(m, L, layer, &s, &p, threads, r, resuming)) {
+            r->layer = layer;
+            pool_hot(0);
+            profile.total += now() - began;
+            return 1;
+        }
     }
+    r->layer = -1;
     rms_norm(s.x, m->final_norm, s.h, H, m->eps);
     s.in_final.used = 0;
     add_product(&p, &s.in_final, s.h, H, &m->head, logits);

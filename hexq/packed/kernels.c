@@ -279,8 +279,8 @@ static void relayout_item(void* arg, int64_t item);
 
 #define RELAYOUT_ROWS 64
 
-/* dst (rows x cols codes, not overlapping src) = src re-laid: stream -> planes (to_planes 1) or planes -> stream, on
-   instruction-set path `path` (the same bytes on every path). Returns 0, or -1 for a shape or width the planes
+/* dst (rows x cols codes; src itself: in place, row by row through a copy; else not overlapping src) = src re-laid:
+   stream -> planes (to_planes 1) or planes -> stream, on instruction-set path `path` (the same bytes on every path). Returns 0, or -1 for a shape or width the planes
    layout does not take (then the stream stays). */
 int hexq_relayout(const uint8_t* src, uint8_t* dst, int64_t rows, int64_t cols, int bits, int to_planes, int path,
                   int threads) {
@@ -764,17 +764,18 @@ static void relayout_item(void* arg, int64_t item) {
     const relayout_job* j = (const relayout_job*)arg;
     const int64_t row_bytes = j->cols * j->bits / 8, r1 = (item + 1) * RELAYOUT_ROWS;
     const uint8_t* end = j->src + j->rows * row_bytes;
-    uint8_t padded[MAX_BLOCKS * 32 + 64]; /* a last row whose loads would read past the codes: copied here */
+    uint8_t padded[MAX_BLOCKS * 32 + 64]; /* a row re-laid in place, or a last row whose loads would read past the
+                                              codes: copied here first */
     for (int64_t r = item * RELAYOUT_ROWS; r < r1 && r < j->rows; r++) {
         const uint8_t* src = j->src + r * row_bytes;
         uint8_t* dst = j->dst + r * row_bytes;
+        if (j->src == j->dst || src + row_bytes + 32 > end) {
+            memcpy(padded, src, (size_t)row_bytes);
+            memset(padded + row_bytes, 0, 64);
+            src = padded;
+        }
 #ifdef HEXQ_X86
         if (j->to_planes && j->path != PATH_SCALAR) {
-            if (src + row_bytes + 32 > end) {
-                memcpy(padded, src, (size_t)row_bytes);
-                memset(padded + row_bytes, 0, 64);
-                src = padded;
-            }
             to_planes_avx2(src, dst, j->cols, j->bits);
             continue;
         }

@@ -91,6 +91,7 @@ class ExpertCache:
         self._pins: Counter[Key] = Counter()
         self._queued: dict[Key, int] = {}  # prefetch requests waiting for the worker: key -> bits
         self._stats = CacheStats()
+        self._watchers: list[Callable[[Key], None]] = []  # told when a key's published weights go (watch)
         self._closed = False
         self._queue: queue.Queue[Key | None] = queue.Queue()
         self._worker = threading.Thread(target=self._work, name="hexq-expert-prefetch", daemon=True)
@@ -127,6 +128,22 @@ class ExpertCache:
         """Published entries as {(layer, expert): bits}, least recently used first."""
         with self._lock:
             return {k: h._active.bits for k, h in self._lru.items() if h._active is not None}
+
+    def watch(self, gone: Callable[[Key], None]) -> None:
+        """Call gone(key), under the cache's lock, whenever the weights published for `key` stop being valid: an
+        eviction, or a promotion that replaces them (their memory is then recycled). A reader that keeps pointers to
+        resident weights outside the cache's calls (the native decode step's expert tables) drops them there."""
+        with self._lock:
+            self._watchers.append(gone)
+
+    def touch(self, keys: Iterable[Key]) -> None:
+        """Count hits the caller served from resident weights it already held (the native step), and mark those
+        entries most recently used, as `get` would have."""
+        with self._lock:
+            for key in keys:
+                if key in self._lru:
+                    self._lru.move_to_end(key)
+                    self._record(key, hit=True)
 
     # ---------------------------------------------------------------- pins
 
@@ -175,11 +192,12 @@ class ExpertCache:
 
     # ---------------------------------------------------------------- get
 
-    def get(self, layer: int, expert: int, bits: int, *, fill: bool = True) -> ExpertWeights:
+    def get(self, layer: int, expert: int, bits: int, *, fill: bool = True, admit: bool = True) -> ExpertWeights:
         """Weights of (layer, expert) with at least `bits` bits; blocks until they are available.
 
         A load of the same expert already in flight (e.g. a prefetch) is waited for, never repeated. With fill=False
-        a miss is served by a transient bypass load that is not cached (see the module docstring).
+        a miss is served by a transient bypass load that is not cached (see the module docstring); admit=False skips
+        the admission callback (a miss fills whenever room can be made).
         """
         key = (layer, expert)
         waited = 0.0
@@ -203,7 +221,7 @@ class ExpertCache:
                     break
                 self._check_fits(key, bits, need)
                 promoting = key in self._lru  # before _admit, which may retire the old copy first
-                admitted = self._admit(key, bits, need, background=False)
+                admitted = self._admit(key, bits, need, background=False, admit=admit)
                 if admitted:
                     self._start_fill(key, bits, promoting)
                     self._record(key, hit=False)
@@ -335,7 +353,7 @@ class ExpertCache:
             raise RuntimeError("ExpertCache was closed while waiting")
         return time.perf_counter() - t0
 
-    def _admit(self, key: Key, bits: int, need: int, *, background: bool) -> bool | None:
+    def _admit(self, key: Key, bits: int, need: int, *, background: bool, admit: bool = True) -> bool | None:
         """Reserve `need` bytes for a fill of `key`, evicting unpinned LRU entries; evicts nothing if it fails.
 
         A resident lower-precision copy of `key` stays published and counted ("count both"). Only a blocking get
@@ -346,20 +364,14 @@ class ExpertCache:
             return True
         old = self._lru.get(key)
         old_version = old.resolve() if old is not None else None
-        victims = [k for k in self._lru if k != key and self._pins[k] == 0]
-        room = self._budget.available + sum(self._lru[k]._active.nbytes for k in victims)
+        evicted, freed = self._victims(key, need, self._budget.available)
         free_first = False
-        if room < need:
-            if background or old_version is None or room + old_version.nbytes < need:
+        if freed < need:  # evicting every unpinned entry would not make room
+            if background or old_version is None or freed + old_version.nbytes < need:
                 return False
             free_first = True
-        evicted, freed = [], self._budget.available + (old_version.nbytes if free_first else 0)
-        for victim in victims:
-            if freed >= need:
-                break
-            evicted.append(victim)
-            freed += self._lru[victim]._active.nbytes
-        if self._admission is not None and evicted:
+            evicted, freed = self._victims(key, need, self._budget.available + old_version.nbytes)
+        if self._admission is not None and admit and evicted:
             chosen = [(k, self._lru[k]._active.bits) for k in evicted]
             if not self._admission(key, bits, chosen, background):
                 self._stats.admission_declined += 1
@@ -373,13 +385,31 @@ class ExpertCache:
             return True
         raise RuntimeError("admission arithmetic disagrees with the budget tracker")
 
+    def _victims(self, key: Key, need: int, freed: int) -> tuple[list[Key], int]:
+        """The least recently used unpinned entries other than `key` whose eviction brings `freed` bytes up to
+        `need` (all of them if that is not enough), and the bytes then free. It stops as soon as there is room: a
+        miss costs what it evicts, not a walk over everything resident."""
+        evicted = []
+        for victim, handle in self._lru.items():
+            if freed >= need:
+                break
+            if victim != key and self._pins[victim] == 0:
+                evicted.append(victim)
+                freed += handle._active.nbytes
+        return evicted, freed
+
     def _retire(self, key: Key) -> None:
         """Evict: redirect the handle to nothing first, then return the bytes to the budget."""
         handle = self._lru.pop(key)
         self._prefetched.discard(key)
+        self._tell_gone(key)
         old = handle._unpublish()
         if old is not None:
             self._free(old)
+
+    def _tell_gone(self, key: Key) -> None:
+        for gone in self._watchers:
+            gone(key)
 
     def _free(self, version: ExpertVersion) -> None:
         """Return a version no longer published to the budget, and its memory to the source."""
@@ -431,6 +461,7 @@ class ExpertCache:
             self._lru.pop(key, None)
             self._lru[key] = handle  # most recently used
             if old is not None:  # publish, then free the replaced version (after the last unpin if in use)
+                self._tell_gone(key)
                 if self._pins[key]:
                     self._deferred.setdefault(key, []).append(old)
                 else:

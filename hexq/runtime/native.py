@@ -13,14 +13,23 @@ every matrix that reads it.
 
 What it covers (`unsupported`, one place, says why a runtime does not take it; `--stats` names the path): the
 families whose decoder is GQA attention + softmax-top-k routed experts (qwen3_moe, qwen2_moe, olmoe, mixtral), with
-SiLU experts and a RoPE whose frequencies do not depend on the sequence length, served on the CPU kernels with
-every routed expert resident in the packed cache at the static allocation (`hexq run` without --memory/--budget
-below the experts' bytes and with --policy static). Everything else - the cache path with misses, the dynamic
-policies, deepseek's MLA, phimoe, Triton - keeps the transformers path. The prompt is prefilled by the transformers
+SiLU experts and a RoPE whose frequencies do not depend on the sequence length, served on the CPU kernels from the
+packed cache at the static allocation (`hexq run --policy static`), with a fast tier that holds at least one layer's
+top-k experts. Everything else - the dynamic policies, deepseek's MLA, phimoe, Triton - keeps the transformers path.
+
+Under a fast tier smaller than the experts (`--memory`, `--budget`) the step cannot hold every expert: each layer's
+table starts with its experts absent, and a token routed to an absent one stops the step after that layer's routing
+(decode.c hexq_resume). Python then loads the layer's absent experts through the cache - the layer's kept experts
+pinned, LRU eviction - re-lays them, writes them into the table, and the step resumes from that layer's expert
+products: Python runs only where a load has to happen anyway. The cache tells the decoder of every eviction
+(ExpertCache.watch), which makes that entry absent before its memory is reused, and the step logs the resident
+experts it served, handed to the cache as hits that refresh their recency (ExpertCache.touch). No background
+prefetch runs while the step does (it waits for the queue to drain first), and the misses skip the admission cost
+model: a transient load would leave a table entry pointing at scratch the next load reuses. The prompt is prefilled by the transformers
 path (expanding experts into BLAS where the cost model says so) and its KV cache copied into the native one.
 
 The weights are the model's own tensors (no copy, except the norms' float32 weights: a few KB per layer); the
-experts are the cache's resident packed versions, pinned for the decoder's lifetime. Both are re-laid in place into
+experts are the cache's resident packed versions, pinned for the decoder's lifetime where all of them fit. Both are re-laid in place into
 the kernels' planes layout when the decoder is built (hexq.packed.cpu `relayout`: the same bytes, read ~1.4x faster
 at 3 bits); the transformers path reads the re-laid codes through the same kernels (prefill).
 """
@@ -40,7 +49,7 @@ from hexq.runtime.residency import ExpertWeights
 
 FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral")
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # inv_freq fixed at load (not "dynamic": it grows with length)
-MAT_NONE, MAT_PACKED, MAT_F32, MAT_BF16 = 0, 1, 2, 3
+MAT_NONE, MAT_PACKED, MAT_F32, MAT_BF16, MAT_ABSENT = 0, 1, 2, 3, 4
 QK_NONE, QK_HEAD, QK_WHOLE = 0, 1, 2
 MAX_TOP_K, MAX_EXPERTS = 64, 1024  # decode.c's fixed arrays
 
@@ -81,6 +90,12 @@ class Model(ctypes.Structure):
                 ("max_pos", ctypes.c_int64)]
 
 
+class Resume(ctypes.Structure):
+    """decode.c hexq_resume: where a step stopped for absent experts, and the log of the resident ones it served."""
+    _fields_ = [("layer", ctypes.c_int32), ("n", ctypes.c_int32), ("ids", ctypes.c_int32 * MAX_TOP_K),
+                ("weights", ctypes.c_float * MAX_TOP_K), ("log", ctypes.c_void_p), ("logged", ctypes.c_int32)]
+
+
 class NotNative(Exception):
     """Why a runtime keeps the transformers path (the message is what --stats shows)."""
 
@@ -101,13 +116,23 @@ class NativeDecoder:
         self.library = self.kernels.library
         self.library.hexq_decode.restype = ctypes.c_int
         self.library.hexq_decode.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p,
-                                             ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+                                             ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
         self.library.hexq_decode_profile.argtypes = [ctypes.c_void_p]
         self.library.hexq_decode_scratch.restype = ctypes.c_int64
         self.library.hexq_decode_scratch.argtypes = [ctypes.c_void_p]
         self._keep: list = []  # every tensor and ctypes array the C structs point into
+        # A fast tier smaller than the experts: the tables start empty and follow the cache (see `_load_absent`)
+        self.loads = runtime.budget_bytes < runtime.expert_bytes
+        self._tables: dict[int, tuple] = {}  # MoE row -> (its Expert table, the experts' input and mid quantizers)
+        self._held: dict[tuple[int, int], ExpertWeights] = {}  # (row, expert) -> the weights its table entry reads
+        self._rows = {layer: row for row, layer in enumerate(runtime.artifact.moe_layers)}
         self.model = self._describe()  # its max_pos: the KV cache's positions (0 until `start`)
         self.positions = 0  # tokens in the KV cache
+        self.resume = Resume()
+        self._log = (ctypes.c_int32 * (self.model.layers * self.model.top_k))()
+        self.resume.log = ctypes.addressof(self._log)
+        if self.loads:
+            runtime.cache.watch(self._gone)
 
     @classmethod
     def of(cls, runtime) -> NativeDecoder:
@@ -139,13 +164,20 @@ class NativeDecoder:
         return Matrix(kind, 0, weight.shape[0], weight.shape[1], 0, self._tensor(weight), None, None,
                       self._float32(bias), _act(None))
 
-    def _packed(self, weight, quantizer, bias: torch.Tensor | None = None) -> Matrix:
+    def _packed(self, weight, quantizer, bias: torch.Tensor | None = None, keep: bool = True) -> Matrix:
+        """A packed matrix for C; keep=False: `weight` is kept alive by its holder (the cache's slot, `_held`), and
+        its tensors must be contiguous already (no copy is made that would need keeping)."""
         if not gemv_takes(weight.shape, weight.bits, weight.scale.shape[-1], self.kernels.path):
             raise NotNative(f"a {weight.bits}-bit {weight.shape[0]}x{weight.shape[1]} matrix is not on the kernels' "
                             "grid")
+        tensors = (weight.codes, weight.scale, weight.zero)
+        if keep:
+            pointers = [self._tensor(t) for t in tensors]
+        else:
+            assert all(t.is_contiguous() for t in tensors)
+            pointers = [t.data_ptr() for t in tensors]
         return Matrix(MAT_PACKED, weight.bits, weight.shape[0], weight.shape[1],
-                      weight.shape[1] // weight.scale.shape[-1], self._tensor(weight.codes),
-                      self._tensor(weight.scale), self._tensor(weight.zero), self._float32(bias), _act(quantizer),
+                      weight.shape[1] // weight.scale.shape[-1], *pointers, self._float32(bias), _act(quantizer),
                       LAYOUTS.index(weight.layout))
 
     def _relayout(self, weights: ExpertWeights) -> ExpertWeights:
@@ -153,11 +185,19 @@ class NativeDecoder:
                                    down=self.kernels.relayout(weights.down))
 
     def _experts(self, row: int, module) -> tuple[int, int]:
-        """The layer's experts at their allocation, from the cache (pinned for good): (pointer, intermediate)."""
+        """The layer's experts at their allocation: (table pointer, intermediate). With every expert in the fast
+        tier, from the cache, pinned for good; else every served expert starts absent (`_load_absent`)."""
         runtime = self.runtime
         bits_row = runtime.artifact.allocation[row]
-        runtime.cache.pin(row, range(len(bits_row)))
         table = (Expert * len(bits_row))()
+        self._keep.append(table)
+        if self.loads:
+            self._tables[row] = (table, module.quantizers)
+            for expert, bits in enumerate(bits_row):
+                if bits:
+                    table[expert] = _absent()
+            return ctypes.addressof(table), runtime.artifact.expert_shape("gate_up")[0] // 2
+        runtime.cache.pin(row, range(len(bits_row)))
         inter = 0
         input_quant, mid_quant = module.quantizers
         for expert, bits in enumerate(bits_row):
@@ -169,8 +209,47 @@ class NativeDecoder:
             weights = runtime.cache.relayout(row, expert, self._relayout)
             table[expert] = Expert(self._packed(weights.gate_up, input_quant), self._packed(weights.down, mid_quant))
             inter = max(inter, weights.gate_up.shape[0] // 2)
-        self._keep.append(table)
         return ctypes.addressof(table), inter
+
+    # --- a fast tier smaller than the experts
+
+    def _gone(self, key: tuple[int, int]) -> None:
+        """The cache's watcher: (row, expert)'s weights are evicted or replaced, its table entry becomes absent."""
+        entry = self._tables.get(key[0])
+        if entry is not None and self._held.pop(key, None) is not None:
+            entry[0][key[1]] = _absent()
+
+    def _load_absent(self) -> None:
+        """The step stopped at a layer whose kept experts are not all resident (Resume): make them resident - the
+        layer's kept experts pinned meanwhile, so that loading one never evicts another - re-laid for the kernels, and
+        in the layer's table. Loads go through the cache as the transformers path's misses do (counted, LRU
+        eviction, the evicted entries made absent by `_gone`), without the admission cost model: a transient load
+        would leave the table pointing at scratch the next load reuses (`unsupported` makes sure room can always be
+        made for a layer's top-k)."""
+        cache, resume = self.runtime.cache, self.resume
+        row = self._rows[resume.layer]
+        table, (input_quant, mid_quant) = self._tables[row]
+        bits_row = self.runtime.artifact.allocation[row]
+        kept = list(resume.ids[:resume.n])
+        absent = [e for e in kept if table[e].gate_up.kind == MAT_ABSENT]
+        if not absent:
+            raise ValueError(f"the native step stopped at layer {resume.layer} with every kept expert resident")
+        with cache.pinned(row, kept):
+            for expert in absent:
+                weights = cache.get(row, expert, bits_row[expert], admit=False)
+                if weights.transient or not weights.packed:
+                    raise ValueError(f"expert {expert} of MoE layer {row} was not cached (a transient load)")
+                weights = cache.relayout(row, expert, self._relayout)
+                self._held[(row, expert)] = weights
+                table[expert] = Expert(self._packed(weights.gate_up, input_quant, keep=False),
+                                       self._packed(weights.down, mid_quant, keep=False))
+
+    def _touch_logged(self) -> None:
+        """Hand the experts the step served from its tables to the cache (hits and recency), then empty the log."""
+        experts = self.model.num_experts
+        keys = [(self._rows[code // experts], code % experts) for code in self._log[:self.resume.logged]]
+        self.runtime.cache.touch(keys)
+        self.resume.logged = 0
 
     def _describe(self) -> Model:
         runtime = self.runtime
@@ -248,8 +327,18 @@ class NativeDecoder:
         if self.positions >= self.model.max_pos:
             raise ValueError(f"the native KV cache holds {self.model.max_pos} positions")
         logits = torch.empty(self.model.vocab, dtype=torch.float32)
-        code = self.library.hexq_decode(ctypes.byref(self.model), token, self.positions, logits.data_ptr(),
-                                        self.kernels._path_index, self.kernels.threads, self.scratch.data_ptr())
+        if self.loads:  # no background load may evict what a table points at while the step reads it
+            self.runtime.cache.wait_idle()
+        self.resume.layer, self.resume.logged = -1, 0
+        while True:
+            code = self.library.hexq_decode(ctypes.byref(self.model), token, self.positions, logits.data_ptr(),
+                                            self.kernels._path_index, self.kernels.threads, self.scratch.data_ptr(),
+                                            ctypes.byref(self.resume))
+            if self.loads:
+                self._touch_logged()
+            if code != 1:
+                break
+            self._load_absent()
         if code != 0:
             raise ValueError(f"the native decode step refused token {token} at position {self.positions}")
         self.positions += 1
@@ -264,6 +353,10 @@ class NativeDecoder:
         per = 1 / steps if steps else 0.0
         return {"products": products * per, "attention": attention * per,
                 "glue": (total - products - attention) * per, "steps": int(steps)}
+
+
+def _absent() -> Expert:
+    return Expert(Matrix(MAT_ABSENT), Matrix(MAT_ABSENT))
 
 
 def unsupported(runtime) -> None:
@@ -281,8 +374,9 @@ def unsupported(runtime) -> None:
         raise NotNative(f"the {config.policy} policy chooses widths per token in Python")
     if config.mode != "cache" or config.cache != "packed":
         raise NotNative(f"--cache {config.cache} / mode {config.mode}: the step reads packed resident experts")
-    if runtime.budget_bytes < runtime.expert_bytes:
-        raise NotNative("not every expert fits the fast tier (the cache path loads misses in Python)")
+    if runtime.budget_bytes < runtime.expert_bytes and runtime.budget_bytes < top_k_bytes(runtime):
+        raise NotNative(f"the fast tier holds fewer than {model_config.num_experts_per_tok} of the largest experts "
+                        "(a layer's top-k must fit while the step loads its misses)")
     if adapter_for(model_type).routing.kind != SOFTMAX_TOPK:
         raise NotNative("the router is not softmax top-k")
     if getattr(model_config, "hidden_act", "silu") != "silu":
@@ -293,3 +387,9 @@ def unsupported(runtime) -> None:
     if model_config.num_experts_per_tok > MAX_TOP_K or artifact.num_experts > MAX_EXPERTS:
         raise NotNative(f"top-{model_config.num_experts_per_tok} of {artifact.num_experts} experts")
     # a matrix of another dtype or off the kernels' grid is named while the model is described (NativeDecoder._matrix)
+
+
+def top_k_bytes(runtime) -> int:
+    """Bytes of a layer's top-k experts at the largest slot: what the fast tier must hold for the native step to load
+    one layer's misses while the layer's other kept experts stay pinned."""
+    return runtime.model.config.num_experts_per_tok * runtime.source.largest_slot
