@@ -2,7 +2,8 @@
 that stand guard over it. A mutant is killed when those tests fail; one that survives is a bug the suite would let
 land green, and makes this script exit 1.
 
-    python scripts/mutants.py                 # every mutant (about 15 minutes on 2 cores)
+    python scripts/mutants.py                 # every mutant of the test suite (about 15 minutes on 2 cores)
+    python scripts/mutants.py --gate          # and those the perplexity gate judges (~8 minutes more each)
     python scripts/mutants.py --only gptq-error-feedback-dropped rope-sign
     python scripts/mutants.py --list
 
@@ -12,6 +13,8 @@ kernels: the library is keyed by a hash of its sources). The source is restored 
 the script refuses to start on a file with uncommitted changes it would mutate, so nothing of yours can be lost.
 Only default-suite tests are used (no `slow` ones): what `make test` runs is what must catch each breakage. The GGUF
 mutant is caught by llama.cpp itself: set HEXQ_LLAMA_CPP_BIN (bash scripts/llama_cpp.sh prints it) or it survives.
+A gate mutant is judged by `scripts/ppl_gate.py` (part of `make test`) instead of pytest: killed when the gate fails,
+the settings that failed named.
 """
 
 from __future__ import annotations
@@ -33,8 +36,9 @@ class Mutant:
     file: str
     old: str
     new: str
-    tests: tuple[str, ...]  # pytest arguments: files or node ids of the default suite
+    tests: tuple[str, ...]  # pytest arguments: files or node ids of the default suite; () for a gate mutant
     path: str | None = None  # the CPU kernel path the mutated code runs on (not run where the CPU lacks it)
+    gate: bool = False  # judged by the perplexity gate (scripts/ppl_gate.py), run with --gate only (~8 min each)
 
 
 BAD_REQUESTS_TEST = "tests/test_serve.py::test_bad_requests_get_one_line_and_the_server_keeps_serving"
@@ -213,6 +217,14 @@ MUTANTS = [
            "        if False:", ("tests/test_cli.py",)),
     Mutant("pack-silent-about-missing-4-bit-replicas", "cli/main.py", "    if summary.without_4bit:",
            "    if False:", ("tests/test_pack.py",)),
+    # ------------------------------------------------------------------ what the perplexity gate stands for
+    # (the gate keys its cached calibrations on the code, so a mutant is calibrated afresh)
+    Mutant("gate-experts-by-round-to-nearest", "hexq/calib/quantize.py",
+           '    if setting.method == "rtn":  # per-row grids', '    if True:  # per-row grids', (), gate=True),
+    Mutant("gate-allocation-ignores-the-loss-table", "hexq/algos/allocation.py",
+           "    return allocate(loss, bits, order, costs=list(bits), budget=avg_bit_budget(avg_bits, loss.shape[0]))",
+           "    return allocate(torch.zeros_like(loss), bits, order, costs=list(bits), "
+           "budget=avg_bit_budget(avg_bits, loss.shape[0]))", (), gate=True),
 ]
 
 
@@ -239,15 +251,20 @@ def run_mutant(mutant: Mutant) -> tuple[bool, str, float]:
         raise SystemExit(f"mutant {mutant.name}: its source occurs {count} times in {mutant.file} (expected once); "
                          "update the mutant")
     started = time.perf_counter()
+    command = [sys.executable, "scripts/ppl_gate.py"] if mutant.gate else [
+        sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "not slow", *mutant.tests]
     try:
         path.write_text(original.replace(mutant.old, mutant.new))
-        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m",
-                               "not slow", *mutant.tests], cwd=ROOT, capture_output=True, text=True)
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     finally:
         path.write_text(original)
-    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", done.stdout, re.M)
     killed = done.returncode != 0
-    by = failed[0] if failed else (f"exit {done.returncode}" if killed else "-")
+    if mutant.gate:  # "ppl gate FAILED in 7.9 min: mixtral uniform-4, ..."
+        failed = re.findall(r"ppl gate FAILED in [\d.]+ min: (.*)$", done.stdout + done.stderr, re.M)
+        by = f"the gate: {failed[0]}" if failed else (f"exit {done.returncode}" if killed else "-")
+    else:
+        failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", done.stdout, re.M)
+        by = failed[0] if failed else (f"exit {done.returncode}" if killed else "-")
     return killed, by, time.perf_counter() - started
 
 
@@ -255,14 +272,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="+", metavar="NAME", help="run these mutants only")
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument("--gate", action="store_true", help="also the mutants the perplexity gate judges (slow)")
     args = parser.parse_args()
-    chosen = [m for m in MUTANTS if not args.only or m.name in args.only]
+    chosen = [m for m in MUTANTS if (m.name in args.only if args.only else args.gate or not m.gate)]
     unknown = set(args.only or ()) - {m.name for m in MUTANTS}
     if unknown:
         parser.error(f"unknown mutants: {', '.join(sorted(unknown))}")
     if args.list:
         for m in chosen:
-            print(f"{m.name:45s} {m.file:28s} {' '.join(m.tests)}")
+            print(f"{m.name:45s} {m.file:28s} {'scripts/ppl_gate.py' if m.gate else ' '.join(m.tests)}")
         return 0
     changed = dirty({m.file for m in chosen})
     if changed:

@@ -14,7 +14,9 @@ on the first 16 windows of 256 tokens of WikiText-2 and of the held-out austen t
 baselines also hold the mean KL divergence from the model folder (recorded with --kl-against; hexq.eval.divergence),
 which --baseline measures again and gates at --kl-tolerance 10%: the mean KLD compares whole next-token
 distributions at every position, so it moves by several percent where a regression moves perplexity by less than
-its sampling noise. Calibrations and artifacts are cached in --work (rerun = eval only).
+its sampling noise. Calibrations and artifacts are cached in --work under a key of the code that makes them (every
+source file of hexq/ and the gate's recipes): a rerun of unchanged code evaluates only, and changed code - a
+regression in GPTQ, say - is always calibrated again instead of being judged on an artifact older code made.
 
 Across CPUs. A calibration is byte-for-byte reproducible on one machine, not across CPU kinds: BLAS takes other
 kernels (AVX-512 or AVX2 only), GPTQ's float32 rounding differs, a few codes flip. In-domain (austen) that moves
@@ -28,6 +30,7 @@ on the AVX2 EPYC).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import shutil
 import subprocess
 import sys
@@ -57,6 +60,15 @@ def must(*args: str) -> None:
         sys.exit(f"ppl gate: `hexq {' '.join(args)}` failed")
 
 
+def code_key() -> str:
+    """12 hex digits of the SHA-256 of every source file of hexq/ and of the gate's recipes (paths and bytes)."""
+    digest = hashlib.sha256()
+    files = [f for f in (ROOT / "hexq").rglob("*") if f.suffix in (".py", ".c", ".h")]
+    for path in sorted(files + list((BASELINES / "recipes").glob("*.yaml"))):
+        digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:12]
+
+
 def build_targets(model: str, work: Path) -> dict[str, Path]:
     """Calibrate and pack one reference model (cached: calibrate resumes or skips, pack runs once)."""
     recipes = BASELINES / "recipes"
@@ -75,15 +87,17 @@ def build_targets(model: str, work: Path) -> dict[str, Path]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--write-baseline", action="store_true", help="record new baselines instead of comparing")
-    parser.add_argument("--work", type=Path, default=ROOT / ".cache" / "ppl-gate")
+    parser.add_argument("--work", type=Path, default=ROOT / ".cache" / "ppl-gate",
+                        help="cache folder (a subfolder per version of the code)")
     parser.add_argument("--fresh", action="store_true", help="delete the cached calibrations first")
     args = parser.parse_args()
     if args.fresh:
         shutil.rmtree(args.work, ignore_errors=True)
     started = time.time()
     failed = []
+    work = args.work / code_key()
     for model in MODELS:
-        for setting, target in build_targets(model, args.work).items():
+        for setting, target in build_targets(model, work).items():
             baseline, target = rel(BASELINES / "ppl" / f"{model}-{setting}.json"), rel(target)
             data = [option for source in DATA for option in ("-d", source)]
             if args.write_baseline:
