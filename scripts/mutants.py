@@ -225,6 +225,12 @@ MUTANTS = [
            "    return allocate(loss, bits, order, costs=list(bits), budget=avg_bit_budget(avg_bits, loss.shape[0]))",
            "    return allocate(torch.zeros_like(loss), bits, order, costs=list(bits), "
            "budget=avg_bit_budget(avg_bits, loss.shape[0]))", (), gate=True),
+    Mutant("gate-smoothing-off", "hexq/algos/smoothing.py",
+           "    s = act_max.clamp(min=DEAD_CHANNEL_MAX).pow(exponent)",
+           "    s = act_max.clamp(min=DEAD_CHANNEL_MAX).pow(0.0)", (), gate=True),
+    Mutant("gate-activations-not-quantized", "hexq/simulate.py",
+           "            return fake_quantize_activations(x, self.bits, per_token=True, symmetric=self.symmetric)",
+           "            return x", (), gate=True),
 ]
 
 
