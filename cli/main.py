@@ -161,6 +161,9 @@ def eval_command(
                                                     "--baseline.")] = None,
     kl_tolerance: Annotated[str, typer.Option("--kl-tolerance", help="Allowed relative increase of the mean KL "
                                               "divergence over the baseline's.")] = "10%",
+    kl_floor: Annotated[str, typer.Option("--kl-floor", help="A mean KL divergence this far below the baseline's "
+                                          "fails too: the quantization the baseline measured is no longer applied "
+                                          "(or record a new baseline).")] = "40%",
 ) -> None:
     """Perplexity with the GPTQ protocol (exp of mean token NLL), streamed one layer at a time; with --kl-against,
     the KL divergence from another model; with --baseline, a regression gate for CI."""
@@ -179,6 +182,7 @@ def eval_command(
         raise HexqError("give --baseline (compare) or --write-baseline (record), not both")
     allowed = gate.parse_tolerance(tolerance)
     allowed_kl = gate.parse_tolerance(kl_tolerance)
+    floor_kl = gate.parse_tolerance(kl_floor)
     recorded_kl = None
     if baseline is not None:
         recorded, reference_ppl = gate.read_baseline(baseline)
@@ -217,19 +221,21 @@ def eval_command(
         comparisons = [(c, allowed, "perplexity") for c in gate.compare(reference_ppl, now, allowed)]
         if recorded_kl is not None:
             comparisons += [(c, allowed_kl, "mean KLD") for c in gate.compare(recorded_kl.kld_mean, now_kl,
-                                                                             allowed_kl)]
+                                                                             allowed_kl, floor_kl)]
         verdict = Table(title=f"{model.name} vs baseline {baseline} (window {protocol.seqlen}, "
                               f"{rows[0].result.windows} windows)")
         for column in ("data", "figure", "baseline", "now", "change", "limit", "status"):
             verdict.add_column(column, justify="left" if column in ("data", "figure", "status") else "right")
         for c, _, figure in comparisons:
-            status = "[bold red]REGRESSION[/]" if c.regressed else "ok"
+            status = ("[bold red]REGRESSION[/]" if c.regressed else "[bold red]VANISHED[/]" if c.vanished else "ok")
             digits = 3 if figure == "perplexity" else 5
             verdict.add_row(c.data, figure, f"{c.baseline:.{digits}f}", f"{c.now:.{digits}f}", f"{c.change:+.2%}",
                             f"{c.limit:.{digits}f}", status)
         console.print(verdict)
         worse = [f"{c.data} ({figure}, more than {limit:.2%} above)" for c, limit, figure in comparisons
                  if c.regressed]
+        worse += [f"{c.data} ({figure}, more than {floor_kl:.0%} below: is the quantization still applied? If this "
+                  "is an improvement, record a new baseline)" for c, _, figure in comparisons if c.vanished]
         if worse:
             raise HexqError(f"regression against {baseline} on {', '.join(worse)}")
 

@@ -14,7 +14,11 @@ on the first 16 windows of 256 tokens of WikiText-2 and of the held-out austen t
 baselines also hold the mean KL divergence from the model folder (recorded with --kl-against; hexq.eval.divergence),
 which --baseline measures again and gates at --kl-tolerance 10%: the mean KLD compares whole next-token
 distributions at every position, so it moves by several percent where a regression moves perplexity by less than
-its sampling noise. Calibrations and artifacts are cached in --work under a key of the code that makes them (every
+its sampling noise. It is gated from below too (--kl-floor 40%): a setting whose quantization stopped being applied
+(W8A8 serving W8A16: the mean KLD falls by ~70%) would otherwise pass as an improvement. What each setting catches,
+shown by `scripts/mutants.py --gate`: experts rounded to nearest instead of GPTQ (uniform-4, mixed-2.5), an
+allocation blind to the loss table (mixed-2.5), smoothing off (mixtral haq-w8a8), activations not quantized
+(haq-w8a8 of both models, by the floor). Calibrations and artifacts are cached in --work under a key of the code that makes them (every
 source file of hexq/ and the gate's recipes): a rerun of unchanged code evaluates only, and changed code - a
 regression in GPTQ, say - is always calibrated again instead of being judged on an artifact older code made.
 

@@ -17,7 +17,9 @@ def test_tolerance_and_compare():
     with pytest.raises(ValueError, match="cannot read tolerance"):
         parse_tolerance("half")
     rows = compare({"a": 100.0, "b": 10.0}, {"a": 100.4, "b": 10.06}, 0.005)
-    assert [r.regressed for r in rows] == [False, True]
+    assert [r.regressed for r in rows] == [False, True] and not any(r.vanished for r in rows)
+    rows = compare({"a": 1.0, "b": 1.0}, {"a": 0.7, "b": 0.5}, 0.1, floor=0.4)
+    assert [r.vanished for r in rows] == [False, True] and not any(r.regressed for r in rows)
 
 
 def test_cli_baseline_round_trip_and_regression(tiny_qwen3moe, mixed_artifact, tmp_path):
@@ -42,7 +44,8 @@ def test_cli_baseline_round_trip_and_regression(tiny_qwen3moe, mixed_artifact, t
 
 def test_a_kl_baseline_gates_the_mean_kl_divergence(tiny_qwen3moe, mixed_artifact, tmp_path):
     """Recorded with --kl-against, the baseline's reference model is measured again by --baseline alone, and a mean
-    KLD past --kl-tolerance fails even where perplexity stays within its tolerance."""
+    KLD past --kl-tolerance fails even where perplexity stays within its tolerance; so does one past --kl-floor below
+    the baseline (the quantization it measured no longer applied)."""
     baseline = tmp_path / "kl.json"
     common = ["-d", "austen", "-L", "32", "-n", "3"]
     result = runner.invoke(app, ["eval", str(mixed_artifact), *common, "--kl-against", str(tiny_qwen3moe),
@@ -58,6 +61,12 @@ def test_a_kl_baseline_gates_the_mean_kl_divergence(tiny_qwen3moe, mixed_artifac
     assert worse.exit_code == 1 and "on austen (mean KLD" in worse.output, worse.output
     loose = runner.invoke(app, ["eval", str(mixed_artifact), "--baseline", str(baseline), "--kl-tolerance", "25%"])
     assert loose.exit_code == 0, loose.output
+    data["kl"]["kld_mean"]["austen"] *= 1.2 * 2  # the measurement is now half its baseline: quantization gone?
+    baseline.write_text(json.dumps(data))
+    vanished = runner.invoke(app, ["eval", str(mixed_artifact), "--baseline", str(baseline)])
+    assert vanished.exit_code == 1 and "VANISHED" in vanished.output and "still applied" in vanished.output
+    floor = runner.invoke(app, ["eval", str(mixed_artifact), "--baseline", str(baseline), "--kl-floor", "60%"])
+    assert floor.exit_code == 0, floor.output
     data["kl"]["kld_mean"]["austen"] = -1
     baseline.write_text(json.dumps(data))
     bad = runner.invoke(app, ["eval", str(mixed_artifact), "--baseline", str(baseline)])

@@ -37,6 +37,7 @@ class Comparison:
     baseline: float
     now: float
     limit: float
+    floor: float = 0.0  # below it: not an improvement to take on trust (see compare)
 
     @property
     def change(self) -> float:
@@ -45,6 +46,10 @@ class Comparison:
     @property
     def regressed(self) -> bool:
         return self.now > self.limit
+
+    @property
+    def vanished(self) -> bool:
+        return self.now < self.floor
 
 
 def parse_tolerance(text: str) -> float:
@@ -148,8 +153,15 @@ def resolve_protocol(baseline: Protocol, data: list[str] | None, seqlen: int | N
     return baseline
 
 
-def compare(baseline: dict[str, float], now: dict[str, float], tolerance: float) -> list[Comparison]:
+def compare(baseline: dict[str, float], now: dict[str, float], tolerance: float,
+            floor: float = 0.0) -> list[Comparison]:
+    """Each figure against its baseline: above baseline * (1 + tolerance) is a regression; below baseline * (1 -
+    floor) (floor > 0) is flagged too. The mean KL divergence of a quantized setting is deterministic on one machine
+    and moves by a few percent across CPU kinds; one that falls by tens of percent means the quantization it stands for
+    is no longer applied (W8A8 silently serving W8A16 drops it by ~70% on the reference models), which a one-sided
+    gate would pass as an improvement."""
     missing = sorted(set(baseline) - set(now))
     if missing:
         raise HexqError(f"no new measurement for {', '.join(missing)}")
-    return [Comparison(data, value, now[data], value * (1 + tolerance)) for data, value in baseline.items()]
+    return [Comparison(data, value, now[data], value * (1 + tolerance), value * (1 - floor) if floor else 0.0)
+            for data, value in baseline.items()]
