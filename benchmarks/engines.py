@@ -34,7 +34,8 @@ expert tensors' bytes / num_experts * top_k). Memory read bandwidth: torch.sum o
 
 With --cgroup, once more cold inside a memory cgroup of --memory-fraction of the bf16 model (page cache counted, as on
 a machine with less memory than the model; benchmarks/runtime.py has the mechanism): hexq --memory (packed cache:
-not every expert fits, so the transformers decode path with the cache) and llama.cpp's Q3_K_S (mmap, its default).
+not every expert fits, so the native step loads its misses through the cache) and llama.cpp's Q3_K_S (mmap, its
+default).
 """
 
 from __future__ import annotations
