@@ -49,6 +49,10 @@ def runtime_config(*, memory: str | None, budget: str | None, context: int | Non
     # is to spin after each parallel region, which takes the core the kernels' threads need next; passive waiting
     # keeps them out of each other's way. It must be set before torch loads OpenMP, i.e. here, before the imports.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # oneDNN keeps a JIT-compiled primitive per GEMM shape (1024 by default), and every prompt length brings new
+    # shapes to a prefill: a server's resident set grew with each request of a new length (+285 MiB over 128 requests
+    # of benchmarks/serve.py on a tiny model). 64 holds a prefill's shapes; read when the first primitive is made.
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
     from hexq.devices import resolve_device
     from hexq.runtime.engine import RuntimeConfig
     from hexq.units import parse_bytes
