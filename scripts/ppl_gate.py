@@ -18,9 +18,10 @@ its sampling noise. It is gated from below too (--kl-floor 40%): a setting whose
 (W8A8 serving W8A16: the mean KLD falls by ~70%) would otherwise pass as an improvement. What each setting catches,
 shown by `scripts/mutants.py --gate`: experts rounded to nearest instead of GPTQ (uniform-4, mixed-2.5), an
 allocation blind to the loss table (mixed-2.5), smoothing off (mixtral haq-w8a8), activations not quantized
-(haq-w8a8 of both models, by the floor). Calibrations and artifacts are cached in --work under a key of the code that makes them (every
-source file of hexq/ and the gate's recipes): a rerun of unchanged code evaluates only, and changed code - a
-regression in GPTQ, say - is always calibrated again instead of being judged on an artifact older code made.
+(haq-w8a8 of both models, by the floor). Calibrations and artifacts are cached in --work under a key of the code
+that makes them (every source file of hexq/ and the gate's recipes): a rerun of unchanged code evaluates only, and
+changed code - a regression in GPTQ, say - is always calibrated again instead of being judged on an artifact older
+code made.
 
 Across CPUs. A calibration is byte-for-byte reproducible on one machine, not across CPU kinds: BLAS takes other
 kernels (AVX-512 or AVX2 only), GPTQ's float32 rounding differs, a few codes flip. In-domain (austen) that moves

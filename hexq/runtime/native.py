@@ -25,13 +25,15 @@ products: Python runs only where a load has to happen anyway. The cache tells th
 (ExpertCache.watch), which makes that entry absent before its memory is reused, and the step logs the resident
 experts it served, handed to the cache as hits that refresh their recency (ExpertCache.touch). No background
 prefetch runs while the step does (it waits for the queue to drain first), and the misses skip the admission cost
-model: a transient load would leave a table entry pointing at scratch the next load reuses. The prompt is prefilled by the transformers
-path (expanding experts into BLAS where the cost model says so) and its KV cache copied into the native one.
+model: a transient load would leave a table entry pointing at scratch the next load reuses. The prompt is prefilled
+by the transformers path (expanding experts into BLAS where the cost model says so) and its KV cache copied into the
+native one.
 
 The weights are the model's own tensors (no copy, except the norms' float32 weights: a few KB per layer); the
-experts are the cache's resident packed versions, pinned for the decoder's lifetime where all of them fit. Both are re-laid in place into
-the kernels' planes layout when the decoder is built (hexq.packed.cpu `relayout`: the same bytes, read ~1.4x faster
-at 3 bits); the transformers path reads the re-laid codes through the same kernels (prefill).
+experts are the cache's resident packed versions, pinned for the decoder's lifetime where all of them fit. Both are
+re-laid in place into the kernels' planes layout when the decoder is built (hexq.packed.cpu `relayout`: the same
+bytes, read ~1.4x faster at 3 bits; under a small fast tier, each expert when it is loaded); the transformers path
+reads the re-laid codes through the same kernels (prefill).
 """
 
 from __future__ import annotations
