@@ -257,7 +257,7 @@ def bytes_per_token_hexq(artifact: Path) -> dict:
     tied = getattr(streamed.config, "tie_word_embeddings", False)
     source = ArtifactSource(opened, "packed")
     slots = [source.slot_bytes[b] for row in opened.allocation for b in row if b]
-    top_k = opened.manifest["model"]["top_k"]
+    top_k = opened.top_k
     experts = statistics.mean(slots) * top_k * len(opened.moe_layers)
     return {"dense": dense - (0 if tied else embed), "experts": experts, "total": dense - (0 if tied else embed)
             + experts}

@@ -42,6 +42,7 @@ from hexq.data import calibration_windows, eval_text, tokenize
 from hexq.eval.perplexity import make_windows, perplexity
 from hexq.layer_pass import full_precision_plan, stream_nll
 from hexq.pack import Budget, make_plan, pack, read_stats
+from hexq.packed.weight import PROJECTIONS
 from hexq.recipe import Experts, Pack, Recipe, WeightQuant, recipe_from_dict
 from hexq.recipe_files import load_recipe
 from hexq.runtime.model import artifact_model
@@ -140,7 +141,7 @@ def bank_rows(name: str, setting: str, allocators: list[str], evaluator: Evaluat
     manifest = read_manifest(calib)
     stats = read_stats(calib, manifest["model"]["moe_layers"], None)
     recipe = recipe_from_dict(manifest["recipe"])
-    shapes = {p: tuple(s) for p, s in artifact.manifest["experts"]["shapes"].items()}
+    shapes = {p: artifact.expert_shape(p) for p in PROJECTIONS}
     layers, experts = len(artifact.moe_layers), artifact.num_experts
     for bits in (2, 3):
         add({"setting": setting, "allocator": "uniform", "bits": bits, "calib_seconds": seconds,

@@ -89,7 +89,7 @@ def test_export_of_a_mixed_artifact_is_the_served_model(mixed_artifact, tmp_path
     artifact, reader = Artifact(mixed_artifact), ExportReader(out, adapter_for("qwen3_moe"))
     shapes = {}
     skeleton = StreamedModel(artifact_config(artifact), artifact, torch.device("cpu"))
-    for name in artifact.manifest["dense"]["quantized_linears"]:
+    for name in artifact.quantized_linears:
         shapes[name] = tuple(skeleton.model.get_parameter(name).shape)
         assert torch.equal(reader.read_param(name, shapes[name]), artifact.read_param(name, shapes[name])), name
     for row, layer in enumerate(artifact.moe_layers):
@@ -128,7 +128,7 @@ def test_shared_expert_is_bit_identical_and_keys_load_in_transformers(qwen2moe_a
     summary = exported(qwen2moe_artifact, out)
     assert summary.check.passed and summary.check.vs_served.rel_l2 <= 1e-6
     artifact, reader = Artifact(qwen2moe_artifact), ExportReader(out, adapter_for("qwen2_moe"))
-    shared = [n for n in artifact.manifest["dense"]["quantized_linears"] if ".shared_expert." in n]
+    shared = [n for n in artifact.quantized_linears if ".shared_expert." in n]
     assert len(shared) == 6
     for name in shared:
         shape = (24, 32) if "down" not in name else (32, 24)
@@ -164,7 +164,7 @@ def eight_bit_artifact(mixed_calibration, tmp_path_factory):
 def test_eight_bit_experts_are_projected_with_their_gptq_replica(eight_bit_artifact, tmp_path):
     artifact = Artifact(eight_bit_artifact)
     assert any(8 in row for row in artifact.allocation)
-    kept = artifact.manifest["export"]["replicas"]
+    kept = artifact.export_section["replicas"]
     assert sorted(map(int, kept)) == [i for i, row in zip(artifact.moe_layers, artifact.allocation, strict=True)
                                       if 8 in row]
     plans = plan_export(artifact, "auto")
@@ -305,7 +305,7 @@ def test_export_target_vllm_replicas_replace_another_grid(tokenizer, tmp_path):
     calibrate(model, recipe, "bundled", tmp_path / "cal")
     pack(tmp_path / "cal", tmp_path / "art.hexq", Pack(), bank=("export",))
     artifact = Artifact(tmp_path / "art.hexq")
-    assert artifact.manifest["export"]["group_size"] == 32 and artifact.manifest["export"]["symmetric"]
+    assert artifact.export_section["group_size"] == 32 and artifact.export_section["symmetric"]
     with pytest.raises(HexqError, match="vLLM's fused MoE does not take"):
         plan_export(_without_export(Artifact(tmp_path / "art.hexq")), "vllm")
     summary = exported(tmp_path / "art.hexq", tmp_path / "ct", experts="vllm")

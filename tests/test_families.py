@@ -154,7 +154,7 @@ def test_artifact_keeps_the_models_layer_indices(family_run):
     assert artifact.moe_layers == family_run.moe_layers
     assert len(artifact.allocation) == len(family_run.moe_layers)
     assert all(bits == 8 for row in artifact.allocation for bits in row)
-    quantized = artifact.manifest["dense"]["quantized_linears"]
+    quantized = artifact.quantized_linears
     for index in range(artifact.num_layers):
         keys = artifact.keys(dense_shard(index))
         if index in family_run.moe_layers:

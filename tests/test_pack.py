@@ -242,7 +242,7 @@ def test_bank_export_keeps_only_the_replicas_export_projects(mixed_calibration, 
     settings = replace(Pack(), bits=(1, 2, 4, 8))
     pack(mixed_calibration[0], tmp_path / "x.hexq", settings, budget=Budget(avg_bits=4.5), bank=("export",))
     artifact = Artifact(tmp_path / "x.hexq")
-    kept = artifact.manifest["export"]["replicas"]
+    kept = artifact.export_section["replicas"]
     for layer, row in zip(artifact.moe_layers, artifact.allocation, strict=True):
         eights = [e for e, bits in enumerate(row) if bits == 8]
         assert kept.get(str(layer), []) == eights

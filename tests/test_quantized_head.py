@@ -79,8 +79,8 @@ def test_rows_in_blocks_are_the_whole_matrix(monkeypatch):
 def test_artifact_stores_the_head_as_codes(head_artifact):
     model, _cal, path = head_artifact
     artifact = Artifact(path)
-    assert artifact.manifest["dense"]["quantized_linears"][HEAD_WEIGHT] == 4
-    assert HEAD_WEIGHT not in artifact.manifest["dense"]["aliases"]
+    assert artifact.quantized_linears[HEAD_WEIGHT] == 4
+    assert HEAD_WEIGHT not in artifact.aliases
     assert not artifact_config(artifact).tie_word_embeddings  # a head of its own; the embeddings stay as stored
     assert json.loads((model / "config.json").read_text())["tie_word_embeddings"]  # the source untouched
     vocab, hidden = 8192, WIDE["hidden_size"]

@@ -232,7 +232,7 @@ def test_warm_start_3_uses_the_placement_pack_stored(mixed_artifact):
     from hexq.artifact.reader import Artifact
 
     artifact = Artifact(mixed_artifact)
-    placement = artifact.manifest["placement"]
+    placement = artifact.placement
     K, L = placement["hot_per_layer"], len(placement["hot"])
     with Runtime(mixed_artifact, warm="none", **BF16) as probe:
         one = probe.source.largest_slot

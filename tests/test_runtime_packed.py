@@ -132,7 +132,7 @@ def test_packed_cache_holds_the_stored_bytes(packed_artifact):
     """The fast tier counts packed bytes: every expert at its allocation in ~bits/16 of its bf16 bytes."""
     with Runtime(packed_artifact, warm="none") as packed, Runtime(packed_artifact, warm="none", cache="bf16") as bf16:
         ratio = packed.expert_bytes / bf16.expert_bytes
-        average = packed.artifact.manifest["allocation"]["average_bits"]
+        average = packed.artifact.average_bits
         # codes at the average width plus a float16 scale and zero per 32 weights (1 bit each), slots rounded to 64 B
         assert average / 16 < ratio < (average + 1) / 16 * 1.1
         sizes = [packed.source.slot_bytes[b] for b in sorted(packed.source.slot_bytes)]

@@ -208,6 +208,40 @@ class Artifact:
         return self.manifest["model"]["num_experts"]
 
     @property
+    def model_type(self) -> str:
+        """The checkpoint's config model_type (hexq.adapters.adapter_for's key)."""
+        return self.manifest["model"]["model_type"]
+
+    @property
+    def top_k(self) -> int:
+        return self.manifest["model"]["top_k"]
+
+    @property
+    def hexq_version(self) -> str:
+        """The hexq that packed the artifact."""
+        return self.manifest.get("hexq_version", "")
+
+    @property
+    def provenance(self) -> dict:
+        """Where the artifact came from: model_path, model_sha256, data_sha256, calibration_recipe_sha256,
+        calibration_data, calibrated_with."""
+        return self.manifest["provenance"]
+
+    # --- the dense part
+
+    @property
+    def quantized_linears(self) -> dict[str, int]:
+        """Dense weight names stored as packed codes -> their width (the rest is stored as the checkpoint has it)."""
+        return self.manifest["dense"]["quantized_linears"]
+
+    @property
+    def aliases(self) -> dict[str, str]:
+        """Dense weight names stored under another name (a tied head -> the embeddings)."""
+        return self.manifest["dense"]["aliases"]
+
+    # --- the experts
+
+    @property
     def replica_bits(self) -> list[int]:
         """Widths the calibration made (the loss table's columns)."""
         return self.manifest["experts"]["replica_bits"]
@@ -218,9 +252,40 @@ class Artifact:
         return self.manifest["experts"]["bank_bits"]
 
     @property
+    def group_size(self) -> int | None:
+        """Codes per scale and zero in a routed expert's rows (None: one group per row)."""
+        return self.manifest["experts"].get("group_size")
+
+    @property
+    def symmetric(self) -> bool:
+        """Whether the experts' grids are symmetric."""
+        return self.manifest["experts"]["symmetric"]
+
+    @property
     def allocation(self) -> list[list[int]]:
         """[MoE layer row][expert] allocated widths (0: skipped)."""
         return self.manifest["allocation"]["bits"]
+
+    @property
+    def average_bits(self) -> float:
+        """The allocation's mean width over every routed expert."""
+        return self.manifest["allocation"]["average_bits"]
+
+    @property
+    def placement(self) -> dict:
+        """hexq pack's hot-expert placement: scheme, hot_per_layer, hot ([MoE layer row] -> hot expert ids)."""
+        return self.manifest["placement"]
+
+    @property
+    def export_section(self) -> dict:
+        """The compressed-tensors export's kept replicas (bits, group_size, symmetric, own_grid, replicas); {} when
+        hexq pack kept none."""
+        return self.manifest.get("export") or {}
+
+    @property
+    def gguf_replicas(self) -> dict[str, dict]:
+        """Per MoE layer row (as a string), the K-quant replicas hexq pack kept for a GGUF export; {} when none."""
+        return (self.manifest.get("gguf") or {}).get("replicas", {})
 
     def stored_bits(self, row: int, expert: int) -> list[int]:
         """Widths stored for one expert of MoE layer row `row`."""
@@ -296,16 +361,16 @@ class Artifact:
         return TOP_SHARD if layer is None else dense_shard(layer)
 
     def has_param(self, name: str) -> bool:
-        name = self.manifest["dense"]["aliases"].get(name, name)
+        name = self.aliases.get(name, name)
         shard = self._dense_file(name)
         return shard in self.files and (name in self.keys(shard) or f"{name}.codes" in self.keys(shard))
 
     def read_param(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """A non-expert parameter by its model name: stored tensors as they are, quantized linears dequantized
         (float32), tied parameters through their alias."""
-        name = self.manifest["dense"]["aliases"].get(name, name)
+        name = self.aliases.get(name, name)
         shard = self._dense_file(name)
-        bits = self.manifest["dense"]["quantized_linears"].get(name)
+        bits = self.quantized_linears.get(name)
         if bits is not None:
             weight = PackedWeight(self.tensor(shard, f"{name}.codes"), self.tensor(shard, f"{name}.scale"),
                                   self.tensor(shard, f"{name}.zero"), bits, tuple(shape))
@@ -321,16 +386,16 @@ class Artifact:
     def read_param_copy(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """read_param into memory of its own, read with pread: nothing of the file is mapped, so a server that keeps
         the tensor holds it once (not its file pages as well) and never reads it from disk again."""
-        alias = self.manifest["dense"]["aliases"].get(name, name)
-        if alias in self.manifest["dense"]["quantized_linears"]:
+        alias = self.aliases.get(name, name)
+        if alias in self.quantized_linears:
             return self.read_param(name, shape)  # dequantized into a new tensor already
         return self._read_copy(self._dense_file(alias), alias, tuple(shape))
 
     def read_packed_copy(self, name: str, shape: tuple[int, int]) -> PackedWeight:
         """A quantized dense linear's weight as stored (codes, scale, zero), each read with pread into memory of its
         own (see read_param_copy): what a server computes from."""
-        alias = self.manifest["dense"]["aliases"].get(name, name)
-        bits = self.manifest["dense"]["quantized_linears"].get(alias)
+        alias = self.aliases.get(name, name)
+        bits = self.quantized_linears.get(alias)
         if bits is None:
             raise HexqError(f"{self.path}: {alias} is not a quantized linear")
         shard = self._dense_file(alias)
@@ -339,7 +404,7 @@ class Artifact:
 
     def packed_param_nbytes(self, name: str) -> int:
         """Bytes of a quantized dense linear's stored codes, scale and zero (from its shard's header)."""
-        alias = self.manifest["dense"]["aliases"].get(name, name)
+        alias = self.aliases.get(name, name)
         spans = self._shard_spans(self._dense_file(alias))
         return sum(spans[f"{alias}.{part}"].end - spans[f"{alias}.{part}"].start for part in ("codes", "scale", "zero"))
 
@@ -375,8 +440,8 @@ class Artifact:
 
     def param_dtype(self, name: str) -> torch.dtype:
         """The stored dtype of a non-expert parameter (a quantized linear dequantizes to float32)."""
-        name = self.manifest["dense"]["aliases"].get(name, name)
-        if name in self.manifest["dense"]["quantized_linears"]:
+        name = self.aliases.get(name, name)
+        if name in self.quantized_linears:
             return torch.float32
         shard = self._dense_file(name)
         return safetensors_dtype(self._handle(shard).get_slice(name).get_dtype())

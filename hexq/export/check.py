@@ -304,7 +304,7 @@ def check_export(artifact: Artifact, folder: Path, windows: int = 8, seqlen: int
                  thresholds: Thresholds = THRESHOLDS, progress: Progress | None = None) -> CheckResult:
     """Reload `folder` and compare its logits with the served model and full precision (module docstring)."""
     device = torch.device("cpu")
-    adapter = adapter_for(artifact.manifest["model"]["model_type"])
+    adapter = adapter_for(artifact.model_type)
     served, tokenizer, served_prepare = artifact_model(artifact, device)
     exported, export_prepare, reader = export_model(folder, adapter)
     ids = make_windows(tokenize(tokenizer, eval_text(data)), seqlen, windows)

@@ -39,11 +39,11 @@ class ExportSummary:
 
 def source_model(artifact: Artifact, given: Path | None) -> tuple[Path | None, str]:
     """The artifact's full-precision source checkpoint if it is still there and unchanged, and why not if not."""
-    recorded = artifact.manifest.get("provenance", {}).get("model_path")
+    recorded = artifact.provenance.get("model_path")
     path = given if given is not None else (Path(recorded) if recorded else None)
     if path is None:
         return None, "the artifact does not record its source checkpoint (pass --source)"
-    state = source_state(path, artifact.manifest["provenance"]["model_sha256"])
+    state = source_state(path, artifact.provenance["model_sha256"])
     if state == "gone":
         if given is not None:
             raise HexqError(f"--source {given} is not a folder")

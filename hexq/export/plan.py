@@ -48,7 +48,7 @@ class LayerExport:
 def check_exportable(artifact: Artifact) -> None:
     """Refuse, in one line, an artifact no export writes: one whose LM head is quantized (hexq.calib.head), a tensor
     neither the compressed-tensors nor the GGUF writer places yet."""
-    if HEAD_WEIGHT in artifact.manifest["dense"]["quantized_linears"]:
+    if HEAD_WEIGHT in artifact.quantized_linears:
         raise HexqError(f"{artifact.path} stores the LM head quantized (its recipe's head section), which hexq export "
                         "does not write yet; export an artifact packed from a calibration without a head section")
 
@@ -69,22 +69,16 @@ def dense_scheme(artifact: Artifact) -> CtScheme:
     return CtScheme(bits, w.group_size, w.symmetric, activation_spec(recipe.activations, "attention inputs"))
 
 
-def export_replicas(artifact: Artifact) -> dict:
-    """The artifact's export-replica section (hexq pack), or {}."""
-    return artifact.manifest.get("export") or {}
-
-
 def plan_layer(artifact: Artifact, row: int, target: int, table: torch.Tensor | None, acts: ActSpec | None,
                grid: tuple[int | None, bool] | None = None) -> LayerExport:
     """Every expert's source in a T-bit layer on `grid` (group size, symmetric; default the artifact's own expert
     grid): exact when the allocated code fits, else a GPTQ replica in the layer's scheme (the artifact's export
     replica, or the widest stored replica that fits), else RTN."""
-    experts = artifact.manifest["experts"]
-    own = (experts["group_size"], experts["symmetric"])
+    own = (artifact.group_size, artifact.symmetric)
     grid = own if grid is None else grid
     scheme = CtScheme(target, grid[0], grid[1], acts)
     layer = artifact.moe_layers[row]
-    extra = export_replicas(artifact)
+    extra = artifact.export_section
     same_grid = (extra.get("bits"), extra.get("group_size"), extra.get("symmetric")) == (target, *grid)
     extra_here = set(extra.get("replicas", {}).get(str(layer), [])) if same_grid else set()
     columns = {b: i for i, b in enumerate(artifact.replica_bits)}
@@ -112,13 +106,12 @@ def plan_layer(artifact: Artifact, row: int, target: int, table: torch.Tensor | 
 def vllm_grid(artifact: Artifact) -> tuple[int | None, bool]:
     """The expert grid of a vLLM export: the artifact's own when vLLM's fused MoE takes it (symmetric; groups of 32,
     64, 128 or channels), else its export replicas' (calibrate --export-target vllm, then pack)."""
-    experts = artifact.manifest["experts"]
-    if experts["symmetric"] and experts["group_size"] in (None, 32, 64, 128):
-        return experts["group_size"], True
-    extra = export_replicas(artifact)
+    if artifact.symmetric and artifact.group_size in (None, 32, 64, 128):
+        return artifact.group_size, True
+    extra = artifact.export_section
     if not extra or extra.get("own_grid", True):
         raise HexqError(f"{artifact.path}: its experts are on a grid vLLM's fused MoE does not take (group "
-                        f"{experts['group_size']}, {'symmetric' if experts['symmetric'] else 'asymmetric'}) and it "
+                        f"{artifact.group_size}, {'symmetric' if artifact.symmetric else 'asymmetric'}) and it "
                         "keeps no vLLM replicas; calibrate with --export-target vllm (or recipe experts-vllm) and "
                         "pack with --bank export")
     return extra["group_size"], extra["symmetric"]

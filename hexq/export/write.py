@@ -29,7 +29,7 @@ from hexq.export.codec import (
     retarget,
     rtn_weight,
 )
-from hexq.export.plan import ExpertChoice, LayerExport, dense_scheme, export_replicas, plan_export
+from hexq.export.plan import ExpertChoice, LayerExport, dense_scheme, plan_export
 from hexq.io import SafetensorsWriter, write_json_atomic
 from hexq.packed.weight import PROJECTIONS, PackedWeight, dequantize_packed
 from hexq.runtime.model import artifact_config
@@ -116,8 +116,8 @@ def split_rows(weight: CtWeight, at: int) -> tuple[CtWeight, CtWeight]:
 def expert_weight(artifact: Artifact, row: int, choice: ExpertChoice, projection: str, scheme: CtScheme) -> CtWeight:
     """One projection of one expert in the layer's scheme, from the source `choice` names."""
     shape = artifact.expert_shape(projection)
-    symmetric = (export_replicas(artifact)["symmetric"] if choice.source == "export-replica"
-                 else artifact.manifest["experts"]["symmetric"])
+    symmetric = (artifact.export_section["symmetric"] if choice.source == "export-replica"
+                 else artifact.symmetric)
     if choice.source == "rtn":
         return rtn_weight(dequantize_packed(artifact.packed_expert(row, choice.expert, choice.allocated,
                                                                    projection)), scheme)
@@ -188,7 +188,7 @@ def _dense_keys(artifact: Artifact, shard: str, quantized: dict[str, int]) -> tu
 
 def make_write_plan(artifact: Artifact, streamed, layers: list[LayerExport], adapter: MoEAdapter) -> WritePlan:
     dense = dense_scheme(artifact)
-    quantized = artifact.manifest["dense"]["quantized_linears"]
+    quantized = artifact.quantized_linears
     specs: dict[str, tuple[torch.dtype, tuple]] = {}
     groups: dict[CtScheme, list[str]] = {}
     top = _header_specs(artifact, TOP_SHARD)
@@ -223,7 +223,7 @@ def make_write_plan(artifact: Artifact, streamed, layers: list[LayerExport], ada
 def write_layer(artifact: Artifact, streamed, writer: ShardedWriter, index: int, plan: WritePlan,
                 adapter: MoEAdapter) -> None:
     """Layer `index`'s tensors into the writer: dense part, then every routed expert, one at a time."""
-    quantized = artifact.manifest["dense"]["quantized_linears"]
+    quantized = artifact.quantized_linears
     shard = dense_shard(index)
     plain, modules = _dense_keys(artifact, shard, quantized)
     for key in plain:

@@ -150,12 +150,12 @@ def render_section(section: Section) -> str:
     return "\n".join(parts) + "</section>"
 
 
-def header_items(info: dict, manifest: dict) -> list[tuple[str, str]]:
+def header_items(info: dict, artifact: Artifact) -> list[tuple[str, str]]:
     model = info["model"]
     bad = [name for name, ok in info["files"].items() if not ok]
     checks = (f"all {len(info['files'])} files match the manifest's SHA-256" if not bad
               else f"MISMATCH in {', '.join(bad)}")
-    provenance = manifest["provenance"]
+    provenance = artifact.provenance
     data = provenance.get("calibration_data", {})
     return [
         ("model", f"{model['model_type']}: {model['num_layers']} layers x {model['num_experts']} experts, "
@@ -189,13 +189,12 @@ def report_files(artifact_path: Path, results_dir: Path, placement_json: Path) -
     """{file name: bytes} of the report: the PNG plots and index.html (see module docstring)."""
     info = summarize(artifact_path)
     artifact = Artifact(artifact_path)
-    manifest = artifact.manifest
     stats = artifact.shard_tensors(STATS_SHARD)
     layer_ids, E = artifact.moe_layers, artifact.num_experts  # one row per MoE layer, labelled by its model index
-    name = benchmark_name(manifest["model"]["model_type"])
+    name = benchmark_name(artifact.model_type)
     share = routed_share(stats["router.counts"])
-    scheme = manifest["placement"]["scheme"]
-    with_skip = 0 in manifest.get("recipe", {}).get("pack", {}).get("bits", [])
+    scheme = artifact.placement["scheme"]
+    with_skip = 0 in artifact.recipe.pack.bits
 
     images: dict[str, bytes] = {}
     # Matplotlib's defaults, not the user's matplotlibrc: the same artifact must give the same PNG bytes anywhere.
@@ -224,7 +223,7 @@ def report_files(artifact_path: Path, results_dir: Path, placement_json: Path) -
         hits,
         frontier,
     ]
-    page = render_page(f"hexq report: {artifact_path.name}", header_items(info, manifest), sections)
+    page = render_page(f"hexq report: {artifact_path.name}", header_items(info, artifact), sections)
     return {**images, "index.html": page.encode()}
 
 

@@ -204,14 +204,14 @@ class Runtime:
         source.capacity = budget
         self.source = source
         counts = artifact.tensor(STATS_SHARD, "router.counts")
-        self.state.usage = calibration_usage(counts.to("cpu"), artifact.manifest["model"]["top_k"])
+        self.state.usage = calibration_usage(counts.to("cpu"), artifact.top_k)
         artifact.release()
         self.cache = ExpertCache(source, max(budget, 1), self._admit if config.admission else None)
         self.budget_bytes = budget
         mean_slot = sum(allocated) / max(1, len(allocated))
         self.slots = int(budget // mean_slot) if mean_slot else 0  # experts the fast tier holds at the allocation
         self.state.layer_share = max(1, self.slots // num_layers)
-        adapter = adapter_for(artifact.manifest["model"]["model_type"])
+        adapter = adapter_for(artifact.model_type)
         modules: dict[int, CachedExperts] = {}
 
         def factory(layer: int, old: torch.nn.Module) -> CachedExperts:
@@ -480,7 +480,7 @@ def compute_scratch_nbytes(artifact: Artifact, streamed, dtype: torch.dtype, tor
     linear expanded (the paths taken where the cost model says so; a matrix taller than EXPAND_ROWS, a quantized head,
     a block of rows at a time), and without the kernels the torch path's code buffer for the larger of the two."""
     expert = [r * c for r, c in artifact.expert_shapes]
-    quantized = artifact.manifest["dense"]["quantized_linears"]
+    quantized = artifact.quantized_linears
     shapes = [streamed.model.get_parameter(name).shape for name in quantized]
     dense = max((min(rows, EXPAND_ROWS) * cols for rows, cols in shapes), default=0)  # Compute.linear's blocks
     codes = max(*expert, dense) if torch_path else 0

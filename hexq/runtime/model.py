@@ -79,7 +79,7 @@ def artifact_model(path, device: torch.device, dtype: torch.dtype = torch.float3
     artifact = path if isinstance(path, Artifact) else Artifact(path)
     streamed = StreamedModel(artifact_config(artifact), artifact, device, dtype)
     rows = {layer: row for row, layer in enumerate(artifact.moe_layers)}
-    quantized = list(artifact.manifest["dense"]["quantized_linears"])
+    quantized = list(artifact.quantized_linears)
 
     def prepare(loaded: LoadedLayer) -> ExpertCompute | None:
         prefix = f"model.layers.{loaded.index}."
@@ -115,7 +115,7 @@ def dense_plan_bytes(streamed: StreamedModel, artifact: Artifact) -> int:
     tied embeddings once, plus the buffers the skeleton holds already (rotary frequencies). Read from the meta
     skeleton and the shards' headers, so a memory budget can be checked before anything is allocated."""
     skip = streamed.experts_path
-    quantized = artifact.manifest["dense"]["quantized_linears"]
+    quantized = artifact.quantized_linears
     tied = bool(getattr(streamed.config, "tie_word_embeddings", False))
     total = sum(buffer.numel() * buffer.element_size() for module in streamed.model.modules()
                 for name, buffer in module._buffers.items()
@@ -142,7 +142,7 @@ def build_model(artifact: Artifact, experts: ExpertsFactory, device: torch.devic
     linears, which become PackedLinears on their stored codes (hexq.runtime.compute, with the recipe's activation
     quantization); each MoE layer's routed experts replaced by experts(row, family_module) (see the module
     docstring). `streamed` is the skeleton (made first, to size a memory budget with dense_plan_bytes)."""
-    quantized = artifact.manifest["dense"]["quantized_linears"]
+    quantized = artifact.quantized_linears
     streamed.materialize_dense(leave=frozenset(quantized))
     setting = artifact.recipe.activations
     for weight_name in quantized:

@@ -424,9 +424,9 @@ def policy_context(artifact: Artifact, hot_fraction: float | None = None) -> Pol
     allocation = artifact.allocation
     return PolicyContext(allocation=allocation, loss_table=stats["loss_table"].float(),
                          skip_loss=stats["loss_table.skip"].float(), table_bits=tuple(artifact.replica_bits),
-                         avg_bits=artifact.manifest["allocation"]["average_bits"],
+                         avg_bits=artifact.average_bits,
                          hot_fraction=hot_fraction or artifact.recipe.pack.hot_fraction,
-                         top_k=artifact.manifest["model"]["top_k"])
+                         top_k=artifact.top_k)
 
 
 def check_policy_widths(artifact: Artifact, policy) -> None:

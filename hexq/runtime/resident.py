@@ -23,7 +23,7 @@ class ResidentExperts:
 
     def __init__(self, artifact: Artifact, row: int, device: torch.device, read_buffer: torch.Tensor) -> None:
         self.shapes = artifact.expert_shapes
-        group = artifact.manifest["experts"].get("group_size")
+        group = artifact.group_size
         self.groups = [group or cols for _rows, cols in self.shapes]
         widths = artifact.allocation[row]
         code_bytes = params = 0

@@ -39,7 +39,7 @@ ALIGN = 64
 
 def _replica_nbytes(artifact: Artifact, bits: int) -> int:
     """Bytes of one stored replica at `bits` (both matrices: codes, scale, zero) plus the alignment pread may add."""
-    group = artifact.manifest["experts"].get("group_size")
+    group = artifact.group_size
     shapes = artifact.expert_shapes
     tensors = [packed_weight_nbytes(s, bits, group or s[1]) for s in shapes]
     return read_buffer_nbytes(sum(tensors), 3 * len(tensors))  # codes, scale and zero of each matrix

@@ -19,7 +19,7 @@ def warm_order(artifact: Artifact, scheme: str, slots: int) -> list[tuple[int, i
     L, E = len(artifact.moe_layers), artifact.num_experts
     counts = artifact.tensor(STATS_SHARD, "router.counts").long()
     K = min(E, slots // L)
-    placement = artifact.manifest["placement"]
+    placement = artifact.placement
     if scheme == "3" and placement.get("scheme") == "two_stage" and placement.get("hot_per_layer") == K:
         mask = torch.zeros(L, E, dtype=torch.bool, device=counts.device)
         for row, hot in enumerate(placement["hot"]):

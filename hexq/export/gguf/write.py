@@ -115,7 +115,7 @@ def _layer_tensors(artifact: Artifact, index: int, family: Family, config) -> li
     """The dense part of decoder layer `index`, in the shard's order."""
     shard = dense_shard(index)
     recipe = artifact.recipe
-    quantized = artifact.manifest["dense"]["quantized_linears"]
+    quantized = artifact.quantized_linears
     out = []
     for key, (dtype, shape) in _shard_specs(artifact, shard).items():
         if key.endswith(".act_range") or key.endswith(".scale") or key.endswith(".zero"):
@@ -159,7 +159,7 @@ def _cols_of(artifact: Artifact, shard: str, weight: str, bits: int) -> int:
 
 
 def _kquant_experts(artifact: Artifact, layer: int, kind: str) -> set[int]:
-    section = (artifact.manifest.get("gguf") or {}).get("replicas", {}).get(str(layer), {})
+    section = artifact.gguf_replicas.get(str(layer), {})
     return set(section.get(kind, []))
 
 
@@ -170,14 +170,13 @@ def plan_gguf(artifact: Artifact, experts: str = "auto") -> GgufPlan:
     refuse_skipped_experts(artifact, "GGUF", "llama.cpp")
     config = artifact_config(artifact)
     family = family_of(config)
-    manifest = artifact.manifest
-    symmetric, group = manifest["experts"]["symmetric"], manifest["experts"]["group_size"]
+    symmetric, group = artifact.symmetric, artifact.group_size
     shapes = dict(zip(PROJECTIONS, artifact.expert_shapes, strict=True))
     kquants_fit = all(cols % 256 == 0 for _rows, cols in shapes.values())
     if not all(fits_blocks(group, cols, 32) for _rows, cols in shapes.values()):
         raise HexqError(f"{artifact.path}: experts in groups of {group} columns do not cover whole 32-weight blocks; "
                         "calibrate with expert groups of 32, 64 or 128 (or per channel)")
-    extra = manifest.get("export") or {}  # the compressed-tensors export replicas hexq pack kept
+    extra = artifact.export_section  # the compressed-tensors export replicas hexq pack kept
     same_grid = (extra.get("bits"), extra.get("group_size"), extra.get("symmetric")) == (4, group, symmetric)
     layers = []
     for row, layer in enumerate(artifact.moe_layers):
@@ -219,7 +218,7 @@ def expert_blocks(artifact: Artifact, layer: LayerPlan, source: ExpertSource, pr
     if source.source == "kquant":
         raw = artifact.tensor(export_shard(layer.layer), kquant_key(source.expert, kind.name, projection))
         return raw.reshape(rows, kind.row_bytes(cols))
-    return packed_blocks(stored_expert(artifact, layer, source, projection), artifact.manifest["experts"]["symmetric"],
+    return packed_blocks(stored_expert(artifact, layer, source, projection), artifact.symmetric,
                          kind)
 
 
@@ -295,7 +294,7 @@ def write_gguf(artifact: Artifact, path: Path, plan: GgufPlan, progress: Progres
     writer = gguf.GGUFWriter(path, plan.family.arch)
     try:
         writer.add_name(Path(artifact.path).name)
-        writer.add_quantized_by(f"hexq {artifact.manifest.get('hexq_version', '')}".strip())
+        writer.add_quantized_by(f"hexq {artifact.hexq_version}".strip())
         add_hyperparameters(writer, config, plan.family)
         add_tokenizer(writer, Path(artifact.verify("tokenizer.json")).parent, config.vocab_size)
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
