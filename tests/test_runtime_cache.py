@@ -152,6 +152,41 @@ def test_lru_eviction_order(make_cache):
     assert cache.budget.peak <= cache.capacity_bytes
 
 
+def test_watchers_hear_of_every_eviction_and_promotion_and_touch_counts_hits(make_cache):
+    """What the native step relies on (hexq.runtime.native): a watcher is told, before the memory can be reused, of
+    every key whose published weights stop being valid - an LRU eviction and a promotion that replaces them, not a hit
+    or a fill of another key; touch() counts the hits the caller served itself and refreshes their recency, so
+    the LRU evicts what was least used, not what the cache last saw asked for."""
+    cache = make_cache(3 * N)
+    gone = []
+    cache.watch(gone.append)
+    for e in (0, 1, 2):
+        cache.get(0, e, 2)
+    cache.get(0, 0, 2)  # a hit: nothing gone
+    assert gone == []
+    cache.touch([(0, 1), (0, 9)])  # order now 2, 0, 1; a key not resident is ignored
+    assert cache.stats.hits == 2 and cache.stats.layer_hits == {0: 2}
+    cache.get(0, 3, 2)  # evicts the least recently used: 2 (not 1, which touch refreshed)
+    assert gone == [(0, 2)] and (0, 1) in cache.resident()
+    cache.get(0, 1, 4)  # a promotion: the 2-bit weights of (0, 1) are replaced
+    assert gone[1:] == [(0, 0), (0, 1)]  # room for the second copy (evicts 0), then the replaced version
+    assert cache.resident()[(0, 1)] == 4
+
+
+def test_a_fill_without_admission_never_asks_the_cost_model():
+    asked = []
+    cache = ExpertCache(FakeSource(), 2 * N, lambda *args: asked.append(args) or False)
+    try:
+        cache.get(0, 0, 4)
+        cache.get(0, 1, 4)
+        assert not cache.get(0, 2, 4, admit=False).transient and asked == []  # filled, evicting 0
+        assert (0, 2) in cache.resident() and cache.stats.admission_declined == 0
+        cache.get(0, 3, 4)  # asked, declined: a bypass load, nothing evicted
+        assert len(asked) == 1 and cache.stats.bypass_loads == 1 and (0, 3) not in cache.resident()
+    finally:
+        cache.close()
+
+
 def test_pinned_entries_are_not_evicted(make_cache):
     src = FakeSource()
     cache = make_cache(2 * N, src)
