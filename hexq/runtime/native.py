@@ -130,10 +130,10 @@ class NativeDecoder:
         self._rows = {layer: row for row, layer in enumerate(runtime.artifact.moe_layers)}
         self.model = self._describe()  # its max_pos: the KV cache's positions (0 until `start`)
         self.positions = 0  # tokens in the KV cache
-        self.resume = Resume()
-        self._log = (ctypes.c_int32 * (self.model.layers * self.model.top_k))()
-        self.resume.log = ctypes.addressof(self._log)
+        self.resume = Resume()  # its log (of the experts served from the tables) only where the cache reads it
         if self.loads:
+            self._log = (ctypes.c_int32 * (self.model.layers * self.model.top_k))()
+            self.resume.log = ctypes.addressof(self._log)
             runtime.cache.watch(self._gone)
 
     @classmethod
@@ -182,6 +182,12 @@ class NativeDecoder:
                       weight.shape[1] // weight.scale.shape[-1], *pointers, self._float32(bias), _act(quantizer),
                       LAYOUTS.index(weight.layout))
 
+    def _entry(self, weights: ExpertWeights, quantizers, keep: bool = True) -> Expert:
+        """One expert's table entry: its two packed matrices with the experts' input and mid activation grids."""
+        input_quant, mid_quant = quantizers
+        return Expert(self._packed(weights.gate_up, input_quant, keep=keep),
+                      self._packed(weights.down, mid_quant, keep=keep))
+
     def _relayout(self, weights: ExpertWeights) -> ExpertWeights:
         return dataclasses.replace(weights, gate_up=self.kernels.relayout(weights.gate_up),
                                    down=self.kernels.relayout(weights.down))
@@ -201,7 +207,6 @@ class NativeDecoder:
             return ctypes.addressof(table), runtime.artifact.expert_shape("gate_up")[0] // 2
         runtime.cache.pin(row, range(len(bits_row)))
         inter = 0
-        input_quant, mid_quant = module.quantizers
         for expert, bits in enumerate(bits_row):
             if not bits:
                 continue
@@ -209,7 +214,7 @@ class NativeDecoder:
             if weights.transient or not weights.packed:
                 raise NotNative("an expert is not resident in the packed cache")
             weights = runtime.cache.relayout(row, expert, self._relayout)
-            table[expert] = Expert(self._packed(weights.gate_up, input_quant), self._packed(weights.down, mid_quant))
+            table[expert] = self._entry(weights, module.quantizers)
             inter = max(inter, weights.gate_up.shape[0] // 2)
         return ctypes.addressof(table), inter
 
@@ -230,7 +235,7 @@ class NativeDecoder:
         made for a layer's top-k)."""
         cache, resume = self.runtime.cache, self.resume
         row = self._rows[resume.layer]
-        table, (input_quant, mid_quant) = self._tables[row]
+        table, quantizers = self._tables[row]
         bits_row = self.runtime.artifact.allocation[row]
         kept = list(resume.ids[:resume.n])
         absent = [e for e in kept if table[e].gate_up.kind == MAT_ABSENT]
@@ -243,8 +248,7 @@ class NativeDecoder:
                     raise ValueError(f"expert {expert} of MoE layer {row} was not cached (a transient load)")
                 weights = cache.relayout(row, expert, self._relayout)
                 self._held[(row, expert)] = weights
-                table[expert] = Expert(self._packed(weights.gate_up, input_quant, keep=False),
-                                       self._packed(weights.down, mid_quant, keep=False))
+                table[expert] = self._entry(weights, quantizers, keep=False)
 
     def _touch_logged(self) -> None:
         """Hand the experts the step served from its tables to the cache (hits and recency), then empty the log."""
@@ -258,7 +262,6 @@ class NativeDecoder:
         config = runtime.model.config
         adapter = adapter_for(config.model_type)
         base = runtime.model.model
-        rows = {layer: row for row, layer in enumerate(runtime.artifact.moe_layers)}
         first = base.layers[0].self_attn
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         head_dim = first.head_dim
@@ -278,10 +281,10 @@ class NativeDecoder:
                 entry.qk_norm = QK_HEAD if q_norm.weight.numel() == head_dim else QK_WHOLE
                 entry.q_norm, entry.k_norm = self._float32(q_norm.weight), self._float32(k_norm.weight)
             block = getattr(layer, adapter.moe)
-            if index in rows:
+            if index in self._rows:
                 entry.moe = 1
                 entry.router = self._matrix(getattr(block, adapter.router))
-                entry.experts, width = self._experts(rows[index], getattr(block, adapter.experts))
+                entry.experts, width = self._experts(self._rows[index], getattr(block, adapter.experts))
                 inter = max(inter, width)
                 mlp = getattr(block, adapter.shared_expert) if adapter.shared_expert else None
                 gate = getattr(block, adapter.shared_expert_gate) if adapter.shared_expert_gate else None
