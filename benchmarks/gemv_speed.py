@@ -2,10 +2,11 @@
 
     python benchmarks/gemv_speed.py                       # every path this CPU runs, widths 2 3 4 8, 2 threads
     python benchmarks/gemv_speed.py --paths avx2 avx512 --bits 3 --threads 1 2
+    python benchmarks/gemv_speed.py --paths avx512 --layouts planes rows8 --bits 3   # two layouts, taking turns
 
 What one decode step asks of the kernels for one MoE layer of Qwen3-30B-A3B's shape: the 8 routed experts of a token
-(gate_up [1536, 2048] and down [2048, 768], asymmetric, groups of 32, float16 scale and zero, re-laid into the
-planes layout as the native step serves them), one token, one call for the 8 gate_up products and one for the 8 down
+(gate_up [1536, 2048] and down [2048, 768], asymmetric, groups of 32, float16 scale and zero, re-laid as the native
+step serves them: rows8 on the AVX-512 path, planes on AVX2; --layouts forces layouts), one token, one call for the 8 gate_up products and one for the 8 down
 products. A layer's experts are drawn from --layers distinct layers' worth of random codes (a working set several
 times the last-level cache), cycled, so the codes come from memory as they do in a real step.
 
@@ -61,10 +62,11 @@ def measure(runs: dict, reps: int) -> dict[str, float]:
     x = torch.randn(1, hidden)
     mid = torch.randn(TOP_K, inter)
     y_up, y_down = torch.empty(TOP_K, 2 * inter), torch.empty(TOP_K, hidden)
-    jobs = {path: [layer_jobs(layer, x, mid, y_up, y_down) for layer in layers] for path, (_, layers) in runs.items()}
+    jobs = {path: [layer_jobs(layer, x, mid, y_up, y_down) for layer in layers]
+            for path, (_, layers, _layout) in runs.items()}
     passes: dict[str, list[float]] = {path: [] for path in runs}
     for _ in range(reps + 1):  # the first pass warms the pool and the page tables
-        for path, (kernels, layers) in runs.items():
+        for path, (kernels, layers, _layout) in runs.items():
             started = time.perf_counter()
             for up, down in jobs[path]:
                 kernels.gemv(up)
@@ -106,6 +108,9 @@ def main() -> None:
                                                                  "but scalar)")
     parser.add_argument("--bits", type=int, nargs="+", default=[2, 3, 4, 8])
     parser.add_argument("--threads", type=int, nargs="+", default=[2])
+    parser.add_argument("--layouts", nargs="+", default=None, choices=["planes", "rows8"],
+                        help="re-lay the codes so on every path, each layout a run of its own (default: each path's "
+                             "own, as hexq run re-lays them)")
     parser.add_argument("--layers", type=int, default=16, help="distinct layers of experts cycled (working set)")
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("-o", "--out", type=Path, default=ROOT / "benchmarks" / "results" / "gemv_speed.json")
@@ -129,18 +134,19 @@ def main() -> None:
             runs = {}
             for path in paths:
                 kernels = load_cpu_kernels(path, threads)
-                copies = [{name: [kernels.relayout(replace(w, codes=w.codes.clone())) for w in layer[name]]
-                           for name in SHAPES} for layer in stream]  # re-laid in place: a copy per path
-                runs[path] = (kernels, copies)
+                for layout in args.layouts or [None]:
+                    copies = [{name: [kernels.relayout(replace(w, codes=w.codes.clone(), scale=w.scale.clone(),
+                                                               zero=w.zero.clone()), layout) for w in layer[name]]
+                               for name in SHAPES} for layer in stream]  # re-laid in place: a copy per run
+                    runs[f"{path}/{layout}" if layout else path] = (kernels, copies, copies[0]["gate_up"][0].layout)
             timed = measure(runs, args.reps)
-            for path, (kernels, layers) in runs.items():
-                error, seconds = check(kernels, reference, layers[0]), timed[path]
-                row = {"path": path, "bits": bits, "threads": threads, "ms_per_layer": seconds * 1e3,
+            for name, (kernels, layers, layout) in runs.items():
+                error, seconds = check(kernels, reference, layers[0]), timed[name]
+                row = {"path": kernels.path, "bits": bits, "threads": threads, "ms_per_layer": seconds * 1e3,
                        "gbps": layer_bytes / seconds / 1e9, "share": layer_bytes / seconds / 1e9 / bandwidth,
-                       "layer_mb": layer_bytes / 1e6, "layout": layers[0]["gate_up"][0].layout,
-                       "max_rel_diff_vs_scalar": error}
+                       "layer_mb": layer_bytes / 1e6, "layout": layout, "max_rel_diff_vs_scalar": error}
                 results["rows"].append(row)
-                print(f"  {path:7s} {bits}-bit ({row['layout']}): {row['ms_per_layer']:.3f} ms/layer, "
+                print(f"  {kernels.path:7s} {bits}-bit ({row['layout']}): {row['ms_per_layer']:.3f} ms/layer, "
                       f"{row['gbps']:.1f} GB/s, {row['share']:.0%} of the read bandwidth "
                       f"(max rel diff vs scalar {error:.1e})")
             write_results(args.out, results, run)

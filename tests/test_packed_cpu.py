@@ -167,7 +167,7 @@ def test_planes_layout_is_its_description_and_goes_back(path: str, bits: int) ->
         weight = PackedWeight(pack_bits(codes, bits), torch.ones(9, cols // 32, dtype=torch.float16),
                               torch.zeros(9, cols // 32, dtype=torch.float16), bits, (9, cols))
         stream = weight.codes.clone()
-        planes = kernels.relayout(weight)
+        planes = kernels.relayout(weight, "planes")
         assert planes.layout == "planes" and planes.codes is weight.codes  # in place: the same bytes
         assert torch.equal(planes.codes.view(9, -1), planes_reference(codes, bits)), cols
         back = kernels.stream(planes)
@@ -184,38 +184,104 @@ def test_planes_are_not_made_for_8_bits_or_for_the_torch_path() -> None:
         dequantize_packed(planes)
 
 
+def rows8_reference(codes: torch.Tensor, bits: int, scale: torch.Tensor, zero: torch.Tensor):
+    """(codes [rows / 8, 8 row bytes], scale, zero) in the rows8 layout, from its description in kernels.c (not from
+    the C code): per group of 8 rows, block after block, each block's planes of 4, 2 and 1 bits, a w-bit plane w
+    registers of 32 bytes whose byte 4 r + i holds in bits [w f, w f + w) row r's code at perm32 position 4 D + i,
+    D = m (8 / w) + f; scales and zeros of the 8 rows interleaved one value at a time."""
+    rows, cols = codes.shape
+    perm = [j ^ 24 if j >> 3 in (1, 2) else j for j in range(32)]
+    # [groups, 8 rows, blocks, 8 dwords D, 4 bytes i]: the codes of each block in perm32 order
+    ordered = codes.view(rows, cols // 32, 32)[:, :, perm].long().view(rows // 8, 8, cols // 32, 8, 4)
+    parts, off = [], 0
+    for w in (4, 2, 1):
+        if not bits & w:
+            continue
+        per = 8 // w
+        values = (ordered >> off) & ((1 << w) - 1)
+        fields = values.view(rows // 8, 8, cols // 32, w, per, 4) << (w * torch.arange(per).view(per, 1))
+        registers = fields.sum(dim=4)  # [groups, 8 rows, blocks, w registers, 4 bytes]: disjoint bits
+        parts.append(registers.permute(0, 2, 3, 1, 4))  # [groups, blocks, w, 8 rows, 4 bytes]
+        off += w
+    interleaved = torch.cat(parts, dim=2).reshape(rows // 8, -1).to(torch.uint8)
+    grid = [t.view(rows // 8, 8, -1).transpose(1, 2).reshape(rows, -1) for t in (scale, zero)]
+    return interleaved, *grid
+
+
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("bits", range(1, 8))
-def test_gemv_on_planes_within_its_bound(path: str, bits: int) -> None:
-    """The GEMV from re-laid codes: the same bound as from the stream (the same int16 products; only the float32
-    sums' order differs), over whole units and a stream tail, 1-6 tokens, groups of 32, 64 and 128. 512 columns are
-    16 blocks, whole units of every width: the rows the AVX-512 path reads with its byte products (a stream tail goes
-    to the AVX2 code)."""
+def test_rows8_layout_is_its_description_and_goes_back(path: str, bits: int) -> None:
     kernels = KERNELS.with_path(path)
-    for cols, group in ((352, 32), (384, 128), (512, 64)):
+    for cols, groups in ((96, 3), (352, 11), (768, 6)):
+        codes = torch.randint(0, 1 << bits, (24, cols), generator=torch.Generator().manual_seed(bits))
+        scale = torch.randn(24, groups, generator=torch.Generator().manual_seed(cols)).half()
+        zero = torch.randn(24, groups, generator=torch.Generator().manual_seed(cols + 1)).half()
+        weight = PackedWeight(pack_bits(codes, bits), scale.clone(), zero.clone(), bits, (24, cols))
+        stored = weight.codes.clone()
+        rows8 = kernels.relayout(weight, "rows8")
+        assert rows8.layout == "rows8" and rows8.codes is weight.codes and rows8.scale is weight.scale  # in place
+        want_codes, want_scale, want_zero = rows8_reference(codes, bits, scale, zero)
+        assert torch.equal(rows8.codes.view(3, -1), want_codes), cols
+        assert torch.equal(rows8.scale, want_scale) and torch.equal(rows8.zero, want_zero), cols
+        back = kernels.stream(rows8)
+        assert back.layout == "stream" and torch.equal(back.codes, stored), cols
+        assert torch.equal(back.scale, scale) and torch.equal(back.zero, zero), cols
+
+
+def test_layout_for_each_path() -> None:
+    """rows8 on the AVX-512 path for whole groups of 8 rows, planes otherwise; 8-bit codes keep the stream."""
+    codes, scale, zero, _ = packed_matrix(16, 352, 3, 32, False, seed=0)
+    weight = PackedWeight(codes, scale, zero, 3, (16, 352))
+    for path in PATHS:
+        assert KERNELS.with_path(path).layout_for(weight) == ("rows8" if path == "avx512" else "planes")
+    if "avx512" in PATHS:
+        avx512 = KERNELS.with_path("avx512")
+        assert avx512.layout_for(weight.rows(0, 12)) == "planes"  # not whole groups of 8
+        eight = PackedWeight(*packed_matrix(16, 512, 8, 32, False, seed=0)[:3], 8, (16, 512))
+        assert avx512.layout_for(eight) == "stream"
+        with pytest.raises(ValueError, match="groups of 8"):
+            avx512.relayout(PackedWeight(codes.clone(), scale.clone(), zero.clone(), 3, (16, 352))).rows(4, 16)
+
+
+# (layout, [(cols, group)]): planes over whole units and a stream tail
+LAYOUT_SHAPES = [("planes", ((352, 32), (384, 128), (512, 64))), ("rows8", ((96, 32), (512, 64), (768, 128)))]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("bits", range(1, 8))
+@pytest.mark.parametrize("layout, shapes", LAYOUT_SHAPES)
+def test_gemv_on_relaid_codes_within_its_bound(path: str, bits: int, layout: str, shapes) -> None:
+    """The GEMV from re-laid codes: the same bound as from the stream (the same int16 products; only the float32
+    sums' order differs), 1-6 tokens, groups of 32, 64 and 128. Planes: over whole units and a stream tail; 512
+    columns are 16 blocks, whole units of every width: the rows the AVX-512 path reads with its byte products (a
+    stream tail goes to the AVX2 code). rows8: 8 rows per pass on AVX-512, the portable reader on the others."""
+    kernels = KERNELS.with_path(path)
+    for cols, group in shapes:
         for symmetric, ntok in ((False, 1), (True, 3), (False, 6)):
             codes, scale, zero, weights = packed_matrix(40, cols, bits, group, symmetric, seed=bits * 7 + cols)
-            planes = KERNELS.relayout(PackedWeight(codes.clone(), scale, zero, bits, (40, cols)))
-            assert planes.layout == "planes"
+            relaid = kernels.relayout(PackedWeight(codes.clone(), scale.clone(), zero.clone(), bits, (40, cols)), layout)
+            assert relaid.layout == layout
             x = torch.randn(ntok, cols, generator=torch.Generator().manual_seed(bits))
             x[:, 7] *= 30.0
             y = torch.full((ntok, 40), float("nan"))
-            kernels.gemv([GemvJob(planes, x, y)])
+            kernels.gemv([GemvJob(relaid, x, y)])
             want = x.double() @ weights.T
             assert ((y.double() - want).abs() <= gemv_bound(weights, x)).all(), (cols, symmetric, ntok)
 
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("bits", range(1, 8))
-def test_dequantize_planes_is_the_torch_path_bit_for_bit(path: str, bits: int) -> None:
+@pytest.mark.parametrize("layout, shapes", LAYOUT_SHAPES)
+def test_dequantize_relaid_codes_is_the_torch_path_bit_for_bit(path: str, bits: int, layout: str, shapes) -> None:
     kernels = KERNELS.with_path(path)
-    for cols, group in ((352, 32), (384, 128)):
-        codes, scale, zero, _ = packed_matrix(12, cols, bits, group, bits % 2 == 0, seed=bits)
-        planes = KERNELS.relayout(PackedWeight(codes.clone(), scale, zero, bits, (12, cols)))
+    for cols, group in shapes:
+        codes, scale, zero, _ = packed_matrix(16, cols, bits, group, bits % 2 == 0, seed=bits)
+        relaid = kernels.relayout(PackedWeight(codes.clone(), scale.clone(), zero.clone(), bits, (16, cols)), layout)
+        assert relaid.layout == layout
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
-            want = dequantize_into(torch.empty(12, cols, dtype=dtype), codes, bits, scale, zero, group)
-            out = torch.full((12, cols), float("nan"), dtype=dtype)
-            assert kernels.dequantize(out, planes)
+            want = dequantize_into(torch.empty(16, cols, dtype=dtype), codes, bits, scale, zero, group)
+            out = torch.full((16, cols), float("nan"), dtype=dtype)
+            assert kernels.dequantize(out, relaid)
             assert torch.equal(out.view(torch.int16 if dtype != torch.float32 else torch.int32),
                                want.view(torch.int16 if dtype != torch.float32 else torch.int32)), (cols, dtype)
 

@@ -20,9 +20,14 @@ The planes layout. Reading the stored stream, the GEMV spends most of its instru
 3-bit code straddles bytes), not waiting for the bytes. `relayout` re-lays a matrix's codes in place, once, into
 planes of 4, 2 and 1 bits per block of 32 codes (kernels.c "the planes layout"), from which a block unpacks to 32
 bytes with one shift and one mask per plane: the same bytes per row, so slots and memory accounting do not change.
+On the AVX-512 path matrices of whole groups of 8 rows go one step further, into the rows8 layout (kernels.c "the
+rows8 layout"): 8 rows interleaved block by block, scales and zeros too, so that one vpdpbusd multiplies 4 codes of
+each of 8 rows and a block's scaling is one FMA for 8 rows (3-bit experts from memory on an AMD EPYC, 2 threads:
+0.85 ms per layer against 1.05 from the planes; benchmarks/gemv_speed.py --layouts planes rows8).
 It pays where a matrix is read many times: the native decode step re-lays every resident expert and dense matrix
 it serves when it is built (hexq.runtime.native); a miss loaded for one use keeps the stream. Re-laid codes are read
-only by these kernels (GEMV and dequantization take both layouts; `stream` gives a stored-layout copy back).
+only by these kernels (GEMV and dequantization take every layout on every path; `stream` gives a stored-layout copy
+back).
 
 The dequantization. The packed codes to float32 / bfloat16 / float16 in one pass, bit for bit the torch path
 (hexq.packed.bitpack.dequantize_into): what a prefill expert expanded for a matrix product, or a whole dense
@@ -58,7 +63,7 @@ from pathlib import Path
 import torch
 
 from hexq.io import cache_dir
-from hexq.packed.weight import LAYOUTS, PackedWeight
+from hexq.packed.weight import LAYOUTS, ROWS8, PackedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -141,8 +146,7 @@ class CpuKernels:
                                          ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
                                          ctypes.c_int64, ctypes.c_int]
         library.hexq_relayout.restype = ctypes.c_int
-        library.hexq_relayout.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                                          ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        library.hexq_relayout.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 5
         self._local = threading.local()
 
     def with_path(self, path: str) -> CpuKernels:
@@ -191,31 +195,47 @@ class CpuKernels:
                              f"{out.dtype}")
         return taken
 
-    def relayout(self, weight: PackedWeight) -> PackedWeight:
-        """`weight` with its codes re-laid in place into the planes layout where the kernels take it (widths 1-7; see
-        kernels.c "the planes layout": the same bytes, faster to read), else `weight` itself."""
+    def layout_for(self, weight: PackedWeight) -> str:
+        """The layout `relayout` gives `weight` on this path: "rows8" where the AVX-512 GEMV reads 8 rows at a time
+        (whole groups of 8 rows), "planes" for the other matrices of widths 1-7 the kernels take, else its own (8-bit
+        codes are bytes already; other devices' codes stay as stored)."""
         rows, cols = weight.shape
         if (weight.layout != "stream" or weight.codes.device.type != "cpu" or not 1 <= weight.bits <= 7
-                or not gemv_takes(weight.shape, weight.bits, weight.scale.shape[-1], self.path)):
+                or not gemv_takes(weight.shape, weight.bits, weight.scale.shape[-1], self.path) or cols % BLOCK):
+            return weight.layout
+        return "rows8" if self.path == "avx512" and rows % ROWS8 == 0 else "planes"
+
+    def relayout(self, weight: PackedWeight, layout: str | None = None) -> PackedWeight:
+        """`weight` with its codes (and for rows8 its scales and zeros) re-laid in place into `layout` (default
+        `layout_for(weight)`; kernels.c "the planes layout", "the rows8 layout": the same bytes, faster to read), else
+        `weight` itself (a stored-layout weight the layout does not take)."""
+        layout = self.layout_for(weight) if layout is None else layout
+        if layout == weight.layout or weight.layout != "stream":
             return weight
-        # in place, each row through a copy of itself (kernels.c hexq_relayout): never a second copy of the codes (a
-        # quantized head: 175 MB of them at Qwen3-30B-A3B's vocabulary), and cheap enough for every cache miss of
-        # the native step under a small fast tier
-        if self.library.hexq_relayout(weight.codes.data_ptr(), weight.codes.data_ptr(), rows, cols, weight.bits, 1,
-                                      self._path_index, self.threads) != 0:
+        # in place, each row or group of 8 rows through a copy of itself (kernels.c hexq_relayout): never a second
+        # copy of the codes (a quantized head: 175 MB of them at Qwen3-30B-A3B's vocabulary), and cheap enough for
+        # every cache miss of the native step under a small fast tier
+        if self._relayout(weight, weight, layout, forward=True) != 0:
             return weight
-        return dataclasses.replace(weight, layout="planes")
+        return dataclasses.replace(weight, layout=layout)
 
     def stream(self, weight: PackedWeight) -> PackedWeight:
         """A stream-layout copy of re-laid codes (for the torch path and checks); `weight` itself if it is one."""
         if weight.layout == "stream":
             return weight
-        codes = torch.empty_like(weight.codes)
-        rows, cols = weight.shape
-        if self.library.hexq_relayout(weight.codes.data_ptr(), codes.data_ptr(), rows, cols, weight.bits, 0,
-                                      self._path_index, self.threads) != 0:
-            raise ValueError(f"a {weight.bits}-bit {list(weight.shape)} matrix cannot be in the planes layout")
-        return dataclasses.replace(weight, codes=codes, layout="stream")
+        copy = dataclasses.replace(weight, codes=torch.empty_like(weight.codes), layout="stream",
+                                   scale=torch.empty_like(weight.scale) if weight.layout == "rows8" else weight.scale,
+                                   zero=torch.empty_like(weight.zero) if weight.layout == "rows8" else weight.zero)
+        if self._relayout(weight, copy, weight.layout, forward=False) != 0:
+            raise ValueError(f"a {weight.bits}-bit {list(weight.shape)} matrix cannot be in the {weight.layout} layout")
+        return copy
+
+    def _relayout(self, src: PackedWeight, dst: PackedWeight, layout: str, forward: bool) -> int:
+        rows, cols = src.shape
+        return self.library.hexq_relayout(
+            src.codes.data_ptr(), dst.codes.data_ptr(), src.scale.data_ptr(), dst.scale.data_ptr(),
+            src.zero.data_ptr(), dst.zero.data_ptr(), rows, cols, src.scale.shape[-1], src.bits, LAYOUTS.index(layout),
+            int(forward), self._path_index, self.threads)
 
 
 def available_paths(library: ctypes.CDLL) -> list[str]:

@@ -19,9 +19,11 @@ from hexq.packed.bitpack import OUT_DTYPES, DequantScratch, dequantize_into, pac
 CODE_PAD = 8
 SCALE_DTYPE = torch.float16
 PROJECTIONS = ("gate_up", "down")  # a routed expert's two stored matrices: gate and up fused [2I, H], down [H, I]
-# How codes lie in memory (kernels.h, in this order): "stream" is what is stored (hexq.packed.bitpack); "planes" is
-# the CPU kernels' form, made at load by CpuKernels.relayout and read only by the CPU kernels.
-LAYOUTS = ("stream", "planes")
+# How codes lie in memory (kernels.h, in this order): "stream" is what is stored (hexq.packed.bitpack); "planes" and
+# "rows8" (which re-lays the scales and zeros too, 8 rows interleaved) are the CPU kernels' forms, made at load by
+# CpuKernels.relayout and read only by the CPU kernels.
+LAYOUTS = ("stream", "planes", "rows8")
+ROWS8 = 8  # rows a group of the rows8 layout interleaves
 
 
 class Grid(Protocol):
@@ -52,12 +54,14 @@ class PackedWeight:
         return {f"{prefix}.codes": self.codes, f"{prefix}.scale": self.scale, f"{prefix}.zero": self.zero}
 
     def rows(self, start: int, stop: int) -> PackedWeight:
-        """Rows [start, stop) as a PackedWeight of their own (views, no copy): in either layout a row's codes are its
-        own cols * bits / 8 bytes when that is a whole number."""
+        """Rows [start, stop) as a PackedWeight of their own (views, no copy): in any layout a row's codes are its
+        own cols * bits / 8 bytes when that is a whole number (in rows8, those of whole groups of 8 rows)."""
         rows, cols = self.shape
         if cols * self.bits % 8:
             raise ValueError(f"a row of {cols} {self.bits}-bit codes does not end on a byte: rows cannot be cut out")
         start, stop = max(0, start), min(rows, stop)
+        if self.layout == "rows8" and (start % ROWS8 or stop % ROWS8):
+            raise ValueError(f"rows [{start}, {stop}) of a rows8 matrix: the layout interleaves groups of {ROWS8}")
         row_bytes = cols * self.bits // 8
         return PackedWeight(self.codes[start * row_bytes:stop * row_bytes], self.scale[start:stop],
                             self.zero[start:stop], self.bits, (stop - start, cols), self.layout)
