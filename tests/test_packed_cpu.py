@@ -259,7 +259,8 @@ def test_gemv_on_relaid_codes_within_its_bound(path: str, bits: int, layout: str
     for cols, group in shapes:
         for symmetric, ntok in ((False, 1), (True, 3), (False, 6)):
             codes, scale, zero, weights = packed_matrix(40, cols, bits, group, symmetric, seed=bits * 7 + cols)
-            relaid = kernels.relayout(PackedWeight(codes.clone(), scale.clone(), zero.clone(), bits, (40, cols)), layout)
+            weight = PackedWeight(codes.clone(), scale.clone(), zero.clone(), bits, (40, cols))
+            relaid = kernels.relayout(weight, layout)
             assert relaid.layout == layout
             x = torch.randn(ntok, cols, generator=torch.Generator().manual_seed(bits))
             x[:, 7] *= 30.0
