@@ -7,8 +7,9 @@
 What one decode step asks of the kernels for one MoE layer of Qwen3-30B-A3B's shape: the 8 routed experts of a token
 (gate_up [1536, 2048] and down [2048, 768], asymmetric, groups of 32, float16 scale and zero, re-laid as the native
 step serves them: rows8 on the AVX-512 path, planes on AVX2; --layouts forces layouts), one token, one call for the
-8 gate_up products and one for the 8 down products. A layer's experts are drawn from --layers distinct layers' worth of random codes (a working set several
-times the last-level cache), cycled, so the codes come from memory as they do in a real step.
+8 gate_up products and one for the 8 down products. A layer's experts are drawn from --layers distinct layers' worth
+of random codes (a working set several times the last-level cache), cycled, so the codes come from memory as they
+do in a real step.
 
 Bytes per layer: codes + scales + zeros of the 16 matrices; GB/s = bytes / median seconds per layer (median over
 --reps passes over the working set, the paths taking turns); share = GB/s over the read bandwidth (torch.sum over a
