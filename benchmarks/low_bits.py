@@ -139,8 +139,8 @@ def bank_rows(name: str, setting: str, allocators: list[str], evaluator: Evaluat
     pack(calib, art_dir, budget=Budget(avg_bits=3.0), overwrite=True, bank=("all",))
     artifact = Artifact(art_dir)
     manifest = read_manifest(calib)
-    stats = read_stats(calib, manifest["model"]["moe_layers"], None)
-    recipe = recipe_from_dict(manifest["recipe"])
+    stats = read_stats(calib, manifest.moe_layers, None)
+    recipe = manifest.recipe
     shapes = {p: artifact.expert_shape(p) for p in PROJECTIONS}
     layers, experts = len(artifact.moe_layers), artifact.num_experts
     for bits in (2, 3):
@@ -148,7 +148,7 @@ def bank_rows(name: str, setting: str, allocators: list[str], evaluator: Evaluat
              **evaluator.allocation(artifact, [[bits] * experts] * layers)})
     for allocator in allocators:
         for avg in MIXED_BITS:
-            plan = make_plan(stats, manifest["expert_bits"], ALLOCATORS[allocator], Budget(avg_bits=avg), shapes,
+            plan = make_plan(stats, manifest.expert_bits, ALLOCATORS[allocator], Budget(avg_bits=avg), shapes,
                              recipe.expert_weights.group_size)
             add({"setting": setting, "allocator": allocator, "bits": avg, "calib_seconds": seconds,
                  "widths": {str(b): sum(row.count(b) for row in plan.allocation)

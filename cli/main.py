@@ -290,9 +290,8 @@ def pack_command(
     settings = load_recipe(recipe).pack if recipe else None
     if schedule is not None:
         from hexq.calib.store import read_manifest
-        from hexq.recipe import recipe_from_dict
 
-        base = settings or recipe_from_dict(read_manifest(calibration)["recipe"]).pack
+        base = settings or read_manifest(calibration).recipe.pack
         settings = replace(base, schedule=schedule)
     chosen = None  # the recipe's own pack.avg_bits, taken as meant
     if expert_bytes is not None:

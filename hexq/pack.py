@@ -52,6 +52,7 @@ from hexq.artifact.format import (
 from hexq.calib.fold import fold_calibrated
 from hexq.calib.head import HEAD_PREFIX
 from hexq.calib.store import (
+    CalibrationManifest,
     calibration_source,
     load_head,
     load_layer,
@@ -72,7 +73,7 @@ from hexq.pack_tensors import (
 )
 from hexq.packed.grids import EXPORT_BITS
 from hexq.packed.weight import PROJECTIONS, packed_weight_nbytes
-from hexq.recipe import Pack, recipe_from_dict, recipe_to_dict
+from hexq.recipe import Pack, recipe_to_dict
 from hexq.streaming import open_model
 
 Progress = Callable[[str, int, int], None]
@@ -156,14 +157,14 @@ def allocated_bytes(allocation: list[list[int]], costs_by_bits: dict[int, int]) 
 # ------------------------------------------------------------------------------------------ the command
 
 
-def check_calibration(manifest: dict, calib_dir: Path, settings: Pack) -> Path:
+def check_calibration(manifest: CalibrationManifest, calib_dir: Path, settings: Pack) -> Path:
     """The source model folder, after checking the calibration is complete, has replica banks for the requested
     widths, and the source model has not changed since."""
     model_path = calibration_source(calib_dir, manifest)
-    missing = [b for b in settings.bits if b != 0 and b not in manifest["expert_bits"]]
+    missing = [b for b in settings.bits if b != 0 and b not in manifest.expert_bits]
     if missing:
         raise HexqError(f"pack bits {list(settings.bits)} need replicas at {missing} bits; {calib_dir} has "
-                        f"{manifest['expert_bits']} (calibrate with a replicas recipe, e.g. experts-mixed)")
+                        f"{manifest.expert_bits} (calibrate with a replicas recipe, e.g. experts-mixed)")
     return model_path
 
 
@@ -262,7 +263,7 @@ def pack(calib_dir: str | Path, out: str | Path, settings: Pack | None = None, b
     started = time.time()
     calib_dir, out = Path(calib_dir), Path(out)
     manifest = read_manifest(calib_dir)
-    recipe = recipe_from_dict(manifest["recipe"])
+    recipe = manifest.recipe
     settings = settings or recipe.pack
     recipe = replace(recipe, pack=settings)  # the artifact records the pack settings it was made with
     budget = budget or Budget(avg_bits=settings.avg_bits, allow_skipping=True)  # the recipe's own choice
@@ -270,15 +271,13 @@ def pack(calib_dir: str | Path, out: str | Path, settings: Pack | None = None, b
     keep_export = settings.export_replicas or "export" in bank
     bank = tuple(item for item in bank if item != "export")
 
-    if keep_export and EXPORT_BITS not in manifest["expert_bits"]:
-        raise HexqError(f"export replicas need {EXPORT_BITS}-bit replicas; {calib_dir} has {manifest['expert_bits']} "
-                        "bits")
+    if keep_export and EXPORT_BITS not in manifest.expert_bits:
+        raise HexqError(f"export replicas need {EXPORT_BITS}-bit replicas; {calib_dir} has {manifest.expert_bits} bits")
 
     streamed, _tokenizer = open_model(model_path, torch.device("cpu"))
     adapter = streamed.adapter
-    num_layers, num_experts = manifest["model"]["layers"], manifest["model"]["num_experts"]
-    moe_layers = manifest["model"]["moe_layers"]
-    table_bits = manifest["expert_bits"]
+    num_layers, num_experts, moe_layers = manifest.num_layers, manifest.num_experts, manifest.moe_layers
+    table_bits = manifest.expert_bits
     group_size = recipe.expert_weights.group_size
     _num, gate_up_shape, down_shape = streamed.expert_shapes(moe_layers[0])
     shapes = {"gate_up": gate_up_shape, "down": down_shape}
@@ -353,13 +352,13 @@ def pack(calib_dir: str | Path, out: str | Path, settings: Pack | None = None, b
             elif (model_path / name).is_file():
                 writer.add_file(name, model_path / name)
         writer.finish({
-            "model": {"model_type": manifest["model"]["model_type"], "num_layers": num_layers,
-                      "moe_layers": moe_layers, "num_experts": num_experts, "top_k": manifest["model"]["top_k"],
+            "model": {"model_type": manifest.model_type, "num_layers": num_layers,
+                      "moe_layers": moe_layers, "num_experts": num_experts, "top_k": manifest.top_k,
                       "moe": adapter.moe, "experts": adapter.experts},
-            "provenance": {"model_sha256": manifest["fingerprint"]["model"], "model_path": str(model_path.resolve()),
-                           "data_sha256": manifest["fingerprint"]["data"],
-                           "calibration_recipe_sha256": manifest["fingerprint"]["recipe"],
-                           "calibration_data": manifest["data"], "calibrated_with": manifest["hexq_version"]},
+            "provenance": {"model_sha256": manifest.fingerprint["model"], "model_path": str(model_path.resolve()),
+                           "data_sha256": manifest.fingerprint["data"],
+                           "calibration_recipe_sha256": manifest.fingerprint["recipe"],
+                           "calibration_data": manifest.data, "calibrated_with": manifest.hexq_version},
             "recipe": recipe_to_dict(recipe),
             "dense": {"quantized_linears": quantized, "aliases": aliases},
             "experts": {"replica_bits": table_bits, "bank_bits": banked,

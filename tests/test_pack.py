@@ -197,6 +197,22 @@ def test_changed_source_model_is_refused(mixed_calibration, tmp_path):
         pack(calib, tmp_path / "x.hexq")
 
 
+def test_a_calibration_manifest_missing_a_field_is_named(mixed_calibration, tmp_path):
+    """The calibration manifest is read into one typed record (hexq.calib.store.read_manifest): a field it lacks, or
+    holds with the wrong type, is named in one line, before any work starts."""
+    calib = tmp_path / "cal"
+    shutil.copytree(mixed_calibration[0], calib)
+    manifest = json.loads((calib / "manifest.json").read_text())
+    for change, field in (({"model": {k: v for k, v in manifest["model"].items() if k != "moe_layers"}},
+                           "model.moe_layers"),
+                          ({"expert_bits": "2,3"}, "expert_bits of type list"),
+                          ({"model": manifest["model"] | {"top_k": True}}, "model.top_k")):
+        write_sealed_json(calib / "manifest.json", manifest | change)
+        with pytest.raises(HexqError, match=field):
+            pack(calib, tmp_path / "x.hexq")
+        assert not (tmp_path / "x.hexq").exists()
+
+
 def test_a_corrupt_calibration_file_is_named(mixed_calibration, tmp_path):
     calib = tmp_path / "cal"
     shutil.copytree(mixed_calibration[0], calib)

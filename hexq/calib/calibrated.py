@@ -18,6 +18,7 @@ from hexq.calib.fold import fold_calibrated
 from hexq.calib.head import HEAD_PREFIX
 from hexq.calib.quantize import default_expert_bits
 from hexq.calib.store import (
+    CalibrationManifest,
     bank_weights,
     calibration_source,
     load_head,
@@ -29,7 +30,7 @@ from hexq.calib.store import (
 from hexq.errors import HexqError
 from hexq.layer_pass import ExpertCompute, expert_chunk
 from hexq.packed.weight import PROJECTIONS, PackedWeight, dequantize_packed
-from hexq.recipe import Recipe, recipe_from_dict
+from hexq.recipe import Recipe
 from hexq.simulate import (
     act_quantizer,
     attach_input_quant,
@@ -85,15 +86,14 @@ def calibrated_experts(loaded: LoadedLayer, tensors: dict, recipe: Recipe, bits:
 
 
 
-def calibration_plan(calib_dir: Path, expert_bits: int | None) -> tuple[dict, Recipe, int]:
-    """(manifest, recipe, expert width) of a finished calibration, after checking the source model is unchanged."""
+def calibration_plan(calib_dir: Path, expert_bits: int | None) -> tuple[CalibrationManifest, int]:
+    """(manifest, expert width) of a finished calibration, after checking the source model is unchanged."""
     manifest = read_manifest(calib_dir)
     calibration_source(calib_dir, manifest)
-    recipe = recipe_from_dict(manifest["recipe"])
-    bits = default_expert_bits(recipe) if expert_bits is None else expert_bits
-    if bits not in manifest["expert_bits"]:
-        raise HexqError(f"{calib_dir} has expert replicas at {manifest['expert_bits']} bits, not {bits}")
-    return manifest, recipe, bits
+    bits = default_expert_bits(manifest.recipe) if expert_bits is None else expert_bits
+    if bits not in manifest.expert_bits:
+        raise HexqError(f"{calib_dir} has expert replicas at {manifest.expert_bits} bits, not {bits}")
+    return manifest, bits
 
 
 class QuantizedHead:
@@ -121,8 +121,9 @@ def calibrated_model(calib_dir: str | Path, device: torch.device, expert_bits: i
     folded, dequantized dense weights with activation quantization, experts at `expert_bits`, the quantized head when
     the recipe has one: a head of its own, as in the artifact)."""
     calib_dir = Path(calib_dir)
-    manifest, recipe, bits = calibration_plan(calib_dir, expert_bits)
-    streamed, tokenizer = open_model(Path(manifest["model"]["path"]), device)
+    manifest, bits = calibration_plan(calib_dir, expert_bits)
+    recipe = manifest.recipe
+    streamed, tokenizer = open_model(manifest.model_path, device)
     head = load_head(calib_dir)
     if head is not None:
         shape = (streamed.config.vocab_size, streamed.config.hidden_size)

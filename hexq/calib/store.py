@@ -18,9 +18,11 @@ Every file is written atomically (temporary file, then rename).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,6 +34,7 @@ from hexq.models import source_state
 from hexq.packed.bitpack import pack_bits, packed_nbytes
 from hexq.packed.ggml import BLOCK_TYPES
 from hexq.packed.weight import SCALE_DTYPE, PackedWeight, dequantize_packed, pack_weight
+from hexq.recipe import Recipe, recipe_from_dict
 
 FORMAT = "hexq-calibration"
 FORMAT_VERSION = 2  # 2: bit-packed codes and float16 scales (1 stored one byte per code)
@@ -101,10 +104,10 @@ def open_layer(out: Path, index: int):
         yield handle
 
 
-def calibration_source(calib_dir: Path, manifest: dict) -> Path:
+def calibration_source(calib_dir: Path, manifest: CalibrationManifest) -> Path:
     """The model folder a finished calibration was made from, after checking it is still there and unchanged."""
-    model_path = Path(manifest["model"]["path"])
-    state = source_state(model_path, manifest["fingerprint"]["model"])
+    model_path = manifest.model_path
+    state = source_state(model_path, manifest.fingerprint["model"])
     if state == "gone":
         raise HexqError(f"the source model of {calib_dir} is gone: {model_path}")
     if state == "changed":
@@ -208,8 +211,38 @@ def checked(out: Path, name: str) -> Path:
     return path
 
 
-def read_manifest(out: Path) -> dict:
-    """The manifest of a finished calibration, its seal checked (an edit is named), format and version too."""
+@dataclass(frozen=True)
+class CalibrationManifest:
+    """What a finished calibration's manifest.json says (written by hexq.calib.pipeline, read only through
+    read_manifest): the source model and its shape, the fingerprints of model, data and recipe, the recipe, and the
+    widths of the replica banks."""
+
+    model_path: Path
+    model_type: str
+    num_layers: int
+    moe_layers: list[int]
+    num_experts: int
+    top_k: int
+    fingerprint: dict[str, str]  # sha256 of "model", "data", "recipe"
+    data: dict  # source, num_samples, seqlen, seed, tokens_available
+    recipe: Recipe
+    expert_bits: list[int]  # the replica banks' widths (and the loss table's columns)
+    hexq_version: str
+    fallback_experts: int
+
+
+def _field(where: Path, manifest: dict, kind: type, *keys: str):
+    value = manifest
+    for key in keys:
+        value = value.get(key) if isinstance(value, dict) else None
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+        raise HexqError(f"{where}: manifest.json has no {'.'.join(keys)} of type {kind.__name__}; calibrate again")
+    return value
+
+
+def read_manifest(out: Path) -> CalibrationManifest:
+    """The manifest of a finished calibration, its seal checked (an edit is named), format and version too, and
+    every field it is read for present (a missing one is named)."""
     path = Path(out) / "manifest.json"
     if not path.is_file():
         raise HexqError(f"{out} is not a finished hexq calibration folder (no manifest.json)")
@@ -222,7 +255,14 @@ def read_manifest(out: Path) -> dict:
     if version < FORMAT_VERSION:
         raise HexqError(f"{out} was written by an older hexq (calibration format {version}, this hexq reads "
                         f"{FORMAT_VERSION}); calibrate again")
-    return manifest
+    field = functools.partial(_field, path, manifest)
+    return CalibrationManifest(
+        model_path=Path(field(str, "model", "path")), model_type=field(str, "model", "model_type"),
+        num_layers=field(int, "model", "layers"), moe_layers=field(list, "model", "moe_layers"),
+        num_experts=field(int, "model", "num_experts"), top_k=field(int, "model", "top_k"),
+        fingerprint=field(dict, "fingerprint"), data=field(dict, "data"),
+        recipe=recipe_from_dict(field(dict, "recipe")), expert_bits=field(list, "expert_bits"),
+        hexq_version=field(str, "hexq_version"), fallback_experts=field(int, "fallback_experts"))
 
 
 # ------------------------------------------------------------------------------------------ packed weights
