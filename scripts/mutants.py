@@ -165,6 +165,10 @@ MUTANTS = [
            "                if (j->forward) out[g * 8 + r] = grid[r * groups + g];",
            "                if (j->forward) out[r * groups + g] = grid[r * groups + g];",
            ("tests/test_packed_cpu.py",)),
+    Mutant("dequant-item-reads-the-first-rows-scales", "hexq/packed/kernels.c",
+           "    dequant_part(j->packed + r0 * row_bytes, j->bits, j->scale + r0 * groups, j->zero + r0 * groups,",
+           "    dequant_part(j->packed + r0 * row_bytes, j->bits, j->scale, j->zero + r0 * groups,",
+           ("tests/test_packed_cpu.py",)),
     # ------------------------------------------------------------------ the native decode step (C)
     Mutant("native-resume-runs-the-layer-again", "hexq/packed/decode.c",
            "        const int resuming = layer == r->layer;", "        const int resuming = 0;",

@@ -130,6 +130,21 @@ def test_dequantize_is_the_torch_path_bit_for_bit(path: str, bits: int) -> None:
                                want.view(torch.int16 if dtype != torch.float32 else torch.int32)), (group, dtype)
 
 
+@pytest.mark.parametrize("layout", ["stream", "planes", "rows8"])
+def test_dequantize_on_threads_is_the_torch_path_bit_for_bit(layout: str) -> None:
+    """Rows split across the pool (blocks of 64 rows, the last one short): every row written once, bit for bit."""
+    for bits in (3, 4, 8) if layout == "stream" else (3, 4):
+        codes, scale, zero, _ = packed_matrix(200, 512, bits, 32, False, seed=bits)
+        weight = KERNELS.relayout(PackedWeight(codes.clone(), scale.clone(), zero.clone(), bits, (200, 512)), layout)
+        assert weight.layout == layout
+        want = dequantize_into(torch.empty(200, 512, dtype=torch.bfloat16), codes, bits, scale, zero, 32)
+        for threads in (1, 3):
+            kernels = load_cpu_kernels(KERNELS.path, threads)
+            out = torch.full((200, 512), float("nan"), dtype=torch.bfloat16)
+            assert kernels.dequantize(out, weight)
+            assert torch.equal(out.view(torch.int16), want.view(torch.int16)), (bits, threads)
+
+
 def planes_reference(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """[rows, row bytes] of integer codes [rows, cols] in the planes layout, built from its description in kernels.c
     (not from the C code): planes of 4, 2 and 1 bits, 8/w blocks per 32-byte unit, bytes in perm32 order, the

@@ -144,7 +144,7 @@ class CpuKernels:
         library.hexq_dequant.restype = ctypes.c_int
         library.hexq_dequant.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                          ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-                                         ctypes.c_int64, ctypes.c_int]
+                                         ctypes.c_int64, ctypes.c_int, ctypes.c_int]
         library.hexq_relayout.restype = ctypes.c_int
         library.hexq_relayout.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 5
         self._local = threading.local()
@@ -189,7 +189,7 @@ class CpuKernels:
         taken = takes and self.library.hexq_dequant(
             weight.codes.data_ptr(), weight.bits, weight.scale.data_ptr(), weight.zero.data_ptr(), out.numel(),
             out.numel() // groups, out.data_ptr(), OUT_KIND[out.dtype], self._path_index, weight.shape[1],
-            LAYOUTS.index(weight.layout)) == 0
+            LAYOUTS.index(weight.layout), self.threads) == 0
         if not taken and weight.layout != "stream":
             raise ValueError(f"the {self.path} kernels refused a {weight.layout} {list(weight.shape)} matrix into "
                              f"{out.dtype}")
