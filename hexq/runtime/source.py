@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hexq.artifact.reader import Artifact, read_buffer_nbytes
+from hexq.artifact.reader import Artifact
+from hexq.artifact.spans import read_buffer_nbytes
 from hexq.packed.bitpack import DequantScratch
 from hexq.packed.weight import PackedWeight, dequantize_packed_into, packed_weight_nbytes
 from hexq.runtime.cache import ExpertWeights
