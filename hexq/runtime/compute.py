@@ -20,14 +20,16 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import threading
 from dataclasses import asdict, dataclass
 
 import torch
 
+from hexq.errors import HexqError
 from hexq.io import cache_dir, write_json_atomic
 from hexq.packed.bitpack import DequantScratch
-from hexq.packed.cpu import SOURCE, GemvJob, gemv_takes
+from hexq.packed.cpu import SOURCE, GemvJob, gemv_takes, load_cpu_kernels
 from hexq.packed.weight import PackedWeight, dequantize_packed_into
 from hexq.runtime.cache import ExpertWeights
 from hexq.runtime.cost import LatencyProfile, measure_latency, n_critical, should_fill
@@ -350,3 +352,24 @@ class PackedRows:
 def weight_rows(linear: torch.nn.Module):
     """What blocked_nll / head_logits read a linear's weight from: its weight, or a PackedLinear's PackedRows."""
     return PackedRows(linear) if isinstance(linear, PackedLinear) else linear.weight
+
+
+def compute_backend(kernels: str, device: torch.device, threads: int | None):
+    """(CPU kernels or None, whether Triton computes) for --kernels on `device` (see RuntimeConfig)."""
+    if kernels == "torch":
+        return None, False
+    if kernels == "triton" or kernels == "auto" and device.type == "cuda":
+        from hexq.packed import triton as gpu  # only here: importing triton takes ~1 s and ~100 MB a CPU run never uses
+
+        interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+        if gpu.available() and (device.type == "cuda" or interpreted):
+            return None, True
+        if kernels == "triton":
+            raise HexqError("--kernels triton needs the triton package and a CUDA device (or TRITON_INTERPRET=1)")
+        return None, False
+    if device.type != "cpu":
+        raise HexqError(f"--kernels cpu computes on the CPU; with --device {device} use --kernels auto")
+    cpu = load_cpu_kernels(threads=threads)
+    if cpu is None and kernels == "cpu":
+        raise HexqError("--kernels cpu: the CPU kernels could not be built (no C compiler?); use --kernels torch")
+    return cpu, False

@@ -26,15 +26,14 @@ traces, with as many experts per layer as the fast tier holds. A miss that would
 cost model (hexq.runtime.cost.admit_fill).
 
 Correctness. Start-up checks the compute against a float64 reference on a few tokens for one expert at every stored
-width and one dense linear (`self_check`): a device or kernel that computes wrong numbers stops `hexq run` with a
-one-line error instead of serving them. With the `static` policy the result of every forward pass is the same for
+width and one dense linear (hexq.runtime.self_check): a device or kernel that computes wrong numbers stops `hexq run`
+with a one-line error instead of serving them. With the `static` policy the result of every forward pass is the same for
 every budget (experts are grouped in the same order and computed by the same function whatever is resident, and the
 cost model's choices come from latencies measured once per machine and kept: hexq.runtime.compute.cached_profile).
 """
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -49,21 +48,18 @@ from hexq.artifact.reader import Artifact
 from hexq.devices import peak_rss_bytes, resolve_device
 from hexq.errors import HexqError
 from hexq.models import context_length
-from hexq.packed.bitpack import packed_nbytes
-from hexq.packed.cpu import load_cpu_kernels
-from hexq.packed.weight import dequantize_packed
 from hexq.runtime.cache import ExpertCache
-from hexq.runtime.compute import EXPAND_ROWS, Compute, PackedLinear, weight_rows
+from hexq.runtime.compute import EXPAND_ROWS, Compute, compute_backend, weight_rows
 from hexq.runtime.cost import admit_fill, calibration_usage, usage_update
 from hexq.runtime.experts import USAGE_HORIZON, CachedExperts, RunState
 from hexq.runtime.model import build_model, dense_plan_bytes, expert_quantizers, skeleton
 from hexq.runtime.native import NativeDecoder, NotNative
 from hexq.runtime.policy import check_policy_widths, make_policy, policy_context
 from hexq.runtime.sampling import Sampling, TextStream, next_token
+from hexq.runtime.self_check import self_check
 from hexq.runtime.source import CACHE_FORMATS, ArtifactSource
 from hexq.runtime.stats import RunStats
 from hexq.runtime.warm import warm_order
-from hexq.simulate import quantized_expert_output
 from hexq.streaming import blocked_nll
 
 MODES = ("cache", "ondemand")  # ondemand: no fast tier, every expert loaded from the slow tier at each use
@@ -77,9 +73,6 @@ GREEDY = Sampling()
 # Positions of one sequence the KV cache is planned for when --context is not given (llama.cpp's default context):
 # the model's own maximum can be 40960 or more, whose KV cache alone would take gigabytes.
 DEFAULT_CONTEXT = 4096
-# A served computation may differ from the float64 reference by what bf16 activations and weights round away (a
-# few 1e-3 relative); a wrong dequantization or kernel is off by O(1). Between the two: refuse to serve.
-SELF_CHECK_TOLERANCE = 0.05
 
 
 @dataclass(frozen=True)
@@ -239,7 +232,7 @@ class Runtime:
                 module.norm_ratio = torch.where(norms[layer] != 0, norms[layer + 1] / norms[layer], 0.0)
                 module.default_bits_next = artifact.allocation[layer + 1]
         self.device = device
-        self.self_check(modules[0])
+        self_check(self, modules[0])
         self.warm_experts = self.warm(config.warm) if config.mode == "cache" and not resident else 0
         self.native, self.decode_path = self._decoder(config.decode)
 
@@ -255,48 +248,6 @@ class Runtime:
             return None, f"transformers ({reason})"
         self.cache.reset_stats()  # the native step took every expert from the cache once
         return native, "native"
-
-    def self_check(self, experts: CachedExperts) -> None:
-        """Compute one expert of the first MoE layer at every width it stores (on the served path: the resident
-        arena, or the cache's compute), and one quantized dense linear, on a few tokens, against float64 products of
-        the same packed weights; a relative error past SELF_CHECK_TOLERANCE is a HexqError (never serve wrong
-        numbers). Then measure the cost model's latencies."""
-        act_fn, quantizers = experts.act_fn, experts.quantizers
-        generator = torch.Generator(device="cpu").manual_seed(0)
-        expert = next((e for e, b in enumerate(self.artifact.allocation[0]) if b), None)
-        buffer = torch.empty(self.source.read_nbytes, dtype=torch.uint8, device="cpu")
-        probe = None
-        if expert is not None:
-            widths = [self.artifact.allocation[0][expert]] if experts.resident else self.artifact.stored_bits(0, expert)
-            for bits in widths:
-                x = torch.randn(3, self.source.shapes[0][1], generator=generator, device="cpu")
-                if experts.resident is not None:
-                    index = torch.full((3, 1), expert, dtype=torch.long, device=self.device)
-                    got = experts.resident(x.to(self.device, self.dtype), index, torch.ones(3, 1, device=self.device),
-                                           act_fn, quantizers)
-                else:
-                    probe = self.source.load_transient(0, expert, bits)
-                    got = self.compute.expert(x.to(self.device, self.dtype), probe, act_fn, quantizers)
-                gate_up, down = (dequantize_packed(p).double() for p in self.artifact.read_expert(0, expert, bits,
-                                                                                                  buffer))
-                want = quantized_expert_output(x.double(), gate_up, down, act_fn, *quantizers)
-                self._check("expert", bits, got, want)
-        dense = largest_packed_linear(self.model)
-        if dense is not None:
-            x = torch.randn(2, dense.in_features, generator=generator, device="cpu").to(self.device, self.dtype)
-            want = torch.nn.functional.linear(
-                (x if dense.quantizer is None else dense.quantizer(x)).double().cpu(),
-                dequantize_packed(_unpadded(dense.weight_packed)).double().cpu())
-            self._check("dense linear", dense.bits, dense(x) - _bias(dense), want)
-        self.compute.measure(None if probe is None else self.source.load_transient(0, expert, probe.bits),
-                             None if dense is None else dense.weight_packed, act_fn)
-
-    def _check(self, what: str, bits: int, got: torch.Tensor, want: torch.Tensor) -> None:
-        error = float((got.double().cpu() - want).norm() / want.norm().clamp(min=1e-30))
-        if not error <= SELF_CHECK_TOLERANCE:
-            raise HexqError(f"the {self.device} computation of a {bits}-bit {what} ({self.compute.path}) is off by "
-                            f"{error:.2g} relative to the float64 reference (allowed {SELF_CHECK_TOLERANCE}): "
-                            "refusing to serve wrong numbers; try --device cpu or HEXQ_CPU_PATH=scalar")
 
     def _admit(self, key: tuple[int, int], bits: int, victims: list[tuple[tuple[int, int], int]],
                prefetch: bool) -> bool:
@@ -485,42 +436,3 @@ def compute_scratch_nbytes(artifact: Artifact, streamed, dtype: torch.dtype, tor
     dense = max((min(rows, EXPAND_ROWS) * cols for rows, cols in shapes), default=0)  # Compute.linear's blocks
     codes = max(*expert, dense) if torch_path else 0
     return (sum(expert) + dense) * dtype.itemsize + codes
-
-
-def compute_backend(kernels: str, device: torch.device, threads: int | None):
-    """(CPU kernels or None, whether Triton computes) for --kernels on `device` (see RuntimeConfig)."""
-    if kernels == "torch":
-        return None, False
-    if kernels == "triton" or kernels == "auto" and device.type == "cuda":
-        from hexq.packed import triton as gpu  # only here: importing triton takes ~1 s and ~100 MB a CPU run never uses
-
-        interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-        if gpu.available() and (device.type == "cuda" or interpreted):
-            return None, True
-        if kernels == "triton":
-            raise HexqError("--kernels triton needs the triton package and a CUDA device (or TRITON_INTERPRET=1)")
-        return None, False
-    if device.type != "cpu":
-        raise HexqError(f"--kernels cpu computes on the CPU; with --device {device} use --kernels auto")
-    cpu = load_cpu_kernels(threads=threads)
-    if cpu is None and kernels == "cpu":
-        raise HexqError("--kernels cpu: the CPU kernels could not be built (no C compiler?); use --kernels torch")
-    return cpu, False
-
-
-def _unpadded(weight):
-    """A packed weight whose codes may sit in a padded buffer (Triton's second byte load), cut to its own bytes."""
-    rows, cols = weight.shape
-    return type(weight)(weight.codes[:packed_nbytes(rows * cols, weight.bits)], weight.scale, weight.zero,
-                        weight.bits, weight.shape)
-
-
-def largest_packed_linear(model: torch.nn.Module) -> PackedLinear | None:
-    """The largest packed linear of the decoder layers (the one the self-check and the cost model's dense profile
-    measure; a quantized head, vocab x hidden, is computed from the same kernels but would cost seconds to check)."""
-    linears = [m for m in model.model.layers.modules() if isinstance(m, PackedLinear)]
-    return max(linears, key=lambda m: m.in_features * m.out_features, default=None)
-
-
-def _bias(linear: PackedLinear) -> torch.Tensor | float:
-    return 0.0 if linear.bias is None else linear.bias.to(linear.compute.dtype)
