@@ -1272,6 +1272,29 @@ static AVX512 void dequant_avx512(const uint8_t* packed, int bits, const uint16_
         }
     }
 }
+/* The rows8 layout into bfloat16 at widths 1-4 (what a prefill's expansion asks for): per block of a group of 8 rows,
+   the 8 dword registers transposed back into each row's 32 codes, put back in natural order (perm32 swaps the middle
+   quarters: one qword permute), widened to 16-bit indices into a table of the group's 16 values q s - z s, one
+   vpermw for 32 outputs (dequant_avx512's table for the stream). Twice the speed of the AVX2 code per weight. */
+static AVX512 void dequant_rows8_avx512(const uint8_t* packed, int bits, const uint16_t* scale, const uint16_t* zero,
+                                        int64_t rows, int64_t group, int64_t cols, void* out) {
+    const int64_t row_bytes = cols * bits / 8, groups = cols / group;
+    const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    for (int64_t r0 = 0; r0 < rows; r0 += 8)
+        for (int64_t blk = 0; blk < cols / BLOCK; blk++) {
+            __m256i t[8];
+            for (int d = 0; d < 8; d++) t[d] = rows8_dword(packed + r0 * row_bytes, blk, d, bits);
+            transpose8(t);
+            for (int r = 0; r < 8; r++) {
+                const int64_t at = grid_index(LAYOUT_ROWS8, r0 + r, blk * BLOCK / group, groups);
+                const float sf = _cvtsh_ss(scale[at]), zf = _cvtsh_ss(zero[at]);
+                const __m512i table = _mm512_castsi256_si512(
+                    bf16_avx512(_mm512_fmadd_ps(iota, _mm512_set1_ps(sf), _mm512_set1_ps(-(zf * sf)))));
+                const __m512i q = _mm512_cvtepu8_epi16(_mm256_permute4x64_epi64(t[r], 0xd8));
+                _mm512_storeu_si512((uint16_t*)out + (r0 + r) * cols + blk * BLOCK, _mm512_permutexvar_epi16(q, table));
+            }
+        }
+}
 #endif
 
 static void dequant_planes(const uint8_t* packed, int bits, const uint16_t* scale, const uint16_t* zero,
@@ -1339,6 +1362,8 @@ static int dequant_part(const uint8_t* packed, int bits, const uint16_t* scale, 
         if (!run) return 0;
         if (layout == LAYOUT_PLANES) dequant_planes(packed, bits, scale, zero, numel, group, cols, out, out_kind, path);
 #ifdef HEXQ_X86
+        else if (path == PATH_AVX512 && bits <= 4 && out_kind == 1)
+            dequant_rows8_avx512(packed, bits, scale, zero, numel / cols, group, cols, out);
         else if (path != PATH_SCALAR) dequant_rows8_avx2(packed, bits, scale, zero, numel / cols, group, cols, out, out_kind);
 #endif
         else dequant_rows8_scalar(packed, bits, scale, zero, numel / cols, group, cols, out, out_kind);
