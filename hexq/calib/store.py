@@ -228,7 +228,6 @@ class CalibrationManifest:
     recipe: Recipe
     expert_bits: list[int]  # the replica banks' widths (and the loss table's columns)
     hexq_version: str
-    fallback_experts: int
 
 
 def _field(where: Path, manifest: dict, kind: type, *keys: str):
@@ -262,7 +261,7 @@ def read_manifest(out: Path) -> CalibrationManifest:
         num_experts=field(int, "model", "num_experts"), top_k=field(int, "model", "top_k"),
         fingerprint=field(dict, "fingerprint"), data=field(dict, "data"),
         recipe=recipe_from_dict(field(dict, "recipe")), expert_bits=field(list, "expert_bits"),
-        hexq_version=field(str, "hexq_version"), fallback_experts=field(int, "fallback_experts"))
+        hexq_version=field(str, "hexq_version"))
 
 
 # ------------------------------------------------------------------------------------------ packed weights

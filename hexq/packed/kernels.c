@@ -868,6 +868,13 @@ static AVX2 INLINE __m256i rows8_dword(const uint8_t* group8, int64_t b, const i
     return q;
 }
 
+/* Block b of a group of 8 rows in the rows8 layout back in each row's own order: t[r] = row r's 32 codes as bytes in
+   perm32 order (the 8 dword registers, transposed). */
+static AVX2 INLINE void rows8_block_codes(const uint8_t* group8, int64_t b, const int bits, __m256i t[8]) {
+    for (int d = 0; d < 8; d++) t[d] = rows8_dword(group8, b, d, bits);
+    transpose8(t);
+}
+
 /* Block b of 8 rows into acc[t] (8 lanes, one per row): dx_b times the block's integer dot product with token t's
    x. Two accumulators per byte half (even and odd dwords) so that the vpdpbusd chains are half as long. */
 static AVX512 INLINE void rows8_block(const uint8_t* group8, const quantized_x* xq, int64_t cols, int64_t blocks,
@@ -1167,6 +1174,18 @@ static AVX2 INLINE void dequant_avx2_bits(const uint8_t* packed, const int bits,
     }
 }
 
+/* One block's 32 codes (bytes in perm32 order: unpacked within 128-bit lanes they come out in order) dequantized
+   with scale s and zero z into out at element i. */
+static AVX2 INLINE void dequant_block_avx2(__m256i q, float sf, float zf, void* out, int64_t i, int out_kind) {
+    const __m256 s = _mm256_set1_ps(sf), z = _mm256_set1_ps(zf), b = _mm256_set1_ps(-(zf * sf));
+    const __m256i lo = _mm256_unpacklo_epi8(q, _mm256_setzero_si256());
+    const __m256i hi = _mm256_unpackhi_epi8(q, _mm256_setzero_si256());
+    const __m128i quarter[4] = {_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1),
+                                _mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1)};
+    for (int j = 0; j < 4; j++)
+        dequant8_avx2(_mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(quarter[j])), s, z, b, out, i + 8 * j, out_kind);
+}
+
 /* The planes layout on AVX2: a block of 32 codes per step (planes_block, its shift counts known at run time here),
    the stream's blocks 8 codes per pdep. group: a multiple of 32. */
 static AVX2 void dequant_planes_avx2(const uint8_t* packed, int bits, const uint16_t* scale, const uint16_t* zero,
@@ -1188,14 +1207,8 @@ static AVX2 void dequant_planes_avx2(const uint8_t* packed, int bits, const uint
                 }
                 continue;
             }
-            const __m256i q = planes_block(row, nbp, blk - blk % unit, (int)(blk % unit), bits);
-            const __m256i lo = _mm256_unpacklo_epi8(q, _mm256_setzero_si256());
-            const __m256i hi = _mm256_unpackhi_epi8(q, _mm256_setzero_si256());
-            const __m128i quarter[4] = {_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1),
-                                        _mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1)};
-            for (int j = 0; j < 4; j++)
-                dequant8_avx2(_mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(quarter[j])), s, z, b, out, i + 8 * j,
-                              out_kind);
+            dequant_block_avx2(planes_block(row, nbp, blk - blk % unit, (int)(blk % unit), bits), sf, zf, out, i,
+                               out_kind);
         }
     }
 }
@@ -1283,8 +1296,7 @@ static AVX512 void dequant_rows8_avx512(const uint8_t* packed, int bits, const u
     for (int64_t r0 = 0; r0 < rows; r0 += 8)
         for (int64_t blk = 0; blk < cols / BLOCK; blk++) {
             __m256i t[8];
-            for (int d = 0; d < 8; d++) t[d] = rows8_dword(packed + r0 * row_bytes, blk, d, bits);
-            transpose8(t);
+            rows8_block_codes(packed + r0 * row_bytes, blk, bits, t);
             for (int r = 0; r < 8; r++) {
                 const int64_t at = grid_index(LAYOUT_ROWS8, r0 + r, blk * BLOCK / group, groups);
                 const float sf = _cvtsh_ss(scale[at]), zf = _cvtsh_ss(zero[at]);
@@ -1309,9 +1321,8 @@ static void dequant_planes(const uint8_t* packed, int bits, const uint16_t* scal
     dequant_planes_scalar(packed, bits, scale, zero, numel, group, cols, out, out_kind);
 }
 
-/* The rows8 layout: per block of a group of 8 rows, the 8 dword registers (rows8_dword) transposed back into each
-   row's 32 codes in perm32 order, then dequantized as dequant_planes_avx2 does a block; the portable path reads each
-   code with code_rows8. */
+/* The rows8 layout: per block of a group of 8 rows, each row's 32 codes (rows8_block_codes) dequantized as a planes
+   block is (dequant_block_avx2); the portable path reads each code with code_rows8. */
 #ifdef HEXQ_X86
 static AVX2 void dequant_rows8_avx2(const uint8_t* packed, int bits, const uint16_t* scale, const uint16_t* zero,
                                     int64_t rows, int64_t group, int64_t cols, void* out, int out_kind) {
@@ -1319,19 +1330,11 @@ static AVX2 void dequant_rows8_avx2(const uint8_t* packed, int bits, const uint1
     for (int64_t r0 = 0; r0 < rows; r0 += 8)
         for (int64_t blk = 0; blk < cols / BLOCK; blk++) {
             __m256i t[8];
-            for (int d = 0; d < 8; d++) t[d] = rows8_dword(packed + r0 * row_bytes, blk, d, bits);
-            transpose8(t);
+            rows8_block_codes(packed + r0 * row_bytes, blk, bits, t);
             for (int r = 0; r < 8; r++) {
-                const int64_t i = (r0 + r) * cols + blk * BLOCK, at = grid_index(LAYOUT_ROWS8, r0 + r, blk * BLOCK / group, groups);
-                const float sf = _cvtsh_ss(scale[at]), zf = _cvtsh_ss(zero[at]);
-                const __m256 s = _mm256_set1_ps(sf), z = _mm256_set1_ps(zf), b = _mm256_set1_ps(-(zf * sf));
-                const __m256i lo = _mm256_unpacklo_epi8(t[r], _mm256_setzero_si256());
-                const __m256i hi = _mm256_unpackhi_epi8(t[r], _mm256_setzero_si256());
-                const __m128i quarter[4] = {_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1),
-                                            _mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1)};
-                for (int j = 0; j < 4; j++)
-                    dequant8_avx2(_mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(quarter[j])), s, z, b, out, i + 8 * j,
-                                  out_kind);
+                const int64_t at = grid_index(LAYOUT_ROWS8, r0 + r, blk * BLOCK / group, groups);
+                dequant_block_avx2(t[r], _cvtsh_ss(scale[at]), _cvtsh_ss(zero[at]), out, (r0 + r) * cols + blk * BLOCK,
+                                   out_kind);
             }
         }
 }
