@@ -14,20 +14,21 @@ average bits, by each ALLOCATORS entry (the last setting gets every allocator, t
 recommended one; the bundled experts-mixed recipe is setting "act" with allocator "free+0"). The pieces: `fit`
 (group grids fitted to the Hessian-weighted error, hexq.algos.clipping), `act` (columns in decreasing
 Hessian-diagonal order, static groups: GPTQ's act_order), `round` (1- and 2-bit rounding optimised on routed tokens,
-hexq.algos.rounding); allocators: 0-bit experts (skipped, router weight renormalised), the loss weighted by routing
-mass (pack.loss layer) and any width per expert (pack.order free).
+hexq.algos.rounding), `block` (the same widths optimised against each layer's full-precision output,
+experts.round_scope block); allocators: 0-bit experts (skipped, router weight renormalised), the loss weighted by
+routing mass (pack.loss layer) and any width per expert (pack.order free).
 
 Peer rows (all linears but routers and the head at W2A16 or W3A16, groups of 32, asymmetric, weights only): hexq's
-GPTQ (peer_recipe: act_order, 1-2 bit rounding of the experts), auto-round (signed-gradient rounding and min/max
-tuning, --auto-round-iters steps per block, 200 by default, at --auto-round-lr, its defaults otherwise) and
-llm-compressor's GPTQModifier.
+GPTQ (peer_recipe: act_order, then rounding optimised over each whole layer), auto-round (signed-gradient rounding
+and min/max tuning, --auto-round-iters steps per block, 200 by default, at --auto-round-lr, its defaults otherwise)
+and llm-compressor's GPTQModifier. Every row: perplexity and the mean KL divergence of its next-token distributions
+from the full-precision model's on the same windows (hexq.eval.divergence).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import shutil
 import time
 from pathlib import Path
@@ -39,14 +40,14 @@ from hexq.calib.calibrated import calibrated_model
 from hexq.calib.pipeline import calibrate
 from hexq.calib.store import read_manifest
 from hexq.data import calibration_windows, eval_text, tokenize
-from hexq.eval.perplexity import make_windows, perplexity
-from hexq.layer_pass import full_precision_plan, stream_nll
+from hexq.eval.divergence import Divergence, token_divergence
+from hexq.eval.perplexity import make_windows
+from hexq.eval.run import kl_divergence, open_target
 from hexq.pack import Budget, make_plan, pack, read_stats
 from hexq.packed.weight import PROJECTIONS
 from hexq.recipe import Experts, Pack, Recipe, WeightQuant, recipe_from_dict
 from hexq.recipe_files import load_recipe
 from hexq.runtime.model import artifact_model
-from hexq.streaming import open_model
 
 from provenance import start_run, write_results
 
@@ -58,11 +59,14 @@ MIXED_BITS = (1.5, 2.0, 2.5, 3.0)
 
 # How the experts' replica bank is made (changes to experts-mixed's experts.weights / experts sections); "main" is
 # the bank as hexq made it before these pieces (natural column order, min/max grids), "act" the bundled recipe's.
+BLOCK_STEPS = 200  # AutoRound's default steps per block
 SETTINGS = {
     "main": {"weights": {"act_order": "none"}},
     "fit": {"weights": {"act_order": "none", "fit_bits": (1, 2, 3, 4, 8)}},
     "act": {"weights": {"act_order": "sum_of_squares"}},
     "act+round": {"weights": {"act_order": "sum_of_squares"}, "experts": {"round_bits": (1, 2)}},
+    "act+block": {"weights": {"act_order": "sum_of_squares"},
+                  "experts": {"round_bits": (1, 2), "round_scope": "block", "round_steps": BLOCK_STEPS}},
 }
 # How `hexq pack` allocates (its pack section); "main" is the allocator before 0-bit experts and routing mass.
 ALLOCATORS = {
@@ -86,12 +90,13 @@ def bank_recipe(setting: str, samples: int) -> Recipe:
 
 def peer_recipe(bits: int, samples: int) -> Recipe:
     """hexq at WbA16 g32 on every linear (attention too), like the peers: GPTQ with act_order (static min/max
-    grids: fitted ones lose there), the experts' 1-2 bit rounding optimised on their routed tokens."""
+    grids: fitted ones lose there), then every matrix's rounding and scales optimised against each decoder layer's
+    full-precision output (experts.round_scope block, BLOCK_STEPS steps, as auto-round tunes its blocks)."""
     weights = WeightQuant(bits=bits, group_size=32, symmetric=False, act_order="sum_of_squares")
+    experts = Experts(mode="uniform", round_bits=(bits,), round_scope="block", round_steps=BLOCK_STEPS)
     return recipe_from_dict({
         "name": f"w{bits}a16-g32", "smoothing": {"method": "none"}, "weights": dataclasses.asdict(weights),
-        "activations": {"bits": None},
-        "experts": dataclasses.asdict(Experts(mode="uniform", round_bits=(bits,) if bits <= 2 else ())),
+        "activations": {"bits": None}, "experts": dataclasses.asdict(experts),
         "calibration": {"num_samples": samples, "seqlen": SEQLEN, "seed": 0}})
 
 
@@ -99,27 +104,48 @@ def percent(value: float, reference: float) -> str:
     return f"{value:.3f} ({100 * (value / reference - 1):+.2f}%)"
 
 
+def cell(row: dict, fp: dict, source: str) -> str:
+    """Perplexity (change against full precision) and, where measured, the mean KL divergence from it."""
+    kld = row.get(f"{source}_kld")
+    return percent(row[source], fp[source]) + (f" · {kld:.4f}" if kld is not None else "")
+
+
 class Evaluator:
-    """Perplexity on the first `windows` windows of every EVAL_DATA text, streamed (hexq targets) or in memory
-    (the peers' models), the same windows for both."""
+    """Perplexity and KL divergence from the full-precision model (hexq.eval.divergence: mean KLD per token, top-1
+    agreement) on the first `windows` windows of every EVAL_DATA text, streamed (hexq targets) or in memory (the
+    peers' models), the same windows for both."""
 
     def __init__(self, model_path: Path, windows: int) -> None:
-        _streamed, tokenizer = open_model(model_path, torch.device("cpu"))
-        self.tokenizer = tokenizer
+        reference, tokenizer, prepare = open_target(model_path, torch.device("cpu"), None)
+        self.tokenizer, self.reference = tokenizer, (reference, prepare)
+        self.model_path = model_path
         self.windows = {source: make_windows(tokenize(tokenizer, eval_text(source)), SEQLEN, windows)
                         for source in EVAL_DATA}
+        self.ids = torch.cat(list(self.windows.values()))
 
-    def streamed(self, streamed, prepare) -> dict[str, float]:
-        nll = stream_nll(streamed, torch.cat(list(self.windows.values())), 8, prepare)
+    def by_text(self, measured: Divergence) -> dict[str, float]:
+        """{text: perplexity, text_kld: mean KLD, text_top1: top-1 agreement} from the per-token figures."""
         out, start = {}, 0
         for source, cut in self.windows.items():
-            out[source] = math.exp(float(nll[start:start + cut.shape[0]].sum()) / (cut.shape[0] * (SEQLEN - 1)))
-            start += cut.shape[0]
+            tokens = cut.shape[0] * (SEQLEN - 1)
+            summary = measured[start:start + tokens].summary()
+            out[source] = summary["perplexity"]
+            out[f"{source}_kld"], out[f"{source}_top1"] = summary["kld_mean"], summary["top1_agreement"]
+            start += tokens
         return out
 
+    def streamed(self, streamed, prepare) -> dict[str, float]:
+        return self.by_text(kl_divergence(streamed, prepare, self.reference, self.ids, 8, None, None))
+
+    @torch.no_grad()
     def in_memory(self, model) -> dict[str, float]:
-        return {source: perplexity(model.float(), cut.reshape(-1), SEQLEN, cut.shape[0]).perplexity
-                for source, cut in self.windows.items()}
+        from hexq.models import load_model
+
+        reference, _tokenizer, _ = load_model(self.model_path, device="cpu", dtype=torch.float32)
+        model = model.float()
+        parts = [token_divergence(model(window[None]).logits[0, :-1].float(),
+                                  reference(window[None]).logits[0, :-1].float(), window[1:]) for window in self.ids]
+        return self.by_text(Divergence.join(parts))
 
     def allocation(self, artifact: Artifact, allocation: list[list[int]]) -> dict[str, float]:
         """The artifact's model with every expert at allocation[layer][expert] (a skipped expert's routing weight
@@ -202,7 +228,8 @@ def render(results: dict) -> str:
     lines = []
     for name, result in results["models"].items():
         fp = result["fp"]
-        lines.append(f"\n{name}: perplexity (change against full precision), first {results['windows']} windows "
+        lines.append(f"\n{name}: perplexity (change against full precision) · mean KL divergence from full precision "
+                     f"(nats per token), first {results['windows']} windows "
                      f"x {SEQLEN} of each held-out text; calibration {results['samples']} windows x {SEQLEN}")
         lines.append("| experts | bits | " + " | ".join(EVAL_DATA) + " | widths (experts per width) |")
         lines.append("|---|---|" + "---|" * len(EVAL_DATA) + "---|")
@@ -212,7 +239,7 @@ def render(results: dict) -> str:
                                                                                          "llmcompressor")
                     else f"{row['allocator']} {row['setting']} (all linears)")
             widths = ", ".join(f"{b}: {n}" for b, n in row.get("widths", {}).items())
-            lines.append(f"| {what} | {row['bits']} | " + " | ".join(percent(row[s], fp[s]) for s in EVAL_DATA)
+            lines.append(f"| {what} | {row['bits']} | " + " | ".join(cell(row, fp, s) for s in EVAL_DATA)
                          + f" | {widths} |")
     return "\n".join(lines)
 
@@ -237,9 +264,8 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     for name in args.models:
         evaluator = Evaluator(MODELS[name], args.windows)
-        streamed, _ = open_model(MODELS[name], torch.device("cpu"))
-        entry = results["models"][name] = {"fp": evaluator.streamed(streamed, full_precision_plan(streamed)),
-                                           "rows": []}
+        streamed, _tokenizer, prepare = open_target(MODELS[name], torch.device("cpu"), None)
+        entry = results["models"][name] = {"fp": evaluator.streamed(streamed, prepare), "rows": []}
 
         def add(row, model=name, rows=entry["rows"]):  # a partial run keeps every row evaluated so far
             rows.append(row)

@@ -55,6 +55,7 @@ SMOOTHING_METHODS = ("haq", "smoothquant", "none")
 SMOOTHING_GROUPS = ("attention", "moe")  # input norm -> q,k,v; post-attention norm -> router + experts + shared
 EXPERT_MODES = ("uniform", "replicas")
 EXPORT_TARGETS = ("vllm", "gguf")  # experts.export_target: the grid hexq export writes routed experts on
+ROUND_SCOPES = ("expert", "block")  # experts.round_scope: what a replica's rounding is optimised against
 MOE_OBJECTIVES = ("routed", "all")  # HAQ's MoE-group objective: experts on their routed tokens, or on every token
 PLACEMENT_SCHEMES = tuple(SCHEMES.values())  # 003 Algorithm 2: schemes 1, 2 and 3
 BUDGET_SCHEDULES = ("uniform", "cosine")  # how one byte budget is split across layers (004 §4.3)
@@ -196,7 +197,10 @@ class Experts:
     round_bits: the widths whose GPTQ replicas then have their rounding and scales optimised on the expert's routed
     tokens (at most round_tokens of them, evenly strided) for round_steps signed-gradient steps
     (hexq.algos.rounding); cold experts keep GPTQ's. Costs round_steps forward and backward passes of the expert
-    per width: on a CPU more than GPTQ itself.
+    per width: on a CPU more than GPTQ itself. round_scope "block" optimises them instead against the whole layer's
+    full-precision output on every calibration batch, all routed experts at that width at once, with the layer's
+    weight-only dense linears tuned alongside in the pass at propagate_bits (hexq.calib.block_rounding); it holds
+    the layer's replicas at those widths in memory and runs in one process.
     """
 
     mode: str = "uniform"  # "uniform" | "replicas"
@@ -211,6 +215,7 @@ class Experts:
     round_bits: tuple[int, ...] = ()  # widths whose rounding is optimised on routed tokens (hexq.algos.rounding)
     round_steps: int = 100
     round_tokens: int = 512
+    round_scope: str = "expert"  # "expert" | "block" (hexq.calib.block_rounding)
 
     def __post_init__(self) -> None:
         check_types(self)
@@ -224,9 +229,13 @@ class Experts:
         check_width_list("round_bits", self.round_bits)
         check_at_least("round_steps", self.round_steps, 1)
         check_at_least("round_tokens", self.round_tokens, 1)
-        for name in ("round_steps", "round_tokens") if not self.round_bits else ():
+        check_choice("round_scope", self.round_scope, ROUND_SCOPES)
+        for name in ("round_steps", "round_tokens", "round_scope") if not self.round_bits else ():
             if getattr(self, name) != getattr(Experts, name):
                 raise RecipeError(name, "is used only with round_bits; remove it")
+        if self.round_scope == "block" and self.round_tokens != Experts.round_tokens:
+            raise RecipeError("round_tokens", "is not used with round_scope block (it tunes on every calibration "
+                                              "batch); remove it")
         check_unused_at_default(self, "mode", {"replica_bits": ("replicas",), "propagate_bits": ("replicas",),
                                                 "export_target": ("replicas",), "loss_tokens": ("replicas",)})
         if self.mode == "replicas" and self.weights is not None and self.weights.bits != WeightQuant.bits:
@@ -412,7 +421,8 @@ def _hash_dict(data: dict[str, Any]) -> str:
 # the calibration hash at that value, so older calibrations keep their fingerprint.
 _LATER_SETTINGS = {("experts", "export_target"): None, ("weights", "fit_bits"): [],
                    ("experts", "weights", "fit_bits"): [], ("experts", "round_bits"): [],
-                   ("experts", "round_steps"): 100, ("experts", "round_tokens"): 512, ("head",): None}
+                   ("experts", "round_steps"): 100, ("experts", "round_tokens"): 512,
+                   ("experts", "round_scope"): "expert", ("head",): None}
 
 
 def calibration_hash(recipe: Recipe) -> str:

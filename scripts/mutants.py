@@ -44,6 +44,17 @@ class Mutant:
 BAD_REQUESTS_TEST = "tests/test_serve.py::test_bad_requests_get_one_line_and_the_server_keeps_serving"
 MUTANTS = [
     # ------------------------------------------------------------------ calibration math
+    Mutant("block-rounding-keeps-the-worse-replicas", "hexq/algos/rounding.py",
+           "        if not after < before:\n            return BlockRounding(dict(replicas), before, before)\n"
+           "        tuned", "        if False:\n            return BlockRounding(dict(replicas), before, before)\n"
+           "        tuned",
+           ("tests/test_rounding.py",)),
+    Mutant("block-rounding-frozen-matrices-move", "hexq/algos/rounding.py",
+           "        return {name: torch.where(held[name], grid.codes, out[name]) if name in held else out[name]",
+           "        return {name: out[name] if name in held else out[name]", ("tests/test_rounding.py",)),
+    Mutant("block-rounding-routing-weights-dropped", "hexq/calib/block_rounding.py",
+           "return x.new_zeros(x.shape).index_add(0, token, y * weights)",
+           "return x.new_zeros(x.shape).index_add(0, token, y)", ("tests/test_rounding.py",)),
     Mutant("gptq-error-feedback-dropped", "hexq/algos/gptq.py",
            "            Wt[:, i2:].baddbmm_(U[:, i1:i2, i2:].mT, err_blk, alpha=-1)",
            "            pass", ("tests/test_gptq.py",)),

@@ -3,6 +3,9 @@ routed tokens (experts.round_bits) change exactly the widths they name, and lowe
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -40,3 +43,50 @@ def test_switch_changes_only_its_widths(switch, tiny_qwen3moe, mixed_calibration
         before = load_file(plain / f"layer_{layer:03d}.safetensors")["loss_table"][:, :2]
         after = load_file(out / f"layer_{layer:03d}.safetensors")["loss_table"][:, :2]
         assert after.sum() < before.sum()
+
+
+def layer_report(folder, layer: int) -> dict:
+    return json.loads((folder / f"layer_{layer:03d}.json").read_text())
+
+
+def test_block_rounding_changes_only_its_widths_and_reports_the_layer_error(tiny_qwen3moe, mixed_calibration,
+                                                                               tmp_path):
+    """experts.round_scope block on experts-mixed (W8A8 attention: its linears stay GPTQ's): the 1- and 2-bit
+    replicas change exactly where the layer's error fell, every other width and the dense linears are untouched."""
+    plain = mixed_calibration[0]
+    recipe = small_recipe("experts-mixed", weights=WeightQuant(group_size=16, symmetric=False), round_bits=(1, 2),
+                          round_steps=20, round_scope="block")
+    out = tmp_path / "block"
+    calibrate(tiny_qwen3moe, recipe, "bundled", out)
+    lowered = 0
+    for layer in range(2):
+        report = layer_report(out, layer)["block_rounding"]["widths"]
+        assert set(report) == {"1", "2"}
+        before, after = bank(plain, layer), bank(out, layer)
+        for replica in {key.rsplit(".", 1)[0] for key in before}:
+            width = replica.rsplit(".b", 1)[1]
+            same = all(torch.equal(before[f"{replica}.{part}"], after[f"{replica}.{part}"])
+                       for part in ("codes", "scale", "zero"))
+            fell = width in report and report[width]["after"] < report[width]["before"]
+            assert same == (not fell), replica
+            lowered += fell
+        dense_before = load_file(plain / f"layer_{layer:03d}.safetensors")
+        dense_after = load_file(out / f"layer_{layer:03d}.safetensors")
+        for key in (k for k in dense_before if k.startswith("linear.")):
+            assert torch.equal(dense_before[key], dense_after[key]), key
+    assert lowered  # 20 steps lower the layer error somewhere on the tiny model
+
+
+def test_block_rounding_tunes_weight_only_dense_linears(tiny_qwen3moe, tmp_path):
+    weights = WeightQuant(bits=2, group_size=16, symmetric=False, act_order="sum_of_squares")
+    plain = replace(small_recipe("w4a16-g32"), weights=weights)
+    tuned = replace(plain, experts=replace(plain.experts, round_bits=(2,), round_scope="block", round_steps=20))
+    calibrate(tiny_qwen3moe, plain, "bundled", tmp_path / "plain")
+    calibrate(tiny_qwen3moe, tuned, "bundled", tmp_path / "tuned")
+    report = layer_report(tmp_path / "tuned", 0)["block_rounding"]["widths"]["2"]
+    assert report["after"] < report["before"]
+    before = load_file(tmp_path / "plain" / "layer_000.safetensors")
+    after = load_file(tmp_path / "tuned" / "layer_000.safetensors")
+    changed = [key for key in before if key.startswith("linear.") and key.endswith(".codes")
+               and not torch.equal(before[key], after[key])]
+    assert changed

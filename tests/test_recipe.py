@@ -254,6 +254,15 @@ def test_low_bit_switches_name_widths_the_recipe_quantizes():
     data["experts"]["round_bits"] = []
     data["experts"]["round_steps"] = 50
     fails(data, "experts.round_steps is used only with round_bits")
+    data["experts"]["round_steps"] = 100
+    data["experts"]["round_scope"] = "block"
+    fails(data, "experts.round_scope is used only with round_bits")
+    data["experts"]["round_bits"] = [1, 2]
+    assert recipe_from_dict(data).experts.round_scope == "block"
+    data["experts"]["round_tokens"] = 256
+    fails(data, "experts.round_tokens is not used with round_scope block")
+    data["experts"]["round_scope"] = "layer"
+    fails(data, "experts.round_scope")
     data = base()  # attention at 8 bits: fitting its 4-bit grid would fit nothing
     data["weights"]["fit_bits"] = [4]
     fails(data, "weights.fit_bits lists [4]")
@@ -276,7 +285,7 @@ def test_calibrations_made_before_later_switches_keep_their_fingerprint():
 
     recipe = load_recipe("haq-w8a8")
     data = {key: value for key, value in recipe_to_dict(recipe).items() if key not in ("pack", "head")}
-    for key in ("export_target", "round_bits", "round_steps", "round_tokens"):
+    for key in ("export_target", "round_bits", "round_steps", "round_tokens", "round_scope"):
         del data["experts"][key]
     del data["weights"]["fit_bits"]
     before = hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()

@@ -7,7 +7,7 @@ import torch
 
 from hexq.algos.gptq import gptq_bank
 from hexq.algos.quant import QuantSpec
-from hexq.algos.rounding import SCALE_RANGE, Replica, optimize_rounding
+from hexq.algos.rounding import SCALE_RANGE, Replica, optimize_block_rounding, optimize_rounding
 from tests.conftest import DEVICES
 
 F64 = torch.float64
@@ -84,3 +84,105 @@ def test_an_expert_without_tokens_keeps_gptq_rounding():
     rounded, _, _ = optimize_rounding(x, mask, gate_up, down, ACT, start, qmax=3, steps=10)
     for old, new in zip(start, rounded, strict=True):
         assert torch.equal(new.codes[1], old.codes[1]) and torch.equal(new.scale[1], old.scale[1])
+
+
+# ------------------------------------------------------------------------------------------ whole blocks
+
+
+def two_layer_block(seed: int = 0, tokens: int = 96, width: int = 16):
+    """A block y = x + W2 silu(W1 x) as optimize_block_rounding sees one: full-precision weights {"w1", "w2"}
+    [1, rows, cols], their GPTQ replicas at 2 bits (groups of 8), and an objective over two batches of tokens."""
+    g = torch.Generator().manual_seed(seed)
+    weights = {"w1": torch.randn(1, 2 * width, width, generator=g) / width**0.5,
+               "w2": torch.randn(1, width, 2 * width, generator=g) / (2 * width)**0.5}
+    x = torch.randn(2, tokens, width, generator=g)
+
+    def block(w: dict[str, torch.Tensor], batch: int) -> torch.Tensor:
+        return x[batch] + ACT(x[batch] @ w["w1"][0].mT) @ w["w2"][0].mT
+
+    def objective(w: dict[str, torch.Tensor], batch: int) -> torch.Tensor:
+        return (block(w, batch) - block(weights, batch)).square().mean()
+
+    spec = QuantSpec(bits=2, group_size=8, symmetric=False)
+    inputs = {"w1": x.reshape(-1, width), "w2": ACT(x.reshape(-1, width) @ weights["w1"][0].mT)}
+    replicas = {}
+    for name, weight in weights.items():
+        result = gptq_bank(weight.double(), 2 * (inputs[name].mT @ inputs[name]).double()[None], [2], spec)[2]
+        replicas[name] = Replica(result.codes, result.scale.float(), result.zero.float())
+    return weights, replicas, objective
+
+
+def test_block_rounding_lowers_the_block_error_and_stays_on_the_grid():
+    weights, replicas, objective = two_layer_block()
+    result = optimize_block_rounding(weights, replicas, {"w1": 3, "w2": 3}, objective, batches=2, steps=60)
+    with torch.no_grad():
+        measured = [sum(float(objective({n: r.weight() for n, r in chosen.items()}, b)) for b in (0, 1)) / 2
+                    for chosen in (replicas, result.replicas)]
+    assert result.before == pytest.approx(measured[0], rel=1e-5)
+    assert result.after == pytest.approx(measured[1], rel=1e-5)
+    assert result.after < 0.9 * result.before
+    for name, new in result.replicas.items():
+        old = replicas[name]
+        assert new.codes.dtype == torch.uint8 and int(new.codes.max()) <= 3
+        ratio = new.scale / old.scale
+        assert (ratio >= 1 - SCALE_RANGE - 1e-6).all() and (ratio <= 1 + SCALE_RANGE + 1e-6).all()
+        assert torch.equal(new.zero, old.zero)
+
+
+def test_block_rounding_codes_stay_within_one_level_of_round_to_nearest():
+    """V in [-1/2, 1/2]: each code is within one level of rounding the weight on its (stretched) grid."""
+    weights, replicas, objective = two_layer_block(seed=1)
+    result = optimize_block_rounding(weights, replicas, {"w1": 3, "w2": 3}, objective, batches=2, steps=40)
+    for name, new in result.replicas.items():
+        n, rows, cols = new.codes.shape
+        place = (weights[name].reshape(n, rows, -1, 8) / new.scale[..., None] + new.zero[..., None])
+        nearest = place.reshape(n, rows, cols).round().clamp(0, 3)
+        assert (new.codes.float() - nearest).abs().max() <= 1
+
+
+def test_frozen_matrices_and_no_steps_keep_gptq():
+    weights, replicas, objective = two_layer_block(seed=2)
+    none = optimize_block_rounding(weights, replicas, {"w1": 3, "w2": 3}, objective, batches=2, steps=0)
+    assert none.replicas == replicas and none.after == none.before
+    frozen = {"w1": torch.ones(1, dtype=torch.bool), "w2": torch.zeros(1, dtype=torch.bool)}
+    result = optimize_block_rounding(weights, replicas, {"w1": 3, "w2": 3}, objective, batches=2, steps=40,
+                                     frozen=frozen)
+    assert result.after < result.before
+    assert torch.equal(result.replicas["w1"].codes, replicas["w1"].codes.to(torch.uint8))
+    assert torch.equal(result.replicas["w1"].scale, replicas["w1"].scale)
+    assert not torch.equal(result.replicas["w2"].codes, replicas["w2"].codes.to(torch.uint8))
+
+
+def test_routed_experts_stand_in_computes_what_the_experts_module_does():
+    """hexq.calib.block_rounding.RoutedExperts (one padded batch for all experts) against each expert's tokens
+    computed one expert at a time (hexq.simulate.routed_outputs), with a dropped slot (id -1) ignored by both."""
+    from hexq.calib.block_rounding import RoutedExperts
+    from hexq.simulate import RoutedTokens, routed_outputs
+
+    g = torch.Generator().manual_seed(3)
+    experts, hidden, inner, tokens, k = 5, 12, 6, 40, 2
+    gate_up = torch.randn(experts, 2 * inner, hidden, generator=g)
+    down = torch.randn(experts, hidden, inner, generator=g)
+    x = torch.randn(tokens, hidden, generator=g)
+    index = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
+    index[3, 1] = -1
+    weights = torch.rand(tokens, k, generator=g)
+    stand_in = RoutedExperts(ACT)
+    stand_in.gate_up, stand_in.down = gate_up, down
+    expected = routed_outputs(RoutedTokens.from_batches([(x, index, weights)], experts),
+                              lambda ids: (gate_up[ids], down[ids]), ACT, None, None, chunk=2)
+    assert torch.allclose(stand_in(x, index, weights), expected, atol=1e-5)
+
+
+def test_tuning_that_lowers_one_batch_but_not_the_mean_keeps_gptq():
+    """Batch 0 rewards any move towards the full-precision weights, batch 1 punishes any move away from GPTQ's: the
+    best state on batch 0 is worse over both, so GPTQ's replicas come back."""
+    weights, replicas, _objective = two_layer_block(seed=4)
+    gptq = {name: r.weight().float() for name, r in replicas.items()}
+
+    def objective(w, batch):
+        target, factor = (weights, 1.0) if batch == 0 else (gptq, 1000.0)
+        return factor * sum((w[n] - target[n]).square().sum() for n in w) + 1e-3
+
+    result = optimize_block_rounding(weights, replicas, {"w1": 3, "w2": 3}, objective, batches=2, steps=20)
+    assert result.replicas == replicas and result.after == result.before

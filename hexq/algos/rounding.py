@@ -113,3 +113,116 @@ def optimize_rounding(x: torch.Tensor, mask: torch.Tensor, gate_up: torch.Tensor
         out = tuple(Replica((b + v.round()).clamp(0, qmax).to(torch.uint8), (s * a).to(r.scale.dtype), r.zero)
                     for b, v, s, a, r in zip(base, best_offsets, scales, best_stretch, replicas, strict=True))
     return out, start, best
+
+
+# ------------------------------------------------------------------------------------------ whole decoder blocks
+#
+# Every quantized matrix of a decoder block at once, against the block's full-precision output instead of each
+# expert's (AutoRound's block-wise objective, min_{V, a} || block_q(x) - block(x) ||^2 over its calibration batches):
+# attention and the routed experts then correct each other's errors, and each routed expert's error counts by its
+# routing weight on the tokens that reach it. The parametrization is AutoRound's, on the replica's grid (scale s and
+# zero z from GPTQ's static groups):
+#
+#     W_q = (clamp(round(W / (s a) + z + V), 0, qmax) - z) s a,    V in [-1/2, 1/2],  a in [1 - A, 1 + A] per group
+#
+# from the full-precision weight W, not from GPTQ's codes: starting at GPTQ's integer codes, every offset that the
+# gradient pushes one way reaches the rounding boundary at the same step and thousands of codes flip at once (the
+# block's error rose tenfold in one step on the reference models); from W / s + z each code starts at its own
+# distance from the boundary and codes cross one by one. GPTQ's rounding stays the reference: the tuned matrices
+# are kept only where they lower the block's error over every batch.
+
+Objective = Callable[[dict[str, torch.Tensor], int], torch.Tensor]
+BLOCK_OFFSET = 0.5  # V in [-1/2, 1/2]: a code moves at most one level from round-to-nearest
+
+
+@dataclass(frozen=True)
+class BlockRounding:
+    """The outcome of optimize_block_rounding: the replicas (tuned, or GPTQ's when tuning did not lower the error
+    over every batch), and the block's mean squared output error over every batch with GPTQ's and with these."""
+
+    replicas: dict[str, Replica]
+    before: float
+    after: float
+
+
+def block_codes(weight: torch.Tensor, grid: Replica, offset: torch.Tensor, stretch: torch.Tensor,
+                qmax: int) -> torch.Tensor:
+    """clamp(round(W / (s a) + z + V), 0, qmax) with round() passing its gradient straight through: [n, rows, cols]."""
+    n, rows, cols = weight.shape
+    groups = grid.scale.shape[-1]
+    place = (weight.reshape(n, rows, groups, cols // groups) / (grid.scale * stretch)[..., None]
+             + grid.zero[..., None]).reshape(n, rows, cols) + offset
+    return (place + (place.round() - place).detach()).clamp(0, qmax)
+
+
+def optimize_block_rounding(weights: dict[str, torch.Tensor], replicas: dict[str, Replica], qmax: dict[str, int],
+                            objective: Objective, batches: int, steps: int = STEPS,
+                            frozen: dict[str, torch.Tensor] | None = None) -> BlockRounding:
+    """The rounding and scales of every matrix named in `replicas` (GPTQ's n matrices [n, rows, cols] on their grids;
+    weights[name] the full-precision ones, qmax[name] the largest code) optimised by signed gradient (module
+    comment above) on objective(dequantized weights {name: [n, rows, cols]}, batch): the block's squared output
+    error on calibration batch `batch` (0 <= batch < batches). Step i uses batch i mod batches, as AutoRound cycles
+    its mini-batches; V and a move by lr * sign(gradient) with lr falling linearly from 1 / steps to 0 (AutoRound's
+    default schedule), and the state kept is the one whose batch error, relative to GPTQ's on that batch, was
+    lowest. frozen[name] [n] bool: matrices kept at GPTQ's codes (experts too rarely routed for their gradient to
+    mean anything).
+
+    The result keeps GPTQ's replicas unless the tuned ones lower the mean error over every batch. Runs in float32
+    on the replicas' device."""
+    if steps < 0:
+        raise ValueError(f"steps must be >= 0, got {steps}")
+    grids = {name: Replica(r.codes.float(), r.scale.float(), r.zero.float()) for name, r in replicas.items()}
+    gptq = {name: grid.weight() for name, grid in grids.items()}
+    full = {name: weights[name].float() for name in grids}
+    held = {name: frozen[name].view(-1, 1, 1) for name in (frozen or {}) if name in grids}
+    offsets = {name: torch.zeros_like(grid.codes, requires_grad=True) for name, grid in grids.items()}
+    stretch = {name: torch.ones_like(grid.scale, requires_grad=True) for name, grid in grids.items()}
+
+    def codes() -> dict[str, torch.Tensor]:
+        out = {name: block_codes(full[name], grid, offsets[name], stretch[name], qmax[name])
+               for name, grid in grids.items()}
+        return {name: torch.where(held[name], grid.codes, out[name]) if name in held else out[name]
+                for name, grid in grids.items()}
+
+    def dequantized(current: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {name: grid.weight(current[name], grid.scale * torch.where(held[name], 1.0, stretch[name])
+                                  if name in held else grid.scale * stretch[name])
+                for name, grid in grids.items()}
+
+    with torch.no_grad():
+        initial = [float(objective(gptq, batch)) for batch in range(batches)]
+    before = sum(initial) / batches
+    params = list(offsets.values()) + list(stretch.values())
+    best, best_state = 1.0, None
+    with torch.enable_grad():
+        for step in range(steps):
+            batch = step % batches
+            error = objective(dequantized(codes()), batch)
+            relative = float(error.detach()) / max(initial[batch], torch.finfo(torch.float32).tiny)
+            if relative < best:  # the state this error was measured at
+                best, best_state = relative, [p.detach().clone() for p in params]
+            grads = torch.autograd.grad(error, params)
+            lr = (1 - step / steps) / steps
+            with torch.no_grad():
+                for param, grad in zip(params, grads, strict=True):
+                    param.sub_(lr * grad.sign())
+                for v in offsets.values():
+                    v.clamp_(-BLOCK_OFFSET, BLOCK_OFFSET)
+                for a in stretch.values():
+                    a.clamp_(1 - SCALE_RANGE, 1 + SCALE_RANGE)
+    if best_state is None:
+        return BlockRounding(dict(replicas), before, before)
+    with torch.no_grad():
+        for param, kept in zip(params, best_state, strict=True):
+            param.copy_(kept)
+        final = codes()
+        after = sum(float(objective(dequantized(final), batch)) for batch in range(batches)) / batches
+        if not after < before:
+            return BlockRounding(dict(replicas), before, before)
+        tuned = {}
+        for name, grid in grids.items():
+            scale = grid.scale * stretch[name] if name not in held else torch.where(held[name], grid.scale,
+                                                                                      grid.scale * stretch[name])
+            tuned[name] = Replica(final[name].to(torch.uint8), scale.to(replicas[name].scale.dtype),
+                                  replicas[name].zero)
+    return BlockRounding(tuned, before, after)

@@ -4,8 +4,9 @@ Hessian and one factorization (002 Alg. 1), written to the layer's bank file as 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -15,6 +16,7 @@ from hexq.algos.gptq import gptq_bank, gptq_replicas
 from hexq.algos.hessian import HessianFactor, blend_cold_hessian, factorize_hessians
 from hexq.algos.kquant import KQUANTS, SUPER, gptq_kquant, kquant_blocks, rtn_kquant
 from hexq.algos.quant import QuantMeta, QuantSpec, quantize
+from hexq.calib.block_rounding import kept_widths, round_block
 from hexq.calib.capture import (
     RoutingStats,
     SiteStats,
@@ -30,6 +32,7 @@ from hexq.calib.store import (
 )
 from hexq.errors import HexqError
 from hexq.layer_pass import run_layer
+from hexq.packed.weight import PROJECTIONS
 from hexq.recipe import Recipe, WeightQuant
 from hexq.simulate import (
     RoutedTokens,
@@ -38,6 +41,18 @@ from hexq.simulate import (
 from hexq.streaming import HiddenStore, LoadedLayer
 
 Progress = Callable[[str, int, int], None]  # (what, done, total)
+
+
+@dataclass(frozen=True)
+class BankTuner:
+    """What quantize_routed_experts needs from block rounding: the widths to hold in memory, and the call that tunes
+    them (held {width: {projection: (codes, scale, zero)}}, cold experts) in place."""
+
+    widths: set[int]
+    tune: Callable[[dict, list[int]], None]
+
+    def __call__(self, held: dict, cold: list[int]) -> None:
+        self.tune(held, cold)
 # Working memory for one chunk of experts' GPTQ (weights of every width stacked, Hessians and factors, float32).
 GPTQ_CHUNK_BYTES = 1 << 30
 MOE_SAMPLE_EVERY = 8  # every 8th MoE-input token: the layer-wide sample for cold experts' fallbacks
@@ -182,22 +197,27 @@ def compute_experts(loaded: LoadedLayer, expert_scale: torch.Tensor | None, devi
 
 
 def quantize_dense_linears(layer: torch.nn.Module, adapter: MoEAdapter, stats: dict[str, SiteStats],
-                           recipe: Recipe, tensors: dict) -> None:
+                           recipe: Recipe, tensors: dict) -> dict[str, tuple[torch.Tensor, QuantMeta]]:
+    """GPTQ (or RTN) of every quantized linear outside the routed experts into `tensors`; returns {name: (codes,
+    meta)}, what block rounding starts from."""
+    results = {}
     for name, module in quantized_linears(layer, adapter).items():
         site = stats[name]
-        (result,) = quantize_bank(module.weight, site.hessian, recipe.weights, (recipe.weights.bits,),
-                                  site.abs_max).values()
-        put_packed(tensors, f"linear.{name}", *result)
+        (results[name],) = quantize_bank(module.weight, site.hessian, recipe.weights, (recipe.weights.bits,),
+                                         site.abs_max).values()
+        put_packed(tensors, f"linear.{name}", *results[name])
         tensors[f"act.{name}"] = torch.tensor([site.low, site.high], device="cpu")
+    return results
 
 
 def quantize_routed_experts(loaded: LoadedLayer, routed: RoutedTokens, weights_of, recipe: Recipe, tensors: dict,
                             moe_sample: torch.Tensor, bank_file: Path, progress: Progress | None,
-                            ranks: Ranks = SINGLE) -> tuple[list[int], dict]:
+                            ranks: Ranks = SINGLE, tune: BankTuner | None = None) -> tuple[list[int], dict]:
     """Replica banks for every routed expert, chunk by chunk, written to `bank_file` as they are made; returns the
     experts that used the cold fallback and the factorizations that needed more damping or float64. Across ranks,
     each rank quantizes its own experts (Ranks.expert_range) into its rows of the one bank file rank 0 created and
-    publishes once every rank has written."""
+    publishes once every rank has written. tune (block rounding, one process only): given the held widths'
+    replicas of every expert and the cold experts, updates them in place before they are written again."""
     setting, bits_list = recipe.expert_weights, expert_bits_list(recipe)
     num_experts = loaded.gate_up.shape[0]
     shapes = {"gate_up": tuple(loaded.gate_up.shape[1:]), "down": tuple(loaded.down.shape[1:])}
@@ -215,7 +235,13 @@ def quantize_routed_experts(loaded: LoadedLayer, routed: RoutedTokens, weights_o
     temporary = ranks.broadcast(bank.writer.temporary if bank is not None else None)
     try:
         bank = bank or open_bank(temporary)
-        found = fill_bank(bank, loaded, routed, weights_of, recipe, moe_sample, shapes, progress, own)
+        keep = tune.widths if tune is not None else set()
+        *found, held = fill_bank(bank, loaded, routed, weights_of, recipe, moe_sample, shapes, progress, own, keep)
+        if tune is not None:
+            tune(held, found[0])
+            for bits in recipe.experts.round_bits:
+                for projection, (codes, scale, zero) in held[bits].items():
+                    bank.put(projection, bits, list(own), codes, scale, zero)
         if not ranks.leader:
             bank.close()  # flushed; rank 0 publishes
         ranks.barrier("writing the replica bank")
@@ -241,9 +267,10 @@ def quantize_routed_experts(loaded: LoadedLayer, routed: RoutedTokens, weights_o
 
 
 def fill_bank(bank: ExpertBank, loaded: LoadedLayer, routed: RoutedTokens, weights_of, recipe: Recipe,
-              moe_sample: torch.Tensor, shapes: dict, progress: Progress | None, own: range):
+              moe_sample: torch.Tensor, shapes: dict, progress: Progress | None, own: range, keep: set[int]):
     """The GPTQ loop of quantize_routed_experts over the experts `own`: (cold experts, factorization report, the
-    experts' intermediate range (low, high))."""
+    experts' intermediate range (low, high), {width: {projection: (codes, scale, zero) [experts, ...]}} of the widths
+    in `keep`). With `keep` (block rounding), the round_bits replicas are left for the caller to write."""
     setting, bits_list = recipe.expert_weights, expert_bits_list(recipe)
     moe_input = SiteStats.empty(routed.x.shape[1], routed.x.device)
     moe_input.add(routed.x)
@@ -255,6 +282,8 @@ def fill_bank(bank: ExpertBank, loaded: LoadedLayer, routed: RoutedTokens, weigh
     kquants = kquant_kinds(recipe, shapes)
     chunk = gptq_chunk_size(shapes, len(bits_list) + (extra is not None) + bool(kquants), budget)
     escalated: dict[str, dict] = {}
+    kept = {bits: {} for bits in keep}
+    deferred = set(recipe.experts.round_bits) if keep else set()  # written once block rounding has tuned them
     for start in range(own.start, own.stop, chunk):
         experts = list(range(start, min(start + chunk, own.stop)))
         gate_up, down = weights_of(experts)
@@ -290,16 +319,22 @@ def fill_bank(bank: ExpertBank, loaded: LoadedLayer, routed: RoutedTokens, weigh
                 if factor and (factor["float64"][j] or factor["damp"][j] > setting.damp):
                     escalated[f"{projection}.{expert}"] = {"damp": factor["damp"][j], "float64": factor["float64"][j]}
         warm = [j for j, expert in enumerate(experts) if expert not in fallback]
-        for bits in recipe.experts.round_bits:
+        for bits in recipe.experts.round_bits if recipe.experts.round_scope == "expert" else ():
             round_replicas(replicas, bits, routed, [experts[j] for j in warm], warm, gate_up, down, loaded.act_fn,
                            recipe.experts)
+        for bits in kept:  # held for block rounding, which needs every expert of the layer at once
+            for projection in PROJECTIONS:
+                kept[bits].setdefault(projection, []).append(replicas[projection][bits])
         for projection, results in replicas.items():
             for bits, (codes, scale, zero) in results.items():
-                bank.put(projection, bits, experts, codes, scale, zero)
+                if bits not in deferred:
+                    bank.put(projection, bits, experts, codes, scale, zero)
         del gate_up, down, stats, h_in, h_down, replicas
         if progress:
             progress("experts", experts[-1] + 1 - own.start, len(own))
-    return fallback, escalated, (mid_low, mid_high)
+    held = {bits: {p: tuple(torch.cat(parts, dim=0) for parts in zip(*chunks, strict=True))
+                   for p, chunks in by_projection.items()} for bits, by_projection in kept.items()}
+    return fallback, escalated, (mid_low, mid_high), held
 
 
 def quantize_layer(loaded: LoadedLayer, adapter: MoEAdapter, hidden: HiddenStore, kwargs: list[dict],
@@ -310,14 +345,31 @@ def quantize_layer(loaded: LoadedLayer, adapter: MoEAdapter, hidden: HiddenStore
     layer = loaded.module
     with torch.no_grad(), capture_linears(quantized_linears(layer, adapter)) as stats:
         routed = run_layer(loaded, hidden, kwargs, None, experts=None)
-    quantize_dense_linears(layer, adapter, stats, recipe, tensors)
+    dense = quantize_dense_linears(layer, adapter, stats, recipe, tensors)
+    block = recipe.experts.round_scope == "block"
+    if block and ranks.distributed:
+        raise HexqError("experts.round_scope block tunes a whole layer in one process; run it without torchrun")
+    rounding: dict = {}
+
+    def tune(held: dict, cold: list[int]) -> None:
+        started = time.perf_counter()
+        propagate = default_expert_bits(recipe) if routed is not None else None
+        rounding["widths"] = round_block(loaded, hidden, kwargs, weights_of, recipe, dense, held, cold, propagate)
+        rounding["seconds"] = round(time.perf_counter() - started, 2)
+        for name, result in dense.items():
+            put_packed(tensors, f"linear.{name}", *result)
+
     if routed is None:
-        return {"dense": True}, None
+        if block:
+            tune({}, [])
+        return {"dense": True, **({"block_rounding": rounding} if rounding else {})}, None
     routing = RoutingStats.of(routed)
     tensors["router.counts"], tensors["router.score_sums"] = routing.counts, routing.score_sums
     tensors["router.topk"] = routing.topk
     moe_sample = routed.x[::MOE_SAMPLE_EVERY].float()
+    tuner = BankTuner(kept_widths(recipe, default_expert_bits(recipe)), tune) if block else None
     fallback, escalated = quantize_routed_experts(loaded, routed, weights_of, recipe, tensors, moe_sample, bank_file,
-                                                  progress, ranks)
+                                                  progress, ranks, tuner)
     return {"fallback_experts": fallback, "factorization": escalated,
-            "expert_tokens": tensors["experts.tokens"].tolist(), "tokens": int(routed.x.shape[0])}, moe_sample
+            "expert_tokens": tensors["experts.tokens"].tolist(), "tokens": int(routed.x.shape[0]),
+            **({"block_rounding": rounding} if rounding else {})}, moe_sample
