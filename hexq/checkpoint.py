@@ -127,33 +127,53 @@ class Checkpoint:
         return self.read(key, shape)
 
     def read_fused_experts(self, prefix: str, num_experts: int, gate_up_shape: tuple[int, int],
-                           down_shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate_up [E, 2I, H], down [E, H, I]) of the routed experts under `prefix` (e.g.
-        model.layers.3.mlp.experts), in the stored dtype: read fused when the checkpoint is fused, else assembled
-        from the hub's per-expert tensors into one preallocated tensor each (one expert's copy at a time)."""
+                           down_shape: tuple[int, int], rows: range | None = None,
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [n, 2I, H], down [n, H, I]) of the routed experts `rows` (consecutive ids; None: all E) under
+        `prefix` (e.g. model.layers.3.mlp.experts), in the stored dtype: read fused when the checkpoint is fused (only
+        those experts' bytes), else assembled from the hub's per-expert tensors into one preallocated tensor each
+        (one expert's copy at a time)."""
+        rows = range(num_experts) if rows is None else rows
+        if rows.step != 1 or rows.start < 0 or rows.stop > num_experts or not len(rows):
+            raise ValueError(f"rows must be consecutive experts within 0..{num_experts - 1}, got {rows}")
         fused_gate_up, fused_down = f"{prefix}.gate_up_proj", f"{prefix}.down_proj"
         if self.find(fused_gate_up) and self.find(fused_down):
-            return (self.read_param(fused_gate_up, (num_experts, *gate_up_shape)),
-                    self.read_param(fused_down, (num_experts, *down_shape)))
+            return (self.read_rows(fused_gate_up, (num_experts, *gate_up_shape), rows),
+                    self.read_rows(fused_down, (num_experts, *down_shape), rows))
         gate_name, up_name, down_name = self.adapter.hub_expert_projections
         inner = gate_up_shape[0] // 2
 
         def expert_key(expert: int, projection: str) -> str:
             return f"{prefix}.{expert}.{projection}.weight"
 
-        first = self.read_param(expert_key(0, gate_name), (inner, gate_up_shape[1]))
-        gate_up = torch.empty((num_experts, *gate_up_shape), dtype=first.dtype, device=first.device)
-        down = torch.empty((num_experts, *down_shape), dtype=first.dtype, device=first.device)
+        first = self.read_param(expert_key(rows.start, gate_name), (inner, gate_up_shape[1]))
+        gate_up = torch.empty((len(rows), *gate_up_shape), dtype=first.dtype, device=first.device)
+        down = torch.empty((len(rows), *down_shape), dtype=first.dtype, device=first.device)
         expert_bytes = (gate_up[0].numel() + down[0].numel()) * first.element_size()
-        for expert in range(num_experts):
-            gate_up[expert, :inner] = self.read_param(expert_key(expert, gate_name), (inner, gate_up_shape[1]))
-            gate_up[expert, inner:] = self.read_param(expert_key(expert, up_name), (inner, gate_up_shape[1]))
-            down[expert] = self.read_param(expert_key(expert, down_name), down_shape)
-            if (expert + 1) % max(1, MAPPED_BYTES // expert_bytes) == 0:
+        for row, expert in enumerate(rows):
+            gate_up[row, :inner] = self.read_param(expert_key(expert, gate_name), (inner, gate_up_shape[1]))
+            gate_up[row, inner:] = self.read_param(expert_key(expert, up_name), (inner, gate_up_shape[1]))
+            down[row] = self.read_param(expert_key(expert, down_name), down_shape)
+            if (row + 1) % max(1, MAPPED_BYTES // expert_bytes) == 0:
                 # the shards' pages read so far stop counting in RSS: the copy alone holds the experts (without
                 # this, a Qwen3-30B-A3B layer's 1.2 GB of experts peaked at twice that)
                 self.release()
         return gate_up, down
+
+    def read_rows(self, name: str, shape: tuple[int, ...], rows: range) -> torch.Tensor:
+        """Rows `rows` of parameter `name` (its first dimension), reading only their bytes."""
+        if rows == range(shape[0]):
+            return self.read_param(name, shape)
+        key = self.find(name)
+        handle = self._handle(self.weight_map[key])
+        stored = handle.get_slice(key)
+        if tuple(stored.get_shape()) != tuple(shape):
+            raise HexqError(f"{self.folder / self.weight_map[key]}: tensor {key} has shape {list(stored.get_shape())}, "
+                            f"the model's config needs {list(shape)}")
+        part = stored[rows.start:rows.stop]
+        if part.dtype not in KNOWN_DTYPES:
+            raise HexqError(f"{self.folder / self.weight_map[key]}: tensor {key} has dtype {part.dtype}")
+        return part
 
 
 SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,

@@ -28,8 +28,8 @@ def stored_weights(loaded: LoadedLayer, device: torch.device, dtype: torch.dtype
     """weights_of for a layer's own (full-precision) experts: the chunk upcast from the stored dtype."""
 
     def weights_of(experts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        return (loaded.gate_up[experts].to(device=device, dtype=dtype),
-                loaded.down[experts].to(device=device, dtype=dtype))
+        gate_up, down = loaded.experts_of(experts)
+        return gate_up.to(device=device, dtype=dtype), down.to(device=device, dtype=dtype)
 
     return weights_of
 
@@ -134,7 +134,8 @@ def full_precision_plan(streamed: StreamedModel) -> LayerPlan:
     def prepare(loaded: LoadedLayer) -> ExpertCompute | None:
         if not loaded.is_moe:
             return None
-        chunk = expert_chunk(tuple(loaded.gate_up.shape[1:]), tuple(loaded.down.shape[1:]), streamed.dtype)
+        _num, gate_up_shape, down_shape = loaded.shapes
+        chunk = expert_chunk(gate_up_shape, down_shape, streamed.dtype)
         return ExpertCompute(stored_weights(loaded, streamed.device, streamed.dtype), chunk=chunk)
 
     prepare.reads_experts = True

@@ -149,21 +149,57 @@ class Recorder(torch.nn.Module):
 @dataclass
 class LoadedLayer:
     """A decoder layer materialized for computing. On a MoE layer the experts inside `module` are an ExpertTap
-    (`tap`), and `gate_up`/`down` hold the source's routed experts in their stored dtype ([E, 2I, H] / [E, H, I]),
-    or None when the layer was materialized without them (a source whose experts are served otherwise)."""
+    (`tap`), and the source's routed experts are read in their stored dtype ([E, 2I, H] / [E, H, I]) on first use
+    of `gate_up`/`down`, or only the experts `read_experts` names (one rank's share: the other experts' bytes are
+    never read); `experts_of` indexes them by expert id whichever were read. Without a reader (a layer materialized
+    without its experts, served otherwise) they are None."""
 
     index: int
     module: torch.nn.Module
-    gate_up: torch.Tensor | None
-    down: torch.Tensor | None
+    reader: Callable[[range], tuple[torch.Tensor, torch.Tensor]] | None
     act_fn: Callable | None
     tap: torch.nn.Module | None  # the hexq.simulate.ExpertTap standing in for the experts
     shapes: tuple[int, tuple[int, int], tuple[int, int]] | None = None  # (experts, gate_up [2I, H], down [H, I])
     hooks: list = field(default_factory=list)  # handles of hooks attached while materialized (removed at exit)
+    read: range | None = None  # the experts read so far (None: none yet)
+    _experts: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def is_moe(self) -> bool:
         return self.tap is not None
+
+    def read_experts(self, experts: range) -> None:
+        """Read the routed experts `experts` (consecutive ids) from the source, replacing any read before."""
+        self._experts, self.read = self.reader(experts), experts
+
+    def _stored(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self._experts is None and self.reader is not None:
+            self.read_experts(range(self.shapes[0]))
+        return self._experts
+
+    @property
+    def gate_up(self) -> torch.Tensor | None:
+        """Every routed expert's gate_up [E, 2I, H] (read on first use), or None without a reader."""
+        stored = self._stored()
+        if stored is not None and self.read != range(self.shapes[0]):
+            raise HexqError(f"layer {self.index}: only experts {self.read.start}..{self.read.stop - 1} were read")
+        return None if stored is None else stored[0]
+
+    @property
+    def down(self) -> torch.Tensor | None:
+        stored = self.gate_up is not None and self._experts
+        return stored[1] if stored else None
+
+    def experts_of(self, experts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up, down) of `experts` (ids) in their stored dtype, from the experts read (all, on first use)."""
+        gate_up, down = self._stored()
+        first, stop = self.read.start, self.read.stop
+        outside = [e for e in experts if not first <= e < stop]
+        if outside:
+            raise HexqError(f"layer {self.index}: expert {outside[0]} was not read (this process read experts "
+                            f"{first}..{stop - 1})")
+        rows = [e - first for e in experts]
+        return gate_up[rows], down[rows]
 
 
 def _persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str]]:
@@ -266,11 +302,12 @@ class StreamedModel:
     @contextmanager
     def layer(self, index: int, experts: bool = True) -> Iterator[LoadedLayer]:
         """Layer `index` materialized (dense part in the compute dtype on the device; routed experts, when
-        `experts`, in their stored dtype on the CPU, behind an ExpertTap), put back on meta when the block ends."""
+        `experts`, read in their stored dtype on the CPU when first used, behind an ExpertTap), put back on meta when
+        the block ends."""
         layer = self.layers[index]
         prefix = f"model.layers.{index}."
         original = self.experts_module(index)
-        gate_up = down = act_fn = tap = loaded = None
+        reader = act_fn = tap = loaded = None
         try:
             if original is None:
                 self._materialize(layer, prefix)
@@ -278,13 +315,17 @@ class StreamedModel:
                 num, gate_up_shape, down_shape = self.expert_shapes(index)
                 self._materialize(layer, prefix, skip=self.experts_path)
                 if experts:
-                    gate_up, down = self.source.read_fused_experts(prefix + self.experts_path, num, gate_up_shape,
-                                                                   down_shape)
+                    def reader(rows: range) -> tuple[torch.Tensor, torch.Tensor]:
+                        try:
+                            return self.source.read_fused_experts(prefix + self.experts_path, num, gate_up_shape,
+                                                                  down_shape, rows)
+                        finally:
+                            self.source.release()
                 act_fn = original.act_fn
                 tap = ExpertTap(num)
                 setattr(getattr(layer, self.adapter.moe), self.adapter.experts, tap)
             self.source.release()
-            loaded = LoadedLayer(index, layer, gate_up, down, act_fn, tap, self.moe_shapes[index])
+            loaded = LoadedLayer(index, layer, reader, act_fn, tap, self.moe_shapes[index])
             yield loaded
         finally:
             for handle in loaded.hooks if loaded is not None else []:

@@ -49,6 +49,9 @@ MUTANTS = [
            "        tuned", "        if False:\n            return BlockRounding(dict(replicas), before, before)\n"
            "        tuned",
            ("tests/test_rounding.py",)),
+    Mutant("a-rank-reads-every-expert-then-its-share", "hexq/checkpoint.py",
+           "        part = stored[rows.start:rows.stop]", "        part = stored[:][rows.start:rows.stop].clone()",
+           ("tests/test_streaming.py",)),
     Mutant("block-rounding-frozen-matrices-move", "hexq/algos/rounding.py",
            "        return {name: torch.where(held[name], grid.codes, out[name]) if name in held else out[name]",
            "        return {name: out[name] if name in held else out[name]", ("tests/test_rounding.py",)),

@@ -193,3 +193,65 @@ print("GROWTH", peak_rss_bytes() - before)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     growth = int(done.stdout.split("GROWTH")[-1])
     assert growth < 1.3 * expert_bytes, f"{growth / 2**20:.0f} MiB for {expert_bytes / 2**20:.0f} MiB of experts"
+
+
+@pytest.mark.parametrize("layout", ["hub", "fused"])
+def test_a_share_of_the_experts_reads_only_their_bytes(layout, tmp_path):
+    """One rank's experts (read_fused_experts with rows): the same values as those rows of a full read, and the peak
+    RSS grows by their bytes, not by the layer's (what lets each rank of a distributed calibration hold its share)."""
+    import subprocess
+    import sys
+
+    experts, inner, hidden, rows = 24, 1024, 1024, (8, 12)
+    prefix = "model.layers.0.mlp.experts"
+    if layout == "hub":
+        tensors = {f"{prefix}.{e}.{name}.weight": torch.full(shape, e + 1.0, dtype=torch.bfloat16)
+                   for e in range(experts) for name, shape in (("gate_proj", (inner, hidden)),
+                                                               ("up_proj", (inner, hidden)),
+                                                               ("down_proj", (hidden, inner)))}
+    else:
+        values = torch.arange(1, experts + 1, dtype=torch.bfloat16)[:, None, None]
+        tensors = {f"{prefix}.gate_up_proj": values.expand(experts, 2 * inner, hidden).contiguous(),
+                   f"{prefix}.down_proj": values.expand(experts, hidden, inner).contiguous()}
+    save_file(tensors, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
+    share_bytes = (rows[1] - rows[0]) * 3 * inner * hidden * 2  # 24 MiB of the layer's 144
+    layer_bytes = experts * 3 * inner * hidden * 2
+    code = f"""
+from hexq import checkpoint
+checkpoint.MAPPED_BYTES = 4 << 20
+source = checkpoint.Checkpoint({str(tmp_path)!r})
+from hexq.devices import peak_rss_bytes
+with open("/proc/self/clear_refs", "w") as handle:
+    handle.write("5")
+before = peak_rss_bytes()
+gate_up, down = source.read_fused_experts({prefix!r}, {experts}, ({2 * inner}, {hidden}), ({hidden}, {inner}),
+                                          range(*{rows}))
+growth = peak_rss_bytes() - before
+assert gate_up.shape[0] == down.shape[0] == {rows[1] - rows[0]}
+assert [float(gate_up[j, -1, 0]) for j in range(gate_up.shape[0])] == [float(e + 1) for e in range(*{rows})]
+assert [float(down[j, 0, -1]) for j in range(down.shape[0])] == [float(e + 1) for e in range(*{rows})]
+print("GROWTH", growth)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    growth = int(done.stdout.split("GROWTH")[-1])
+    # a fixed ~10 MiB of first-read overhead, far below the 120 MiB of the other experts
+    assert growth < share_bytes + (layer_bytes - share_bytes) / 4, f"{growth / 2**20:.0f} MiB for a share of " \
+        f"{share_bytes / 2**20:.0f} MiB of {layer_bytes / 2**20:.0f} MiB"
+
+
+def test_a_layer_with_a_share_of_its_experts_refuses_the_others(tiny_qwen3moe):
+    from hexq.errors import HexqError
+    from hexq.streaming import open_model
+
+    streamed, _tokenizer = open_model(tiny_qwen3moe, torch.device("cpu"))
+    with streamed.layer(0) as loaded:
+        full_gate_up, full_down = loaded.gate_up.clone(), loaded.down.clone()
+    with streamed.layer(0) as loaded:
+        loaded.read_experts(range(2, 5))
+        gate_up, down = loaded.experts_of([4, 2])
+        assert torch.equal(gate_up, full_gate_up[[4, 2]]) and torch.equal(down, full_down[[4, 2]])
+        with pytest.raises(HexqError, match="expert 5 was not read"):
+            loaded.experts_of([3, 5])
+        with pytest.raises(HexqError, match="only experts 2..4 were read"):
+            loaded.gate_up  # noqa: B018

@@ -124,7 +124,7 @@ def calibrate_layer(loaded: LoadedLayer, adapter: MoEAdapter, hidden: HiddenStor
     if routed is not None:
         propagate = calibrated_experts(loaded, tensors, recipe, default_expert_bits(recipe), device, folder)
         widths = expert_bits_list(recipe)
-        chunk = loss_chunk(tuple(loaded.gate_up.shape[1:]), tuple(loaded.down.shape[1:]), propagate.chunk, device)
+        chunk = loss_chunk(*loaded.shapes[1:], propagate.chunk, device)
         experts_out = loss_table(routed, weights_of, tensors, bank_replicas(loaded, device, folder), widths,
                                  default_expert_bits(recipe), (propagate.input_quant, propagate.mid_quant),
                                  moe_sample, loaded.act_fn, chunk, recipe.experts.loss_tokens, progress, ranks)

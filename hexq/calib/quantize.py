@@ -123,12 +123,13 @@ def expert_factor(hessians: torch.Tensor, setting: WeightQuant, channel_max: tor
     return factorize_hessians(hessians, damp=setting.damp, act_order=setting.act_order, column_importance=importance)
 
 
-def gptq_chunk_bytes(device: torch.device) -> int:
-    """Working memory for one chunk of experts' GPTQ: GPTQ_CHUNK_BYTES on the CPU (it bounds calibration's peak
-    RSS); on a GPU a quarter of its free memory, at least that: the column loop's launches, not its arithmetic, bound
-    a GPU calibration, so a layer's experts should go through it in one or two chunks, not dozens."""
+def gptq_chunk_bytes(device: torch.device, sharing: int = 1) -> int:
+    """Working memory for one chunk of experts' GPTQ: GPTQ_CHUNK_BYTES on the CPU, split between the `sharing` ranks
+    of one machine (it bounds calibration's peak RSS, and ranks on one machine share its memory); on a GPU a quarter
+    of its free memory, at least GPTQ_CHUNK_BYTES: the column loop's launches, not its arithmetic, bound a GPU
+    calibration, so a layer's experts should go through it in one or two chunks, not dozens."""
     if device.type != "cuda":
-        return GPTQ_CHUNK_BYTES
+        return GPTQ_CHUNK_BYTES // max(1, sharing)
     free, _total = torch.cuda.mem_get_info(device)
     return max(GPTQ_CHUNK_BYTES, free // 4)
 
@@ -188,10 +189,11 @@ def compute_experts(loaded: LoadedLayer, expert_scale: torch.Tensor | None, devi
     the MoE group's smoothing factor (eq. 1's W s, in float32 like the dense readers)."""
 
     def weights_of(experts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        gate_up = loaded.gate_up[experts].to(device=device, dtype=torch.float32)
+        gate_up, down = loaded.experts_of(experts)
+        gate_up = gate_up.to(device=device, dtype=torch.float32)
         if expert_scale is not None:
             gate_up = gate_up * expert_scale.to(device)
-        return gate_up, loaded.down[experts].to(device=device, dtype=torch.float32)
+        return gate_up, down.to(device=device, dtype=torch.float32)
 
     return weights_of
 
@@ -219,12 +221,14 @@ def quantize_routed_experts(loaded: LoadedLayer, routed: RoutedTokens, weights_o
     publishes once every rank has written. tune (block rounding, one process only): given the held widths'
     replicas of every expert and the cold experts, updates them in place before they are written again."""
     setting, bits_list = recipe.expert_weights, expert_bits_list(recipe)
-    num_experts = loaded.gate_up.shape[0]
-    shapes = {"gate_up": tuple(loaded.gate_up.shape[1:]), "down": tuple(loaded.down.shape[1:])}
+    num_experts, gate_up_shape, down_shape = loaded.shapes
+    shapes = {"gate_up": gate_up_shape, "down": down_shape}
     groups = {p: group_size_of(setting, cols) for p, (_rows, cols) in shapes.items()}
     extra = export_spec(recipe, shapes)
     ranges = expert_ranges([routed.count(e) for e in range(num_experts)], ranks.world)
     own = ranges[ranks.rank]
+    if ranks.distributed and loaded.read is None:  # nothing before needed every expert: read this rank's alone
+        loaded.read_experts(own)
 
     def open_bank(attach=None) -> ExpertBank:
         return ExpertBank(bank_file, num_experts, shapes, bits_list, groups,
@@ -236,7 +240,9 @@ def quantize_routed_experts(loaded: LoadedLayer, routed: RoutedTokens, weights_o
     try:
         bank = bank or open_bank(temporary)
         keep = tune.widths if tune is not None else set()
-        *found, held = fill_bank(bank, loaded, routed, weights_of, recipe, moe_sample, shapes, progress, own, keep)
+        budget = gptq_chunk_bytes(routed.x.device, ranks.local_world)
+        *found, held = fill_bank(bank, loaded, routed, weights_of, recipe, moe_sample, shapes, progress, own, keep,
+                                 budget)
         if tune is not None:
             tune(held, found[0])
             for bits in recipe.experts.round_bits:
@@ -267,10 +273,12 @@ def quantize_routed_experts(loaded: LoadedLayer, routed: RoutedTokens, weights_o
 
 
 def fill_bank(bank: ExpertBank, loaded: LoadedLayer, routed: RoutedTokens, weights_of, recipe: Recipe,
-              moe_sample: torch.Tensor, shapes: dict, progress: Progress | None, own: range, keep: set[int]):
+              moe_sample: torch.Tensor, shapes: dict, progress: Progress | None, own: range, keep: set[int],
+              budget: int):
     """The GPTQ loop of quantize_routed_experts over the experts `own`: (cold experts, factorization report, the
     experts' intermediate range (low, high), {width: {projection: (codes, scale, zero) [experts, ...]}} of the widths
-    in `keep`). With `keep` (block rounding), the round_bits replicas are left for the caller to write."""
+    in `keep`). With `keep` (block rounding), the round_bits replicas are left for the caller to write. budget: bytes
+    of one GPTQ chunk (gptq_chunk_bytes)."""
     setting, bits_list = recipe.expert_weights, expert_bits_list(recipe)
     moe_input = SiteStats.empty(routed.x.shape[1], routed.x.device)
     moe_input.add(routed.x)
@@ -278,7 +286,6 @@ def fill_bank(bank: ExpertBank, loaded: LoadedLayer, routed: RoutedTokens, weigh
     fallback: list[int] = []
     mid_low, mid_high = float("inf"), float("-inf")
     extra = export_spec(recipe, shapes)
-    budget = gptq_chunk_bytes(routed.x.device)
     kquants = kquant_kinds(recipe, shapes)
     chunk = gptq_chunk_size(shapes, len(bits_list) + (extra is not None) + bool(kquants), budget)
     escalated: dict[str, dict] = {}

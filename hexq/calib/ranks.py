@@ -37,8 +37,9 @@ TOKEN_COST = 0.5  # expert cost model: GPTQ per expert = 1, Hessian and loss tab
 class Ranks:
     """This process's place in the job (world 1: a single process, every collective a no-op)."""
 
-    def __init__(self, rank: int = 0, world: int = 1, group=None) -> None:
+    def __init__(self, rank: int = 0, world: int = 1, group=None, local_world: int = 1) -> None:
         self.rank, self.world, self.group = rank, world, group
+        self.local_world = local_world  # ranks on this machine, sharing its memory
         self.host = socket.gethostname()
         self.layer: int | None = None  # what failures name
 
@@ -155,7 +156,7 @@ def join(device: torch.device) -> tuple[Ranks, torch.device]:
         except (RuntimeError, ValueError, dist.DistError) as exc:
             raise HexqError(f"rank {rank} of {world} on {socket.gethostname()}: cannot join the job "
                             f"({str(exc).splitlines()[0][:160]})") from None
-    return Ranks(rank, world, dist.group.WORLD), device
+    return Ranks(rank, world, dist.group.WORLD, int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))), device
 
 
 def leave(ranks: Ranks) -> None:
