@@ -11,10 +11,11 @@ hexq rows: the model calibrated with recipe experts-mixed (HAQ W8A8 attention, a
 1, 2, 3, 4, 8 bits, groups of 32, asymmetric) with the bank made as each SETTINGS entry says, then evaluated with
 every expert at 2 and at 3 bits (uniform) and with the allocation `hexq pack` makes at 1.5, 2.0, 2.5 and 3.0
 average bits, by each ALLOCATORS entry (the last setting gets every allocator, the others "main" and the
-recommended one; the bundled experts-mixed recipe is setting "act" with allocator "free+0"). The pieces: `fit`
+recommended one; the bundled experts-mixed recipe is setting "act+spread" with allocator "free+0"). The pieces: `fit`
 (group grids fitted to the Hessian-weighted error, hexq.algos.clipping), `act` (columns in decreasing
 Hessian-diagonal order, static groups: GPTQ's act_order), `round` (1- and 2-bit rounding optimised on routed tokens,
-hexq.algos.rounding), `block` (the same widths optimised against each layer's full-precision output,
+hexq.algos.rounding), `spread` (1-bit levels at mean -+ 1.75 mean absolute deviations instead of min and max,
+experts.weights.one_bit), `block` (the same widths optimised against each layer's full-precision output,
 experts.round_scope block); allocators: 0-bit experts (skipped, router weight renormalised), the loss weighted by
 routing mass (pack.loss layer) and any width per expert (pack.order free).
 
@@ -58,14 +59,16 @@ SEQLEN = 256
 MIXED_BITS = (1.5, 2.0, 2.5, 3.0)
 
 # How the experts' replica bank is made (changes to experts-mixed's experts.weights / experts sections); "main" is
-# the bank as hexq made it before these pieces (natural column order, min/max grids), "act" the bundled recipe's.
+# the bank as hexq made it before these pieces (natural column order, min/max grids), "act+spread" the bundled
+# recipe's.
 BLOCK_STEPS = 200  # AutoRound's default steps per block
 SETTINGS = {
-    "main": {"weights": {"act_order": "none"}},
-    "fit": {"weights": {"act_order": "none", "fit_bits": (1, 2, 3, 4, 8)}},
-    "act": {"weights": {"act_order": "sum_of_squares"}},
-    "act+round": {"weights": {"act_order": "sum_of_squares"}, "experts": {"round_bits": (1, 2)}},
-    "act+block": {"weights": {"act_order": "sum_of_squares"},
+    "main": {"weights": {"act_order": "none", "one_bit": "minmax"}},
+    "fit": {"weights": {"act_order": "none", "one_bit": "minmax", "fit_bits": (1, 2, 3, 4, 8)}},
+    "act": {"weights": {"act_order": "sum_of_squares", "one_bit": "minmax"}},
+    "act+round": {"weights": {"act_order": "sum_of_squares", "one_bit": "minmax"}, "experts": {"round_bits": (1, 2)}},
+    "act+spread": {"weights": {"act_order": "sum_of_squares", "one_bit": "spread"}},
+    "act+block": {"weights": {"act_order": "sum_of_squares", "one_bit": "minmax"},
                   "experts": {"round_bits": (1, 2), "round_scope": "block", "round_steps": BLOCK_STEPS}},
 }
 # How `hexq pack` allocates (its pack section); "main" is the allocator before 0-bit experts and routing mass.

@@ -56,6 +56,7 @@ SMOOTHING_GROUPS = ("attention", "moe")  # input norm -> q,k,v; post-attention n
 EXPERT_MODES = ("uniform", "replicas")
 EXPORT_TARGETS = ("vllm", "gguf")  # experts.export_target: the grid hexq export writes routed experts on
 ROUND_SCOPES = ("expert", "block")  # experts.round_scope: what a replica's rounding is optimised against
+ONE_BIT_GRIDS = ("minmax", "spread")  # weights.one_bit: hexq.algos.quant.grid_params
 MOE_OBJECTIVES = ("routed", "all")  # HAQ's MoE-group objective: experts on their routed tokens, or on every token
 PLACEMENT_SCHEMES = tuple(SCHEMES.values())  # 003 Algorithm 2: schemes 1, 2 and 3
 BUDGET_SCHEDULES = ("uniform", "cosine")  # how one byte budget is split across layers (004 §4.3)
@@ -73,7 +74,8 @@ class WeightQuant:
     act_order, damp and block_size are GPTQ's (hexq.algos.gptq); with method "rtn" they must stay at their defaults.
     fit_bits (GPTQ only): the widths whose group grids are fitted to the weights, minimising the Hessian-weighted
     error (hexq.algos.clipping), instead of spanning each group's min and max; for a replica bank a subset of its
-    widths, for one weight its `bits` or nothing.
+    widths, for one weight its `bits` or nothing. one_bit: the two levels of an asymmetric 1-bit grid, "minmax"
+    (each group's min and max) or "spread" (mean -+ 1.75 x the mean absolute deviation; hexq.algos.quant).
     """
 
     bits: int = 8
@@ -84,10 +86,12 @@ class WeightQuant:
     damp: float = 0.01  # fraction of mean(diag H) added to diag H; escalated x10 when Cholesky fails
     block_size: int = 128  # columns per lazy-update block
     fit_bits: tuple[int, ...] = ()  # gptq only: widths whose grids are fitted (hexq.algos.clipping)
+    one_bit: str = "minmax"  # "minmax" | "spread": the levels of an asymmetric 1-bit grid
 
     def __post_init__(self) -> None:
         check_types(self)
         check_bits("bits", self.bits)
+        check_choice("one_bit", self.one_bit, ONE_BIT_GRIDS)
         check_width_list("fit_bits", self.fit_bits)
         if self.group_size is not None:
             check_at_least("group_size", self.group_size, 1)
@@ -101,7 +105,7 @@ class WeightQuant:
     def spec(self, bits: int | None = None) -> QuantSpec:
         """The QuantSpec of this setting, at `bits` instead of self.bits when given (one replica of a bank)."""
         return QuantSpec(bits=self.bits if bits is None else bits, group_size=self.group_size,
-                         symmetric=self.symmetric)
+                         symmetric=self.symmetric, one_bit=self.one_bit)
 
 
 @dataclass(frozen=True)
@@ -422,7 +426,8 @@ def _hash_dict(data: dict[str, Any]) -> str:
 _LATER_SETTINGS = {("experts", "export_target"): None, ("weights", "fit_bits"): [],
                    ("experts", "weights", "fit_bits"): [], ("experts", "round_bits"): [],
                    ("experts", "round_steps"): 100, ("experts", "round_tokens"): 512,
-                   ("experts", "round_scope"): "expert", ("head",): None}
+                   ("experts", "round_scope"): "expert", ("weights", "one_bit"): "minmax",
+                   ("experts", "weights", "one_bit"): "minmax", ("head",): None}
 
 
 def calibration_hash(recipe: Recipe) -> str:

@@ -300,3 +300,22 @@ def test_input_validation() -> None:
         gptq_quantize(W, torch.eye(8), QuantSpec(bits=4), block_size=0)
     with pytest.raises(ValueError, match="H or a precomputed factor"):
         gptq_quantize(W, None, QuantSpec(bits=4))
+
+
+def test_spread_one_bit_levels_are_mean_minus_and_plus_its_deviations():
+    """weights.one_bit spread: a group's two 1-bit levels sit at mean -+ SPREAD x mean |w - mean|, not at its min
+    and max; every wider grid is unchanged."""
+    from hexq.algos.quant import SPREAD
+
+    w = torch.randn(4, 64, generator=torch.Generator().manual_seed(0))
+    codes, meta = quantize(w, QuantSpec(bits=1, group_size=32, symmetric=False, one_bit="spread"))
+    grouped = w.reshape(4, 2, 32)
+    mean = grouped.mean(-1)
+    deviation = (grouped - mean[..., None]).abs().mean(-1)
+    levels = [(q - meta.zero) * meta.scale for q in (0, 1)]
+    assert torch.allclose(levels[0], mean - SPREAD * deviation, atol=1e-6)
+    assert torch.allclose(levels[1], mean + SPREAD * deviation, atol=1e-6)
+    assert torch.equal(codes.reshape(4, 2, 32).bool(), grouped > mean[..., None])  # each weight to its nearer level
+    for bits in (2, 4):
+        assert torch.equal(grid_params(grouped, QuantSpec(bits=bits, symmetric=False, one_bit="spread"))[0],
+                           grid_params(grouped, QuantSpec(bits=bits, symmetric=False))[0])

@@ -55,7 +55,8 @@ def check_against_reference(W: torch.Tensor, H: torch.Tensor, bank: dict[int, GP
     reference results."""
     references = {}
     for bits, result in bank.items():
-        spec = QuantSpec(bits=bits, group_size=template.group_size, symmetric=template.symmetric)
+        spec = QuantSpec(bits=bits, group_size=template.group_size, symmetric=template.symmetric,
+                         one_bit=template.one_bit)
         references[bits] = []
         for e in range(W.shape[0]):
             want = ref.gptq_quantize(W[e], H[e], spec, act_order=act_order,
@@ -89,6 +90,19 @@ def test_bank_equals_reference_float64(symmetric: bool, group_size: int | None, 
         assert result.scale.shape == (3, 8, 48 // (group_size or 48)) and result.loss.shape == (3, 8)
         assert result.codes.max() <= 2**bits - 1
     check_against_reference(W, H, bank, factor, template, act_order, imp, tie=1e-9, loss_rtol=1e-9)
+
+
+@pytest.mark.parametrize("act_order", ["none", "sum_of_squares"])
+def test_spread_one_bit_grids_equal_reference(act_order: str) -> None:
+    """weights.one_bit spread: the 1-bit rows' grids (dynamic in natural order, static with act_order) are the
+    reference's quant.grid_params with the spread levels, every other width as with min/max."""
+    W, H, _importance = expert_batch(seed=2)
+    template = QuantSpec(bits=4, group_size=16, symmetric=False, one_bit="spread")
+    factor = factorize_hessians(H, act_order=act_order)
+    bank = gptq_bank(W, factor, [1, 2], template, block_size=10)
+    check_against_reference(W, H, bank, factor, template, act_order, None, tie=1e-9, loss_rtol=1e-9)
+    plain = gptq_bank(W, factor, [1, 2], QuantSpec(bits=4, group_size=16, symmetric=False), block_size=10)
+    assert not torch.equal(bank[1].scale, plain[1].scale) and torch.equal(bank[2].codes, plain[2].codes)
 
 
 @pytest.mark.parametrize("group_size", [8, 16, 24])
@@ -186,6 +200,13 @@ def test_row_grids_equal_grid_params() -> None:
             want_scale, want_zero = grid_params(w, spec)
             assert torch.equal(scale[:, b * 9:(b + 1) * 9], want_scale), spec
             assert torch.equal(zero[:, b * 9:(b + 1) * 9], want_zero), spec
+    spread = [QuantSpec(bits=b, symmetric=False, one_bit="spread") for b in (1, 2)]
+    grids = gptq_mod._RowGrids.build(spread, 9, torch.float32, w.device)
+    scale, zero = grids.params(*grids.bounds(w.repeat(1, 2, 1), -1))
+    for b, spec in enumerate(spread):
+        want_scale, want_zero = grid_params(w, spec)
+        assert torch.allclose(scale[:, b * 9:(b + 1) * 9], want_scale, rtol=1e-6), spec
+        assert torch.allclose(zero[:, b * 9:(b + 1) * 9], want_zero, rtol=1e-6, atol=1e-6), spec
 
 
 def test_dead_inputs_zeroed_per_expert() -> None:

@@ -287,10 +287,13 @@ def test_calibrations_made_before_later_switches_keep_their_fingerprint():
     data = {key: value for key, value in recipe_to_dict(recipe).items() if key not in ("pack", "head")}
     for key in ("export_target", "round_bits", "round_steps", "round_tokens", "round_scope"):
         del data["experts"][key]
-    del data["weights"]["fit_bits"]
+    del data["weights"]["fit_bits"], data["weights"]["one_bit"]
     before = hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
     assert calibration_hash(recipe) == before
     changed = recipe_to_dict(recipe)
     changed["weights"]["fit_bits"] = [8]
+    assert calibration_hash(recipe_from_dict(changed)) != before
+    changed = recipe_to_dict(recipe)
+    changed["weights"]["one_bit"] = "spread"
     assert calibration_hash(recipe_from_dict(changed)) != before
     assert calibration_hash(recipe_from_dict(recipe_to_dict(recipe) | {"head": {"bits": 8}})) != before

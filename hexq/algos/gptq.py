@@ -26,7 +26,7 @@ import torch
 
 from hexq.algos.clipping import fit_grid
 from hexq.algos.hessian import HessianFactor, _compute_dtype, factorize_hessian, factorize_hessians
-from hexq.algos.quant import QuantMeta, QuantSpec
+from hexq.algos.quant import QuantMeta, QuantSpec, one_bit_levels
 
 
 @dataclass(frozen=True)
@@ -111,6 +111,7 @@ class _RowGrids:
 
     qmax: torch.Tensor  # 2^bits - 1
     one_bit: torch.Tensor  # bool
+    spread: torch.Tensor  # bool: a 1-bit asymmetric row whose levels are quant.one_bit_levels
     sym_divisor: torch.Tensor  # scale = 2 max|w| / divisor: qmax, or 2 for 1 bit (levels +-max|w|/2)
     sym_zero: torch.Tensor  # (qmax + 1) / 2, or 0.5 for 1 bit
     symmetric: bool
@@ -122,6 +123,8 @@ class _RowGrids:
 
         return cls(qmax=per_row([s.qmax for s in specs]),
                    one_bit=per_row([s.bits == 1 for s in specs]).bool(),
+                   spread=per_row([s.bits == 1 and not s.symmetric and s.one_bit == "spread"
+                                   for s in specs]).bool(),
                    sym_divisor=per_row([2 if s.bits == 1 else s.qmax for s in specs]),
                    sym_zero=per_row([0.5 if s.bits == 1 else float((s.qmax + 1) // 2) for s in specs]),
                    symmetric=specs[0].symmetric)
@@ -140,12 +143,21 @@ class _RowGrids:
         zero = -lo / scale
         return scale, torch.where(self.one_bit, zero, torch.round(zero))
 
+    def bounds(self, columns: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(lo, hi) of each row's values along `dim` of columns [..., R] (R stacked rows last): min and max, or the
+        spread rows' quant.one_bit_levels."""
+        lo, hi = columns.amin(dim=dim), columns.amax(dim=dim)
+        if bool(self.spread.any()):
+            low, high = one_bit_levels(columns, dim)
+            lo, hi = torch.where(self.spread, low, lo), torch.where(self.spread, high, hi)
+        return lo, hi
+
     def fitted(self, columns: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor | None,
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The grids of groups columns [..., g, R] (g columns of the R stacked rows): `params` from their min and max,
+        """The grids of groups columns [..., g, R] (g columns of the R stacked rows): `params` from their bounds,
         then, for the stacked rows `rows` (None: none), fitted to the columns with column weights weight [..., g]
         (hexq.algos.clipping.fit_grid)."""
-        scale, zero = self.params(columns.amin(dim=-2), columns.amax(dim=-2))
+        scale, zero = self.params(*self.bounds(columns, -2))
         if rows is not None:
             scale[..., rows], zero[..., rows] = fit_grid(columns[..., rows], weight, scale[..., rows],
                                                          zero[..., rows], self.qmax[rows], self.one_bit[rows],
@@ -310,8 +322,11 @@ def gptq_bank(W: torch.Tensor, factor_or_H: HessianFactor | torch.Tensor, bits_l
         grouped = W.to(dtype).masked_fill(dead[:, None, :], 0).reshape(num, rows, n // group, group)
         if fit_rows is None:
             lo, hi = grouped.amin(dim=-1), grouped.amax(dim=-1)
-            scale, zero = grids.params(lo.transpose(1, 2).repeat(1, 1, width_count),
-                                       hi.transpose(1, 2).repeat(1, 1, width_count))
+            lo, hi = lo.transpose(1, 2).repeat(1, 1, width_count), hi.transpose(1, 2).repeat(1, 1, width_count)
+            if bool(grids.spread.any()):  # [E, groups, B * out] like lo and hi
+                low, high = (t.transpose(1, 2).repeat(1, 1, width_count) for t in one_bit_levels(grouped))
+                lo, hi = torch.where(grids.spread, low, lo), torch.where(grids.spread, high, hi)
+            scale, zero = grids.params(lo, hi)
         else:
             scale, zero = _static_grids(grouped, U, perm, grids, width_count, fit_rows)
         del grouped
