@@ -10,8 +10,9 @@ from pathlib import Path
 
 import torch
 
+from hexq.hidden import HiddenStore
 from hexq.simulate import routed_outputs
-from hexq.streaming import HiddenStore, LoadedLayer, Progress, StreamedModel
+from hexq.streaming import LoadedLayer, Progress, StreamedModel
 
 # Bytes of compute-ready expert weights materialized at once when experts are computed one chunk at a time.
 EXPERT_CHUNK_BYTES = 512 * 2**20

@@ -12,9 +12,10 @@ from safetensors.torch import load_file, save_file
 from hexq.checkpoint import Checkpoint
 from hexq.errors import HexqError
 from hexq.eval.run import evaluate_model
+from hexq.hidden import HiddenStore
 from hexq.layer_pass import full_precision_plan, stream_logits
 from hexq.models import load_model
-from hexq.streaming import HiddenStore, open_model
+from hexq.streaming import open_model
 from tests.conftest import REFERENCE_MODELS, TINY_CONFIGS, save_tiny_model
 
 CPU = torch.device("cpu")

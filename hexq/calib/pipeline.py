@@ -73,6 +73,7 @@ from hexq.calib.store import (
 from hexq.data import calibration_windows
 from hexq.devices import peak_rss_bytes, resolve_device
 from hexq.errors import HexqError
+from hexq.hidden import HiddenStore
 from hexq.io import write_json_atomic, write_sealed_json
 from hexq.layer_pass import run_layer
 from hexq.models import context_length, model_fingerprint
@@ -81,7 +82,7 @@ from hexq.recipe import Recipe, calibration_hash, recipe_to_dict, validate_for_m
 from hexq.simulate import (
     RoutedTokens,
 )
-from hexq.streaming import HiddenStore, LoadedLayer, StreamedModel, open_model
+from hexq.streaming import LoadedLayer, StreamedModel, open_model
 
 Progress = Callable[[str, int, int], None]  # (what, done, total)
 # Working memory for one chunk of experts' GPTQ (weights of every width stacked, Hessians and factors, float32).

@@ -31,6 +31,7 @@ from hexq.calib.store import (
     put_packed,
 )
 from hexq.errors import HexqError
+from hexq.hidden import HiddenStore
 from hexq.layer_pass import run_layer
 from hexq.packed.weight import PROJECTIONS
 from hexq.recipe import Recipe, WeightQuant
@@ -38,7 +39,7 @@ from hexq.simulate import (
     RoutedTokens,
     expert_intermediate,
 )
-from hexq.streaming import HiddenStore, LoadedLayer
+from hexq.streaming import LoadedLayer
 
 Progress = Callable[[str, int, int], None]  # (what, done, total)
 

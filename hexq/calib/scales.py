@@ -12,9 +12,10 @@ from hexq.calib.capture import (
 )
 from hexq.calib.fold import MOE_IN, fold_scales, smoothing_groups
 from hexq.calib.quantize import default_expert_bits
+from hexq.hidden import HiddenStore
 from hexq.layer_pass import run_layer
 from hexq.recipe import Recipe
-from hexq.streaming import HiddenStore, LoadedLayer
+from hexq.streaming import LoadedLayer
 
 # Working memory for one chunk of experts' GPTQ (weights of every width stacked, Hessians and factors, float32).
 
