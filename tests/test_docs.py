@@ -23,6 +23,14 @@ def test_readme_is_a_front_door():
     assert len(DOCS) > 1
 
 
+def test_every_source_file_reads_in_one_sitting():
+    """Every module of hexq/ and cli/ stays within 450 lines: a file past that holds more than one idea."""
+    long = {str(path.relative_to(ROOT)): lines for path in sorted([*(ROOT / "hexq").rglob("*.py"),
+                                                                    *(ROOT / "cli").rglob("*.py")])
+            if (lines := len(path.read_text().splitlines())) > 450}
+    assert not long, long
+
+
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
 def test_links_resolve(doc):
     for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", doc.read_text()):

@@ -4,7 +4,7 @@ Papers: 001 §3.2-3.4 (DynaExq: versioned expert residency, a budget tracker wit
 on a separate worker so the forward pass never waits on them) and 004 §4.4 (DyMoE: look-ahead prefetch and the
 mixed-precision LRU rules).
 
-Tiers and versioned residency: hexq.runtime.residency.
+Tiers and versioned residency: hexq.runtime.residency. The prefetch worker: hexq.runtime.cache_prefetch.
 
 Mixed-precision LRU (004 §4.4.2), for a request of b bits:
   - one copy per expert (no duplication);
@@ -52,6 +52,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 
 from hexq.errors import HexqError
+from hexq.runtime.cache_prefetch import PrefetchWorker
 from hexq.runtime.residency import (
     Admission,
     BudgetTracker,
@@ -65,7 +66,7 @@ from hexq.runtime.residency import (
 
 logger = logging.getLogger(__name__)
 
-class ExpertCache:
+class ExpertCache(PrefetchWorker):
     """Mixed-precision LRU expert cache under a hard byte budget, with a background prefetch worker.
 
     get(layer, expert, bits) blocks and returns weights with >= bits; prefetch(...) queues a non-blocking fill for
@@ -246,36 +247,6 @@ class ExpertCache:
         finally:
             with self._lock:
                 self._stats.wait_seconds += waited + time.perf_counter() - t0
-
-    # ---------------------------------------------------------------- prefetch
-
-    def prefetch(self, layer: int, expert: int, bits: int) -> None:
-        """Queue a background fill of (layer, expert) at `bits`; returns at once (004 §4.4.1).
-
-        The worker admits it only if room can be made without evicting pinned entries and drops it otherwise
-        (counted in prefetch_dropped). A queued request for the same expert is raised to the higher precision.
-        """
-        key = (layer, expert)
-        with self._lock:
-            self._check_open()
-            self._raise_worker_error()
-            self._stats.prefetch_issued += 1
-            on_way = max(self._inflight.get(key, 0), self._queued.get(key, 0))
-            if self._hit_version(key, bits) is not None or on_way >= bits:
-                self._stats.prefetch_skipped += 1
-                return
-            if key in self._queued:  # the queued request now asks for more bits; no second queue entry
-                self._stats.prefetch_skipped += 1
-                self._queued[key] = bits
-                return
-            self._queued[key] = bits
-        self._queue.put(key)
-
-    def wait_idle(self) -> None:
-        """Block until every prefetch queued so far has been loaded or dropped (raises the worker's error)."""
-        self._queue.join()
-        with self._lock:
-            self._raise_worker_error()
 
     def close(self) -> None:
         """Stop the worker (queued prefetches are dropped), then unpublish and release every entry."""
@@ -471,48 +442,3 @@ class ExpertCache:
             else:
                 self._prefetched.discard(key)
             return weights
-
-    # ---------------------------------------------------------------- prefetch worker
-
-    def _work(self) -> None:
-        while True:
-            key = self._queue.get()
-            try:
-                if key is None:
-                    return
-                self._prefetch_one(key)
-            except Exception as error:  # kept for the forward pass to raise (module docstring), not printed here
-                logger.debug("prefetch of expert %s failed", key, exc_info=True)
-                with self._lock:
-                    if self._error is None:
-                        self._error = error
-            finally:
-                self._queue.task_done()
-
-    def _prefetch_one(self, key: Key) -> None:
-        with self._lock:
-            bits = self._queued.pop(key, None)
-            if bits is None or self._closed:
-                return
-            if self._error is not None:  # the worker stops after its first failure
-                self._stats.prefetch_dropped += 1
-                return
-            if self._hit_version(key, bits) is not None or self._inflight.get(key, 0) >= bits:
-                self._stats.prefetch_skipped += 1
-                return
-            if key in self._inflight:  # a lower precision is still loading; the worker does not wait for it
-                self._stats.prefetch_dropped += 1
-                return
-            need = self._source.nbytes(key[0], key[1], bits)
-            promoting = key in self._lru
-            if need > self._budget.capacity or not self._admit(key, bits, need, background=True):
-                self._stats.prefetch_dropped += 1
-                logger.debug("prefetch of expert %s at %d bits dropped: no unpinned room", key, bits)
-                return
-            self._start_fill(key, bits, promoting)
-        try:
-            self._fill(key, bits, need, prefetched=True)
-        except Exception:
-            with self._lock:
-                self._stats.prefetch_dropped += 1
-            raise
