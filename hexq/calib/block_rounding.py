@@ -11,7 +11,7 @@ without activation fake quantization. Cold experts (fewer than min_tokens routed
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import closing, contextmanager, nullcontext
 
 import torch
 from torch.func import functional_call
@@ -125,8 +125,8 @@ def round_block(loaded: LoadedLayer, hidden: HiddenStore, kwargs: list[dict], we
 
     report = {}
     steps = recipe.experts.round_steps
-    context = experts_replaced(loaded, stand_in) if stand_in is not None else _nothing()
-    with context:
+    context = experts_replaced(loaded, stand_in) if stand_in is not None else nullcontext()
+    with context, closing(targets):
         for width in tuned_widths(recipe, propagate):
             tuned: dict[str, Replica] = {}
             qmax: dict[str, int] = {}
@@ -150,7 +150,6 @@ def round_block(loaded: LoadedLayer, hidden: HiddenStore, kwargs: list[dict], we
                 steps, {p: frozen for p in PROJECTIONS if p in tuned})
             keep_tuned(result, dense, bank.get(width))
             report[str(width if width is not None else "dense")] = {"before": result.before, "after": result.after}
-    targets.close()
     return report
 
 
@@ -171,8 +170,3 @@ def keep_tuned(result: BlockRounding, dense: dict, replicas: Replicas | None) ->
         else:
             meta = dense[name][1]
             dense[name] = (replica.codes[0], QuantMeta(replica.scale[0], replica.zero[0], meta.group_size, meta.bits))
-
-
-@contextmanager
-def _nothing():
-    yield
