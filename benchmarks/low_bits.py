@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import shutil
 import time
 from pathlib import Path
@@ -140,12 +141,16 @@ class Evaluator:
     def streamed(self, streamed, prepare) -> dict[str, float]:
         return self.by_text(kl_divergence(streamed, prepare, self.reference, self.ids, 8, None, None))
 
-    @torch.no_grad()
-    def in_memory(self, model) -> dict[str, float]:
+    @functools.cached_property
+    def reference_model(self):
+        """The full-precision model in memory (float32), read once: the in-memory rows' reference."""
         from hexq.models import load_model
 
-        reference, _tokenizer, _ = load_model(self.model_path, device="cpu", dtype=torch.float32)
-        model = model.float()
+        return load_model(self.model_path, device="cpu", dtype=torch.float32)[0]
+
+    @torch.no_grad()
+    def in_memory(self, model) -> dict[str, float]:
+        model, reference = model.float(), self.reference_model
         parts = [token_divergence(model(window[None]).logits[0, :-1].float(),
                                   reference(window[None]).logits[0, :-1].float(), window[1:]) for window in self.ids]
         return self.by_text(Divergence.join(parts))
@@ -267,8 +272,7 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     for name in args.models:
         evaluator = Evaluator(MODELS[name], args.windows)
-        streamed, _tokenizer, prepare = open_target(MODELS[name], torch.device("cpu"), None)
-        entry = results["models"][name] = {"fp": evaluator.streamed(streamed, prepare), "rows": []}
+        entry = results["models"][name] = {"fp": evaluator.streamed(*evaluator.reference), "rows": []}
 
         def add(row, model=name, rows=entry["rows"]):  # a partial run keeps every row evaluated so far
             rows.append(row)

@@ -70,14 +70,21 @@ class Checkpoint:
                     self._handles[shard] = handle
         return handle
 
-    def read(self, key: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
-        """Tensor `key` in its stored dtype (on the CPU, read from the mmap), checked against `shape` if given."""
+    def read(self, key: str, shape: tuple[int, ...] | None = None, rows: range | None = None) -> torch.Tensor:
+        """Tensor `key` in its stored dtype (on the CPU, read from the mmap), checked against `shape` if given; with
+        `rows`, only those rows of its first dimension, reading only their bytes."""
         shard = self.weight_map.get(key)
         if shard is None:
             raise HexqError(f"{self.folder}: tensor {key} is not in the checkpoint")
         handle = self._handle(shard)
         try:
-            tensor = handle.get_tensor(key)
+            if rows is None:
+                tensor = handle.get_tensor(key)
+                stored_shape = tuple(tensor.shape)
+            else:
+                part = handle.get_slice(key)
+                stored_shape = tuple(part.get_shape())
+                tensor = part[rows.start:rows.stop]
         except (SafetensorError, OSError, RuntimeError) as err:
             raise HexqError(f"{self.folder / shard}: tensor {key} is unreadable: {err}") from None
         except KeyError:
@@ -85,8 +92,8 @@ class Checkpoint:
         if tensor.dtype not in KNOWN_DTYPES:
             raise HexqError(f"{self.folder / shard}: tensor {key} has dtype {tensor.dtype}; hexq reads "
                             f"{', '.join(str(d).removeprefix('torch.') for d in KNOWN_DTYPES)}")
-        if shape is not None and tuple(tensor.shape) != tuple(shape):
-            raise HexqError(f"{self.folder / shard}: tensor {key} has shape {list(tensor.shape)}, the model's "
+        if shape is not None and stored_shape != tuple(shape):
+            raise HexqError(f"{self.folder / shard}: tensor {key} has shape {list(stored_shape)}, the model's "
                             f"config needs {list(shape)}")
         return tensor
 
@@ -118,13 +125,14 @@ class Checkpoint:
             raise HexqError(f"{self.folder}: tensor {' or '.join(self.hub_names(name))} is not in the checkpoint")
         return safetensors_dtype(self._handle(self.weight_map[key]).get_slice(key).get_dtype())
 
-    def read_param(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """Model parameter (or persistent buffer) `name` from the checkpoint, in its stored dtype."""
+    def read_param(self, name: str, shape: tuple[int, ...], rows: range | None = None) -> torch.Tensor:
+        """Model parameter (or persistent buffer) `name` from the checkpoint, in its stored dtype (only `rows` of its
+        first dimension when given: Checkpoint.read)."""
         key = self.find(name)
         if key is None:
             tried = " or ".join(self.hub_names(name))
             raise HexqError(f"{self.folder}: tensor {tried} is not in the checkpoint")
-        return self.read(key, shape)
+        return self.read(key, shape, rows)
 
     def read_fused_experts(self, prefix: str, num_experts: int, gate_up_shape: tuple[int, int],
                            down_shape: tuple[int, int], rows: range | None = None,
@@ -138,8 +146,9 @@ class Checkpoint:
             raise ValueError(f"rows must be consecutive experts within 0..{num_experts - 1}, got {rows}")
         fused_gate_up, fused_down = f"{prefix}.gate_up_proj", f"{prefix}.down_proj"
         if self.find(fused_gate_up) and self.find(fused_down):
-            return (self.read_rows(fused_gate_up, (num_experts, *gate_up_shape), rows),
-                    self.read_rows(fused_down, (num_experts, *down_shape), rows))
+            share = None if rows == range(num_experts) else rows
+            return (self.read_param(fused_gate_up, (num_experts, *gate_up_shape), share),
+                    self.read_param(fused_down, (num_experts, *down_shape), share))
         gate_name, up_name, down_name = self.adapter.hub_expert_projections
         inner = gate_up_shape[0] // 2
 
@@ -159,21 +168,6 @@ class Checkpoint:
                 # this, a Qwen3-30B-A3B layer's 1.2 GB of experts peaked at twice that)
                 self.release()
         return gate_up, down
-
-    def read_rows(self, name: str, shape: tuple[int, ...], rows: range) -> torch.Tensor:
-        """Rows `rows` of parameter `name` (its first dimension), reading only their bytes."""
-        if rows == range(shape[0]):
-            return self.read_param(name, shape)
-        key = self.find(name)
-        handle = self._handle(self.weight_map[key])
-        stored = handle.get_slice(key)
-        if tuple(stored.get_shape()) != tuple(shape):
-            raise HexqError(f"{self.folder / self.weight_map[key]}: tensor {key} has shape {list(stored.get_shape())}, "
-                            f"the model's config needs {list(shape)}")
-        part = stored[rows.start:rows.stop]
-        if part.dtype not in KNOWN_DTYPES:
-            raise HexqError(f"{self.folder / self.weight_map[key]}: tensor {key} has dtype {part.dtype}")
-        return part
 
 
 SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,

@@ -116,8 +116,8 @@ class LoadedLayer:
 
     @property
     def down(self) -> torch.Tensor | None:
-        stored = self.gate_up is not None and self._experts
-        return stored[1] if stored else None
+        """Every routed expert's down [E, H, I], as gate_up."""
+        return None if self.gate_up is None else self._experts[1]
 
     def experts_of(self, experts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up, down) of `experts` (ids) in their stored dtype, from the experts read (all, on first use)."""

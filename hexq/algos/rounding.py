@@ -184,10 +184,13 @@ def optimize_block_rounding(weights: dict[str, torch.Tensor], replicas: dict[str
         return {name: torch.where(held[name], grid.codes, out[name]) if name in held else out[name]
                 for name, grid in grids.items()}
 
-    def dequantized(current: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {name: grid.weight(current[name], grid.scale * torch.where(held[name], 1.0, stretch[name])
-                                  if name in held else grid.scale * stretch[name])
+    def scales() -> dict[str, torch.Tensor]:
+        return {name: grid.scale * (torch.where(held[name], 1.0, stretch[name]) if name in held else stretch[name])
                 for name, grid in grids.items()}
+
+    def dequantized(current: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        scale = scales()
+        return {name: grid.weight(current[name], scale[name]) for name, grid in grids.items()}
 
     with torch.no_grad():
         initial = [float(objective(gptq, batch)) for batch in range(batches)]
@@ -219,10 +222,7 @@ def optimize_block_rounding(weights: dict[str, torch.Tensor], replicas: dict[str
         after = sum(float(objective(dequantized(final), batch)) for batch in range(batches)) / batches
         if not after < before:
             return BlockRounding(dict(replicas), before, before)
-        tuned = {}
-        for name, grid in grids.items():
-            scale = grid.scale * stretch[name] if name not in held else torch.where(held[name], grid.scale,
-                                                                                      grid.scale * stretch[name])
-            tuned[name] = Replica(final[name].to(torch.uint8), scale.to(replicas[name].scale.dtype),
-                                  replicas[name].zero)
+        scale = scales()
+        tuned = {name: Replica(final[name].to(torch.uint8), scale[name].to(replicas[name].scale.dtype),
+                               replicas[name].zero) for name in grids}
     return BlockRounding(tuned, before, after)

@@ -16,7 +16,7 @@ from contextlib import closing, contextmanager, nullcontext
 import torch
 from torch.func import functional_call
 
-from hexq.algos.quant import QuantMeta
+from hexq.algos.quant import QuantMeta, dequantize
 from hexq.algos.rounding import BlockRounding, Replica, optimize_block_rounding
 from hexq.hidden import HiddenStore
 from hexq.layer_pass import ExpertCompute, expert_chunk, run_layer
@@ -106,6 +106,9 @@ def round_block(loaded: LoadedLayer, hidden: HiddenStore, kwargs: list[dict], we
     """Tune the layer (module docstring): `dense` {linear name: (codes, meta)} and `bank` {width: replicas of every
     routed expert} are replaced by their tuned versions in place. Returns {width: {"before", "after"}} (the mean
     squared output error over every batch; width "dense" on a dense layer)."""
+    widths = tuned_widths(recipe, propagate)
+    if not widths:  # a dense layer whose linears are not weight-only: nothing to tune
+        return {}
     device = next(loaded.module.parameters()).device
     targets = full_precision_outputs(loaded, hidden, kwargs, weights_of)
     stand_in = RoutedExperts(loaded.act_fn) if loaded.is_moe else None
@@ -127,7 +130,7 @@ def round_block(loaded: LoadedLayer, hidden: HiddenStore, kwargs: list[dict], we
     steps = recipe.experts.round_steps
     context = experts_replaced(loaded, stand_in) if stand_in is not None else nullcontext()
     with context, closing(targets):
-        for width in tuned_widths(recipe, propagate):
+        for width in widths:
             tuned: dict[str, Replica] = {}
             qmax: dict[str, int] = {}
             if dense_tunable(recipe) and width == propagate:
@@ -155,8 +158,8 @@ def round_block(loaded: LoadedLayer, hidden: HiddenStore, kwargs: list[dict], we
 
 def fixed_weights(dense: dict, replicas: Replicas | None, tuned: dict, device) -> dict[str, torch.Tensor]:
     """The dequantized weights [1 or E, rows, cols] of every matrix the pass does not tune."""
-    fixed = {name: Replica(codes[None], meta.scale[None], meta.zero[None]).weight().to(device)
-             for name, (codes, meta) in dense.items() if name not in tuned}
+    fixed = {name: dequantize(codes, meta)[None].to(device) for name, (codes, meta) in dense.items()
+             if name not in tuned}
     for projection in PROJECTIONS if replicas is not None else ():
         if projection not in tuned:
             fixed[projection] = Replica(*replicas[projection]).weight().to(device)

@@ -51,9 +51,6 @@ class BankTuner:
 
     widths: set[int]
     tune: Callable[[dict, list[int]], None]
-
-    def __call__(self, held: dict, cold: list[int]) -> None:
-        self.tune(held, cold)
 # Working memory for one chunk of experts' GPTQ (weights of every width stacked, Hessians and factors, float32).
 GPTQ_CHUNK_BYTES = 1 << 30
 MOE_SAMPLE_EVERY = 8  # every 8th MoE-input token: the layer-wide sample for cold experts' fallbacks
@@ -245,7 +242,7 @@ def quantize_routed_experts(loaded: LoadedLayer, routed: RoutedTokens, weights_o
         *found, held = fill_bank(bank, loaded, routed, weights_of, recipe, moe_sample, shapes, progress, own, keep,
                                  budget)
         if tune is not None:
-            tune(held, found[0])
+            tune.tune(held, found[0])
             for bits in recipe.experts.round_bits:
                 for projection, (codes, scale, zero) in held[bits].items():
                     bank.put(projection, bits, list(own), codes, scale, zero)
