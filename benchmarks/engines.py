@@ -32,10 +32,13 @@ the num_experts experts per layer at their stored size (hexq: the allocation's m
 expert tensors' bytes / num_experts * top_k). Memory read bandwidth: torch.sum over a 2 GiB float32 tensor on
 --threads threads (median of 5). The share of it an engine uses = bytes per token * tokens/s / bandwidth.
 
-With --cgroup, once more cold inside a memory cgroup of --memory-fraction of the bf16 model (page cache counted, as on
-a machine with less memory than the model; benchmarks/runtime.py has the mechanism): hexq --memory (packed cache:
-not every expert fits, so the native step loads its misses through the cache) and llama.cpp's Q3_K_S (mmap, its
-default).
+With --cgroup, once more cold (page cache dropped) inside a memory cgroup of --cgroup-fraction (default half) of
+llama.cpp's Q4_0 file, page cache counted, as on a machine with less memory than the model (benchmarks/runtime.py
+has the mechanism), --cgroup-repeats processes each: hexq 3-bit with --memory the limit less OVERHEAD (the
+interpreter and libraries, which --memory does not count yet), packed cache: not every expert fits, so the native
+step loads its misses through the cache and reads ahead; llama.cpp's Q4_0 and Q3_K_S reading their files through
+mmap (`--repack 0 -lm mmap`: with its default repacking llama.cpp copies the weights into memory of its own, and at
+this limit the OOM killer ends it).
 """
 
 from __future__ import annotations
@@ -54,9 +57,14 @@ from provenance import start_run, write_results
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT_TOKENS = 128
+# What a `hexq run` process holds beyond --memory: interpreter, torch, transformers and the model skeleton (measured:
+# peak RSS 951 MiB at --memory 567 MiB, AMD EPYC) plus room for the page cache its reads go through.
+OVERHEAD = 450 * 2**20
+MMAP = ["--repack", "0", "-lm", "mmap"]  # llama.cpp reading its weights through mmap, as under a memory limit
 DENSE4 = "hexq 3-bit, dense W4A16 g32"
 MIXED = "hexq mixed 2.5-bit"  # the allocation's 2, 3, 4 and 8-bit experts side by side in every layer
 NATIVE_ONLY = (DENSE4, MIXED)  # rows measured on the native step alone
+CGROUP_HEXQ = "hexq 3-bit --memory, packed cache"
 RTN_RECIPE = """name: experts-rtn
 version: 1
 smoothing: {method: none}
@@ -133,7 +141,7 @@ def child_llama(spec: dict) -> dict:
     if spec["cold"]:
         drop_page_cache([Path(spec["gguf"])])
     bench = [str(Path(spec["llama_bin"]) / "llama-bench"), "-m", spec["gguf"], "-t", str(spec["threads"]), "-r",
-             "1", "-o", "json"]
+             "1", "-o", "json", *spec.get("args", [])]
     decode = json.loads(subprocess.run([*bench, "-p", "0", "-n", str(spec["decode"]), "-d", str(PROMPT_TOKENS)],
                                        capture_output=True, text=True, check=True).stdout)
     prefill = json.loads(subprocess.run([*bench, "-p", str(PROMPT_TOKENS), "-n", "0"], capture_output=True,
@@ -290,7 +298,8 @@ def main() -> int:
     parser.add_argument("--decode", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cgroup", action="store_true")
-    parser.add_argument("--memory-fraction", type=float, default=0.25)
+    parser.add_argument("--cgroup-fraction", type=float, default=0.5, help="of llama.cpp's Q4_0 file")
+    parser.add_argument("--cgroup-repeats", type=int, default=1)
     parser.add_argument("-o", "--out", type=Path, default=ROOT / "benchmarks" / "results" / "engines.json")
     args = parser.parse_args()
     if args.child:
@@ -328,16 +337,16 @@ def main() -> int:
         write_results(args.out, results, run)
     if args.cgroup:
         root = cgroup_root()
-        model_bytes = sum(f.stat().st_size for f in files_under(args.checkpoint) if f.suffix == ".safetensors")
-        memory = int(model_bytes * args.memory_fraction)
-        overhead = 600 * 2**20  # interpreter, torch and the model skeleton (benchmarks/runtime.py measures it)
-        for name, spec in (("hexq 3-bit --memory, packed cache", {"kind": "hexq", "artifact": str(
-                                artifacts["hexq 3-bit"]), "cache": "packed", "memory": memory, "path": "auto"}),
-                           ("llama.cpp Q3_K_S, mmap", {"kind": "llama", "gguf": str(ggufs["llama.cpp Q3_K_S"]),
-                                                       "llama_bin": str(llama_bin)})):
-            row = repeated(base | spec | {"cold": True}, args.repeats, memory + overhead, root) if root else {
+        limit = int(ggufs["llama.cpp Q4_0"].stat().st_size * args.cgroup_fraction)
+        hexq_row = {"kind": "hexq", "artifact": str(artifacts["hexq 3-bit"]), "cache": "packed",
+                    "memory": limit - OVERHEAD, "path": "auto"}
+        rows = {CGROUP_HEXQ: hexq_row} | {f"{name}, mmap": {"kind": "llama", "gguf": str(ggufs[name]), "args": MMAP,
+                                                            "llama_bin": str(llama_bin)}
+                                          for name in ("llama.cpp Q4_0", "llama.cpp Q3_K_S")}
+        for name, spec in rows.items():
+            row = repeated(base | spec | {"cold": True}, args.cgroup_repeats, limit, root) if root else {
                 "error": "no writable memory cgroup"}
-            results["rows"].append(row | {"engine": name, "cgroup_limit_mib": (memory + overhead) / 2**20})
+            results["rows"].append(row | {"engine": name, "cgroup_limit_mib": limit / 2**20})
             write_results(args.out, results, run)
     results["ratios"] = ratios(results)
     write_results(args.out, results, run, complete=True)
@@ -366,9 +375,10 @@ def ratios(results: dict) -> dict:
     if q4:
         out["llama.cpp Q4_0: share of the read bandwidth"] = (q4["bytes_per_token_mb"] * 1e6 * q4["tokens_per_s"]
                                                               / (results["bandwidth_gbps"] * 1e9))
-    packed, llama = rows.get("hexq 3-bit --memory, packed cache"), rows.get("llama.cpp Q3_K_S, mmap")
-    if packed and llama:
-        out["cgroup: hexq packed / llama.cpp mmap tokens/s"] = packed["tokens_per_s"] / llama["tokens_per_s"]
+    for name in ("llama.cpp Q4_0, mmap", "llama.cpp Q3_K_S, mmap"):
+        if rows.get(CGROUP_HEXQ) and rows.get(name):
+            out[f"cgroup: {CGROUP_HEXQ} / {name} tokens/s"] = (rows[CGROUP_HEXQ]["tokens_per_s"]
+                                                              / rows[name]["tokens_per_s"])
     return out
 
 

@@ -242,6 +242,9 @@ def print_run_stats(stats: dict) -> None:
     if profile and profile["steps"]:
         rows.append(("native step (ms)", f"products {profile['products'] * 1e3:.2f}, attention "
                                          f"{profile['attention'] * 1e3:.2f}, glue {profile['glue'] * 1e3:.2f}"))
+        if profile["missed"] or profile["predicted"]:
+            rows.append(("native read-ahead", f"{profile['missed']:.1f} missed, {profile['predicted']:.1f} predicted"
+                                              f"/token, {profile['ahead_precision']:.0%} routed"))
     for name, value in rows:
         table.add_row(name, value)
     err_console.print(table)

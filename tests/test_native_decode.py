@@ -17,17 +17,21 @@ Greedy tokens must agree wherever the transformers path's top two logits are not
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
 import statistics
+import time
 
 import pytest
 import torch
 
+from hexq.artifact.format import expert_shard
 from hexq.errors import HexqError
 from hexq.packed.cpu import available_paths, load_cpu_kernels
 from hexq.runtime.compute import Profiles
 from hexq.runtime.engine import Runtime
-from hexq.runtime.native import top_k_bytes
+from hexq.runtime.native import AHEAD_RANGES, NativeDecoder, byte_ranges, top_k_bytes
 from tests.conftest import REFERENCE_MODELS, needs_kernels, save_tiny_model, small_recipe
 
 KERNELS = load_cpu_kernels()
@@ -279,6 +283,85 @@ def test_native_step_under_a_small_fast_tier_loads_its_misses(packed_artifact):
     assert stats.misses > 0 and stats.evictions > 0 and stats.hits > 0
     assert stats.hits + stats.misses == steps * top_k * moe_layers  # no 0-bit expert in this artifact
     assert runtime.cache.budget.peak <= budget
+
+
+def cached_share(path, ranges) -> float:
+    """The share of the pages of byte `ranges` ((offset, length) pairs) of file `path` in the page cache (mincore)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = mmap.PAGESIZE
+    resident = total = 0
+    with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY) as mapped:
+        view = (ctypes.c_char * len(mapped)).from_buffer(mapped)
+        try:
+            for offset, length in ranges:
+                first = offset // page * page
+                count = (offset + length - first + page - 1) // page
+                vector = (ctypes.c_ubyte * count)()
+                assert libc.mincore(ctypes.c_void_p(ctypes.addressof(view) + first), count * page, vector) == 0
+                resident += sum(byte & 1 for byte in vector)
+                total += count
+        finally:
+            del view
+    return resident / total
+
+
+def test_byte_ranges_merge_adjacent_spans_and_cover_the_rest():
+    span = type("Span", (), {"__init__": lambda self, start, end: self.__dict__.update(start=start, end=end)})
+    spans = [span(100, 200), span(0, 50), span(50, 60), span(200, 210), span(300, 310), span(400, 410)]
+    assert byte_ranges(spans, 4) == [(0, 60), (100, 110), (300, 10), (400, 10)]
+    assert byte_ranges(spans, 2) == [(0, 60), (100, 310)]
+
+
+def test_native_step_reads_its_misses_ahead(packed_artifact, monkeypatch):
+    """Under a fast tier smaller than the experts the step asks the kernel to read every absent expert a routing
+    keeps (and the next layer's predicted ones) into the page cache before returning to Python, so the loads Python
+    then makes wait for one read, not one after another: with the artifact's expert pages dropped from the page
+    cache, each missing expert's bytes are cached (or arriving) before Python has read any of them. Each expert's
+    ranges cover exactly its stored replica, and the profile counts every miss as read ahead."""
+    with Runtime(packed_artifact, dtype="fp32") as probe:
+        budget = top_k_bytes(probe)
+    steps, seen = 4, []
+    original = NativeDecoder._load_absent
+
+    def checked(self):
+        artifact, row = self.runtime.artifact, self._rows[self.resume.layer]
+        table = self._tables[row][0]
+        for expert in self.resume.ids[:self.resume.n]:
+            if table[expert].gate_up.kind != 4:  # MAT_ABSENT
+                continue
+            spans = artifact.expert_spans(row, expert, artifact.allocation[row][expert])
+            ranges = byte_ranges(spans, AHEAD_RANGES)
+            assert sum(length for _, length in ranges) == sum(s.end - s.start for s in spans)
+            path = artifact.path / expert_shard(artifact.moe_layers[row])
+            # the kernel's read is asynchronous; a correct step has it done in ms (no second wait after a failure)
+            deadline = time.monotonic() + (5 if min(seen, default=1.0) == 1.0 else 0)
+            while cached_share(path, ranges) < 1 and time.monotonic() < deadline:
+                time.sleep(0.001)
+            seen.append(cached_share(path, ranges))
+        return original(self)
+
+    with Runtime(packed_artifact, dtype="fp32") as full:
+        logits, past = full._next_logits(PROMPT, None)
+    with Runtime(packed_artifact, dtype="fp32", budget_bytes=budget) as runtime:
+        runtime.native.start(past, PROMPT.shape[1], PROMPT.shape[1] + steps)
+        runtime.native.profile()  # counted from here
+        runtime.cache.reset_stats()
+        monkeypatch.setattr(NativeDecoder, "_load_absent", checked)
+        shards = sorted((packed_artifact / "experts").glob("*.safetensors"))
+        assert shards
+        token = int(logits.argmax())
+        for _ in range(steps):
+            for shard in shards:  # clean pages: dropped, so only a read brings them back
+                fd = os.open(shard, os.O_RDONLY)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.close(fd)
+            assert cached_share(shards[0], [(0, shards[0].stat().st_size)]) < 0.5, "page cache not droppable here"
+            token = int(runtime.native.step(token).argmax())
+        profile = runtime.native.profile()
+        misses = runtime.cache.stats.misses
+    assert seen and min(seen) == 1.0
+    assert misses > 0 and round(profile["missed"] * steps) == misses
+    assert profile["predicted"] > 0 and 0 <= profile["ahead_precision"] <= 1
 
 
 def test_generate_uses_the_native_step_and_says_why_not(packed_artifact):

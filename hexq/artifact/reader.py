@@ -242,19 +242,24 @@ class Artifact:
         except KeyError as err:
             raise HexqError(f"{self.path / shard} has no tensor {err.args[0]}") from None
 
-    def read_expert(self, row: int, expert: int, bits: int, buffer: torch.Tensor) -> tuple[PackedWeight, ...]:
-        """(gate_up, down) of one stored replica read with pread into `buffer` (1-D uint8 CPU tensor of at least
-        read_buffer_nbytes(the replica's bytes, 6) bytes; the PackedWeights are views of it, valid until it is
-        reused). Nothing is memory-mapped: the process keeps only `buffer`, whatever the artifact's size."""
-        spans = self.expert_spans(row, expert, bits)
+    def expert_fd(self, row: int) -> int:
+        """The read-only file descriptor of MoE row `row`'s expert shard (opened once, kept open while the artifact
+        is), which expert_spans' offsets index."""
         shard = expert_shard(self.moe_layers[row])
         fd = self._fds.get(shard)
         if fd is None:
             with self._lock:
                 fd = self._fds.get(shard)
                 if fd is None:
-                    fd = self._fds[shard] = os.open(self.path / shard, os.O_RDONLY)
-        tensors = read_spans_into(fd, spans, buffer)
+                    fd = self._fds[shard] = os.open(self.verify(shard), os.O_RDONLY)
+        return fd
+
+    def read_expert(self, row: int, expert: int, bits: int, buffer: torch.Tensor) -> tuple[PackedWeight, ...]:
+        """(gate_up, down) of one stored replica read with pread into `buffer` (1-D uint8 CPU tensor of at least
+        read_buffer_nbytes(the replica's bytes, 6) bytes; the PackedWeights are views of it, valid until it is
+        reused). Nothing is memory-mapped: the process keeps only `buffer`, whatever the artifact's size."""
+        spans = self.expert_spans(row, expert, bits)
+        tensors = read_spans_into(self.expert_fd(row), spans, buffer)
         with self._lock:
             self.bytes_read += sum(span.end - span.start for span in spans)
         return tuple(PackedWeight(*tensors[3 * i:3 * i + 3], bits, self.expert_shape(p))

@@ -12,6 +12,7 @@
    k experts' gate_up products (and the shared expert's); each expert's down product reads its own intermediate.
    Where the recipe quantizes activations (W8A8), the input is first put on the recipe's grid exactly as
    hexq.simulate.ActQuantizer computes it (act_quant), once per distinct grid. */
+#include <fcntl.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -72,7 +73,16 @@ typedef struct {
     const hexq_expert* experts; /* [E]; their matrices carry the recipe's expert activation grids */
     hexq_matrix mlp_gate, mlp_up, mlp_down; /* a dense MLP, or the shared expert (kind MAT_NONE: none) */
     hexq_matrix shared_gate;  /* [1, H]: sigmoid-scales the shared expert (kind MAT_NONE: none) */
+    /* Reading ahead under a fast tier smaller than the experts (ahead NULL: every expert resident): the file
+       descriptor of the file holding the layer's experts and, per expert, AHEAD_RANGES (offset, length) byte ranges
+       of its stored replica there (length 0: unused). The step asks the kernel to read an absent expert's ranges
+       into the page cache (posix_fadvise WILLNEED: asynchronous, no thread) as soon as it knows the expert will be
+       wanted (read_ahead), so the loads the caller then makes (hexq.runtime.native) find them there. */
+    int32_t ahead_fd;
+    const int64_t* ahead;     /* [E][AHEAD_RANGES][2] */
 } hexq_layer;
+
+#define AHEAD_RANGES 4
 
 typedef struct {
     int32_t layers, hidden, heads, kv_heads, head_dim, vocab;
@@ -409,6 +419,7 @@ static void phase_item(void* arg, int64_t item) {
 static struct {
     double products, attention, total;
     int64_t steps;
+    int64_t missed, predicted, predicted_routed; /* read ahead: see read_ahead */
 } profile;
 
 static double now(void) {
@@ -417,12 +428,16 @@ static double now(void) {
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
-/* Copies {products, attention, total seconds, steps} since the last call into out[4] and starts again. */
+/* Copies {products, attention, total seconds, steps, missed, predicted, predicted_routed} since the last call into
+   out[7] and starts again. */
 void hexq_decode_profile(double* out) {
     out[0] = profile.products;
     out[1] = profile.attention;
     out[2] = profile.total;
     out[3] = (double)profile.steps;
+    out[4] = (double)profile.missed;
+    out[5] = (double)profile.predicted;
+    out[6] = (double)profile.predicted_routed;
     memset(&profile, 0, sizeof(profile));
 }
 
@@ -459,7 +474,10 @@ typedef struct {
 typedef struct {
     float *x, *h, *q, *k, *v, *att, *o, *router, *scores, *hidden, *mid, *ye, *mlp_hidden, *mlp_mid, *mlp_y, *gate;
     float *cos, *sin; /* RoPE at this step's position [D/2] */
-    input_set in_h, in_att, in_moe, in_final, in_mid[64], in_mlp_mid;
+    float *h_ahead, *router_ahead; /* the next layer's router input and logits as predicted from this layer's */
+    int32_t* ahead_ids; /* [1 + top_k]: how many, then the absent experts of the next layer read ahead (kept across
+                           the calls of a step that stops, like all of the scratch) */
+    input_set in_h, in_att, in_moe, in_final, in_mid[64], in_mlp_mid, in_ahead;
 } scratch;
 
 #define ALIGN64(n) (((n) + 63) / 64 * 64)
@@ -511,12 +529,16 @@ static int64_t scratch_layout(const hexq_model* m, uint8_t* base, scratch* s) {
     s->gate = (float*)carve(&p, 64);
     s->cos = (float*)carve(&p, m->head_dim * 2);
     s->sin = (float*)carve(&p, m->head_dim * 2);
+    s->h_ahead = (float*)carve(&p, H * 4);
+    s->router_ahead = (float*)carve(&p, max64(m->num_experts, 1) * 4);
+    s->ahead_ids = (int32_t*)carve(&p, (k + 1) * 4);
     input_init(&s->in_h, &p, H, 3);
     input_init(&s->in_att, &p, QD, 1);
     input_init(&s->in_moe, &p, H, MAX_READERS);
     input_init(&s->in_final, &p, H, 1);
     for (int j = 0; j < k && j < 64; j++) input_init(&s->in_mid[j], &p, I, 1);
     input_init(&s->in_mlp_mid, &p, MI, 1);
+    input_init(&s->in_ahead, &p, H, 1);
     return p - base;
 }
 
@@ -659,6 +681,36 @@ static void gated(const float* gate_up, float* mid, int64_t inter) {
     for (int64_t i = 0; i < inter; i++) mid[i] = silu(gate_up[i]) * gate_up[inter + i];
 }
 
+/* Ask the kernel to read expert e of layer L into the page cache now, without waiting (see hexq_layer.ahead). */
+static void read_ahead(const hexq_layer* L, int e) {
+#ifdef POSIX_FADV_WILLNEED
+    const int64_t* range = L->ahead + (int64_t)e * AHEAD_RANGES * 2;
+    for (int i = 0; i < AHEAD_RANGES; i++)
+        if (range[2 * i + 1] > 0) posix_fadvise(L->ahead_fd, range[2 * i], range[2 * i + 1], POSIX_FADV_WILLNEED);
+#else
+    (void)L;
+    (void)e;
+#endif
+}
+
+/* Look-ahead prefetch (004 §4.4.1): the next layer's router applied to this layer's residual stream after
+   attention, normed with the next layer's own norm - what its router will read, less this layer's experts and the
+   next attention - predicts its top-k; those absent are read ahead while this layer's loads and products run. Records them in
+   s->ahead_ids to count how many the next routing keeps (profile.predicted_routed). */
+static void predict_ahead(const hexq_model* m, const hexq_layer* next, scratch* s) {
+    unsigned char taken[1024] = {0};
+    for (int j = 0; j < m->top_k; j++) {
+        int best = -1;
+        for (int e = 0; e < m->num_experts; e++)
+            if (!taken[e] && (best < 0 || s->router_ahead[e] > s->router_ahead[best])) best = e;
+        taken[best] = 1;
+        if (next->experts[best].gate_up.kind != MAT_ABSENT) continue;
+        read_ahead(next, best);
+        s->ahead_ids[1 + s->ahead_ids[0]++] = best;
+        profile.predicted++;
+    }
+}
+
 /* x += W_down (silu(W_gate h) * (W_up h)) for a dense MLP; in a MoE layer the same for the shared expert (scaled by
    its sigmoid gate) beside the routed experts, whose products join the shared expert's phases. Returns 1 where a
    kept expert is absent (its routing left in r, nothing of the layer's sum done yet); `resuming`: the routing and the
@@ -679,12 +731,30 @@ static int layer_ffn(const hexq_model* m, const hexq_layer* L, int layer, scratc
     int64_t inter = 0;
     if (L->moe) { /* the router's [E] logits first, on the pool with the shared expert's products */
         if (!resuming) {
+            const hexq_layer* next = layer + 1 < m->layers ? &m->layer[layer + 1] : NULL;
+            const int ahead = next && next->moe && next->ahead;
             add_product(p, &s->in_moe, s->h, H, &L->router, s->router);
+            if (ahead) { /* the next layer's router on this layer's stream, in the same phase */
+                rms_norm(s->x, next->post_norm, s->h_ahead, H, m->eps);
+                s->in_ahead.used = 0;
+                add_product(p, &s->in_ahead, s->h_ahead, H, &next->router, s->router_ahead);
+            }
             phase_run(p, threads);
             r->n = route_token(m, L, s->router, ids, weights);
             for (int j = 0; r->log && j < r->n; j++)
                 if (L->experts[ids[j]].gate_up.kind != MAT_ABSENT && r->logged < m->layers * m->top_k)
                     r->log[r->logged++] = layer * m->num_experts + ids[j];
+            if (L->ahead) {
+                for (int j = 0; j < r->n; j++) { /* this layer's misses first, all queued before any is awaited */
+                    if (L->experts[ids[j]].gate_up.kind != MAT_ABSENT) continue;
+                    read_ahead(L, ids[j]);
+                    profile.missed++;
+                }
+                for (int i = 0; i < s->ahead_ids[0]; i++) /* what the previous layer predicted for this one */
+                    for (int j = 0; j < r->n; j++) profile.predicted_routed += ids[j] == s->ahead_ids[1 + i];
+            }
+            s->ahead_ids[0] = 0;
+            if (ahead) predict_ahead(m, next, s);
         }
         n = r->n;
         for (int j = 0; j < n; j++) /* checked again on resuming: the caller may not have made them all resident */
@@ -794,7 +864,10 @@ int hexq_decode(const hexq_model* m, int32_t token, int64_t pos, float* logits, 
     p.avx512 = path == PATH_AVX512;
     const int64_t H = m->hidden;
     const int first = r->layer < 0 ? 0 : r->layer;
-    if (r->layer < 0) token_start(m, &s, token, pos);
+    if (r->layer < 0) {
+        token_start(m, &s, token, pos);
+        s.ahead_ids[0] = 0;
+    }
     const double began = now();
     pool_hot(1);
     for (int layer = first; layer < m->layers; layer++) {

@@ -55,6 +55,7 @@ STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # inv_freq fixed at load 
 MAT_NONE, MAT_PACKED, MAT_F32, MAT_BF16, MAT_ABSENT = 0, 1, 2, 3, 4
 QK_NONE, QK_HEAD, QK_WHOLE = 0, 1, 2
 MAX_TOP_K, MAX_EXPERTS = 64, 1024  # decode.c's fixed arrays
+AHEAD_RANGES = 4  # decode.c: byte ranges per expert it can read ahead
 
 
 class Act(ctypes.Structure):
@@ -78,7 +79,7 @@ class Layer(ctypes.Structure):
                 ("v", Matrix), ("o", Matrix), ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
                 ("qk_norm", ctypes.c_int32), ("moe", ctypes.c_int32), ("router", Matrix),
                 ("experts", ctypes.c_void_p), ("mlp_gate", Matrix), ("mlp_up", Matrix), ("mlp_down", Matrix),
-                ("shared_gate", Matrix)]
+                ("shared_gate", Matrix), ("ahead_fd", ctypes.c_int32), ("ahead", ctypes.c_void_p)]
 
 
 class Model(ctypes.Structure):
@@ -221,6 +222,18 @@ class NativeDecoder:
 
     # --- a fast tier smaller than the experts
 
+    def _ahead(self, row: int) -> tuple[int, int]:
+        """(file descriptor, ranges pointer) of MoE row `row` for decode.c's read_ahead: each served expert's
+        replica at its allocated width as at most AHEAD_RANGES byte ranges of its shard."""
+        artifact = self.runtime.artifact
+        ranges = torch.zeros(artifact.num_experts, AHEAD_RANGES, 2, dtype=torch.int64)
+        for expert, bits in enumerate(artifact.allocation[row]):
+            if bits:
+                merged = byte_ranges(artifact.expert_spans(row, expert, bits), AHEAD_RANGES)
+                ranges[expert, :len(merged)] = torch.tensor(merged, dtype=torch.int64)
+        self._keep.append(ranges)
+        return artifact.expert_fd(row), ranges.data_ptr()
+
     def _gone(self, key: tuple[int, int]) -> None:
         """The cache's watcher: (row, expert)'s weights are evicted or replaced, its table entry becomes absent."""
         entry = self._tables.get(key[0])
@@ -236,7 +249,7 @@ class NativeDecoder:
         made for a layer's top-k)."""
         cache, resume = self.runtime.cache, self.resume
         row = self._rows[resume.layer]
-        table, quantizers = self._tables[row]
+        table = self._tables[row][0]
         bits_row = self.runtime.artifact.allocation[row]
         kept = list(resume.ids[:resume.n])
         absent = [e for e in kept if table[e].gate_up.kind == MAT_ABSENT]
@@ -247,9 +260,24 @@ class NativeDecoder:
                 weights = cache.get(row, expert, bits_row[expert], admit=False)
                 if weights.transient or not weights.packed:
                     raise ValueError(f"expert {expert} of MoE layer {row} was not cached (a transient load)")
-                weights = cache.relayout(row, expert, self._relayout)
-                self._held[(row, expert)] = weights
-                table[expert] = self._entry(weights, quantizers, keep=False)
+                self._publish(row, expert)
+
+    def _publish(self, row: int, expert: int) -> None:
+        """Point (row, expert)'s table entry at its resident weights, re-laid for the kernels (it must be pinned)."""
+        table, quantizers = self._tables[row]
+        weights = self.runtime.cache.relayout(row, expert, self._relayout)
+        self._held[(row, expert)] = weights
+        table[expert] = self._entry(weights, quantizers, keep=False)
+
+    def _adopt_resident(self) -> None:
+        """Serve from the start what the cache already holds at the served width (the warm start's experts, the
+        prompt's): a step stops only for experts that must be read."""
+        cache, allocation = self.runtime.cache, self.runtime.artifact.allocation
+        cache.wait_idle()  # nothing evicts behind the pins below
+        for (row, expert), bits in cache.resident().items():
+            if row in self._tables and (row, expert) not in self._held and bits == allocation[row][expert]:
+                with cache.pinned(row, [expert]):
+                    self._publish(row, expert)
 
     def _touch_logged(self) -> None:
         """Hand the experts the step served from its tables to the cache (hits and recency), then empty the log."""
@@ -287,6 +315,8 @@ class NativeDecoder:
                 entry.router = self._matrix(getattr(block, adapter.router))
                 entry.experts, width = self._experts(self._rows[index], getattr(block, adapter.experts))
                 inter = max(inter, width)
+                if self.loads:
+                    entry.ahead_fd, entry.ahead = self._ahead(self._rows[index])
                 mlp = getattr(block, adapter.shared_expert) if adapter.shared_expert else None
                 gate = getattr(block, adapter.shared_expert_gate) if adapter.shared_expert_gate else None
                 entry.shared_gate = self._matrix(gate)
@@ -327,6 +357,8 @@ class NativeDecoder:
             self.k_cache[index, :, :positions] = keys[0, :, :positions].float()
             self.v_cache[index, :, :positions] = values[0, :, :positions].float()
         self.positions = positions
+        if self.loads:
+            self._adopt_resident()
 
     def step(self, token: int) -> torch.Tensor:
         """Logits [vocab] float32 of `token` at the next position (its keys and values join the cache)."""
@@ -352,13 +384,31 @@ class NativeDecoder:
 
     def profile(self) -> dict[str, float]:
         """Seconds per step since the last call: in the pool's matrix products ("products"), in attention, and
-        outside both ("glue": norms, RoPE, routing, the weighted sums on one thread), with the step count."""
-        out = (ctypes.c_double * 4)()
+        outside both ("glue": norms, RoPE, routing, the weighted sums on one thread), with the step count; under a
+        fast tier smaller than the experts, per step the misses read ahead at their routing ("missed") and the
+        absent experts the look-ahead read ahead for the next layer ("predicted"), and the share of those the next
+        routing kept ("ahead_precision")."""
+        out = (ctypes.c_double * 7)()
         self.library.hexq_decode_profile(out)
-        products, attention, total, steps = out
+        products, attention, total, steps, missed, predicted, predicted_routed = out
         per = 1 / steps if steps else 0.0
         return {"products": products * per, "attention": attention * per,
-                "glue": (total - products - attention) * per, "steps": int(steps)}
+                "glue": (total - products - attention) * per, "steps": int(steps), "missed": missed * per,
+                "predicted": predicted * per, "ahead_precision": predicted_routed / predicted if predicted else 0.0}
+
+
+def byte_ranges(spans, most: int) -> list[tuple[int, int]]:
+    """`spans` (anything with start and end) as (offset, length) ranges, adjacent ones merged; beyond `most`
+    ranges, the last one reaches to the end of the rest (reading a little more rather than nothing)."""
+    merged: list[list[int]] = []
+    for span in sorted(spans, key=lambda span: span.start):
+        if merged and span.start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], span.end)
+        else:
+            merged.append([span.start, span.end])
+    if len(merged) > most:
+        merged[most - 1:] = [[merged[most - 1][0], merged[-1][1]]]
+    return [(start, end - start) for start, end in merged]
 
 
 def _absent() -> Expert:
