@@ -23,18 +23,17 @@ table starts with its experts absent, and a token routed to an absent one stops 
 pinned, LRU eviction - re-lays them, writes them into the table, and the step resumes from that layer's expert
 products: Python runs only where a load has to happen anyway. The cache tells the decoder of every eviction
 (ExpertCache.watch), which makes that entry absent before its memory is reused, and the step logs the resident
-experts it served, handed to the cache as hits that refresh their recency (ExpertCache.touch). No background
-prefetch runs while the step does (it waits for the queue to drain first), and the misses skip the admission cost
+experts it served, handed to the cache as hits that refresh their recency (ExpertCache.touch). No background load
+runs while the step does; the step reads ahead instead (decode.c read_ahead: a layer's misses, and the next layer's
+predicted experts, handed to the kernel's page cache before Python loads any). The misses skip the admission cost
 model: a transient load would leave a table entry pointing at scratch the next load reuses. The prompt is prefilled
-by the transformers path (expanding experts into BLAS where the cost model says so) and its KV cache copied into the
-native one.
+by the transformers path and its KV cache copied into the native one.
 
 The weights are the model's own tensors (no copy, except the norms' float32 weights: a few KB per layer); the
 experts are the cache's resident packed versions, pinned for the decoder's lifetime where all of them fit. Both are
 re-laid in place into the kernels' layout when the decoder is built (hexq.packed.cpu `relayout`: rows8 on AVX-512,
 planes on AVX2, the same bytes read faster; under a small fast tier, each expert when it is loaded); the transformers
-path
-reads the re-laid codes through the same kernels (prefill).
+path reads the re-laid codes through the same kernels (prefill).
 """
 
 from __future__ import annotations
