@@ -259,6 +259,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=128, help="calibration windows of 256 tokens")
     parser.add_argument("--windows", type=int, default=64, help="evaluation windows of 256 tokens per text")
     parser.add_argument("--no-peers", action="store_true", help="skip the W2A16 / W3A16 g32 peer rows")
+    parser.add_argument("--peer-bits", type=int, nargs="+", default=list(PEER_WIDTHS), choices=PEER_WIDTHS,
+                        help="the peer rows' widths")
     parser.add_argument("--auto-round-iters", type=int, default=200, help="auto-round's steps per block (its default)")
     parser.add_argument("--auto-round-lr", type=float, default=None,
                         help="auto-round's learning rate (default: its own, 1 / iters); its 'light' preset: 50 at 5e-3")
@@ -283,7 +285,7 @@ def main() -> None:
             allocators = list(ALLOCATORS) if setting == args.settings[-1] else ["main", RECOMMENDED]
             bank_rows(name, setting, allocators, evaluator, args.work, args.samples, add)
         if not args.no_peers:
-            for bits in PEER_WIDTHS:
+            for bits in args.peer_bits:
                 peer_rows(name, bits, evaluator, args.work, args.samples, args.auto_round_iters, args.auto_round_lr,
                           add)
     write_results(args.out, results, record, complete=True)
