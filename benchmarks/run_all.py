@@ -32,6 +32,7 @@ BENCHMARKS = {
     "placement": ("placement.py", "placement.json"),
     "pack_quality": ("pack_quality.py", "pack_quality.json"),
     "low_bits": ("low_bits.py", "low_bits.json"),
+    "low_bits_full": ("low_bits.py", "low_bits_full.json"),
     "runtime": ("runtime.py", "runtime.json"),
     "runtime_cgroup": ("runtime.py", "runtime_cgroup.json"),
     "gemv_speed": ("gemv_speed.py", "gemv_speed.json"),
@@ -44,8 +45,11 @@ BENCHMARKS = {
     "gpu_check": ("../scripts/gpu_check.py", "gpu_check.json"),
 }
 
-# benchmarks that need arguments only the user can give; run_all renders their results but does not run them
+# benchmarks that need arguments only the user can give (inputs of tens of GB, a GPU) or hours more than the rest;
+# run_all renders their results but does not run them
 RUN_BY_HAND = {"scale": "python benchmarks/scale.py --work DIR",
+               "low_bits_full": "python benchmarks/low_bits.py --settings act+spread --no-peers -o "
+                                "benchmarks/results/low_bits_full.json, then --peer-bits 2 (rows merged)",
                "distributed": "python benchmarks/distributed.py --checkpoint CKPT",
                "engines": "python benchmarks/engines.py --checkpoint CKPT --llama-cpp DIR --cgroup",
                "gguf_quality": "python benchmarks/gguf_quality.py --work DIR --llama-cpp SRC",
@@ -188,8 +192,7 @@ def main() -> None:
     if not args.render_only:
         for name in args.only:  # each script records its own command, machine and times in its results file
             if name in RUN_BY_HAND:
-                print(f"{name}: not run here (it needs inputs of tens of GB: {RUN_BY_HAND[name]}); its existing "
-                      "results are rendered")
+                print(f"{name}: not run here (by hand: {RUN_BY_HAND[name]}); its existing results are rendered")
                 continue
             subprocess.run([sys.executable, str(ROOT / "benchmarks" / BENCHMARKS[name][0])], check=True, cwd=ROOT)
     update_docs(args.only)

@@ -355,7 +355,8 @@ def test_native_step_reads_its_misses_ahead(packed_artifact, monkeypatch):
                 fd = os.open(shard, os.O_RDONLY)
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
                 os.close(fd)
-            assert cached_share(shards[0], [(0, shards[0].stat().st_size)]) < 0.5, "page cache not droppable here"
+            if cached_share(shards[0], [(0, shards[0].stat().st_size)]) > 0.5:
+                pytest.skip(f"{shards[0].parent}: its file system keeps its pages (tmpfs?), so a read shows nothing")
             token = int(runtime.native.step(token).argmax())
         profile = runtime.native.profile()
         misses = runtime.cache.stats.misses
