@@ -254,7 +254,7 @@ MUTANTS = [
            "        out.zero_()\n        fp_gate_up, fp_down = weights_of(experts)\n        rows =",
            ("tests/test_calibrate.py::test_same_inputs_give_the_same_bytes",)),
     Mutant("checkpoint-maps-never-released", "hexq/checkpoint.py",
-           "            if (expert + 1) % max(1, MAPPED_BYTES // expert_bytes) == 0:",
+           "            if (row + 1) % max(1, MAPPED_BYTES // expert_bytes) == 0:",
            "            if False:",
            ("tests/test_streaming.py::test_experts_assembled_from_per_expert_tensors_hold_one_copy",)),
     Mutant("resident-skips-not-counted", "hexq/runtime/resident.py",
