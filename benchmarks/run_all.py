@@ -48,8 +48,9 @@ BENCHMARKS = {
 # benchmarks that need arguments only the user can give (inputs of tens of GB, a GPU) or hours more than the rest;
 # run_all renders their results but does not run them
 RUN_BY_HAND = {"scale": "python benchmarks/scale.py --work DIR",
-               "low_bits_full": "python benchmarks/low_bits.py --settings act+spread --no-peers -o "
-                                "benchmarks/results/low_bits_full.json, then --peer-bits 2 (rows merged)",
+               "low_bits_full": "python benchmarks/low_bits.py --settings act+spread --no-peers -o A.json, then "
+                                "--settings act+spread --peer-bits 2 -o B.json; B's peer rows merged into A as "
+                                "benchmarks/results/low_bits_full.json",
                "distributed": "python benchmarks/distributed.py --checkpoint CKPT",
                "engines": "python benchmarks/engines.py --checkpoint CKPT --llama-cpp DIR --cgroup",
                "gguf_quality": "python benchmarks/gguf_quality.py --work DIR --llama-cpp SRC",
