@@ -695,8 +695,8 @@ static void read_ahead(const hexq_layer* L, int e) {
 
 /* Look-ahead prefetch (004 §4.4.1): the next layer's router applied to this layer's residual stream after
    attention, normed with the next layer's own norm - what its router will read, less this layer's experts and the
-   next attention - predicts its top-k; those absent are read ahead while this layer's loads and products run. Records them in
-   s->ahead_ids to count how many the next routing keeps (profile.predicted_routed). */
+   next attention - predicts its top-k; those absent are read ahead while this layer's loads and products run.
+   Records them in s->ahead_ids to count how many the next routing keeps (profile.predicted_routed). */
 static void predict_ahead(const hexq_model* m, const hexq_layer* next, scratch* s) {
     unsigned char taken[1024] = {0};
     for (int j = 0; j < m->top_k; j++) {
