@@ -74,6 +74,3 @@ class HiddenStore:
         if self._folder is not None:
             shutil.rmtree(self._folder, ignore_errors=True)
             self._folder = None
-
-
-# ------------------------------------------------------------------------------------------ layer 0's inputs

@@ -34,7 +34,7 @@ from typing import Any
 
 from hexq.algos.hessian import ACT_ORDERS
 from hexq.algos.placement import SCHEMES
-from hexq.algos.quant import QuantSpec
+from hexq.algos.quant import ONE_BIT_GRIDS, QuantSpec
 from hexq.typed_config import (
     RecipeError,
     build,
@@ -56,7 +56,6 @@ SMOOTHING_GROUPS = ("attention", "moe")  # input norm -> q,k,v; post-attention n
 EXPERT_MODES = ("uniform", "replicas")
 EXPORT_TARGETS = ("vllm", "gguf")  # experts.export_target: the grid hexq export writes routed experts on
 ROUND_SCOPES = ("expert", "block")  # experts.round_scope: what a replica's rounding is optimised against
-ONE_BIT_GRIDS = ("minmax", "spread")  # weights.one_bit: hexq.algos.quant.grid_params
 MOE_OBJECTIVES = ("routed", "all")  # HAQ's MoE-group objective: experts on their routed tokens, or on every token
 PLACEMENT_SCHEMES = tuple(SCHEMES.values())  # 003 Algorithm 2: schemes 1, 2 and 3
 BUDGET_SCHEDULES = ("uniform", "cosine")  # how one byte budget is split across layers (004 §4.3)

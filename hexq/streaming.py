@@ -50,6 +50,9 @@ class LayerSource(Protocol):
         ...
 
 
+# ------------------------------------------------------------------------------------------ layer 0's inputs
+
+
 @dataclass
 class LayerBatch:
     """One batch of windows at the input of a decoder layer."""

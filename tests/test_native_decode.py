@@ -31,7 +31,7 @@ from hexq.errors import HexqError
 from hexq.packed.cpu import available_paths, load_cpu_kernels
 from hexq.runtime.compute import Profiles
 from hexq.runtime.engine import Runtime
-from hexq.runtime.native import AHEAD_RANGES, NativeDecoder, byte_ranges, top_k_bytes
+from hexq.runtime.native import AHEAD_RANGES, MAT_ABSENT, NativeDecoder, byte_ranges, top_k_bytes
 from tests.conftest import REFERENCE_MODELS, needs_kernels, save_tiny_model, small_recipe
 
 KERNELS = load_cpu_kernels()
@@ -327,7 +327,7 @@ def test_native_step_reads_its_misses_ahead(packed_artifact, monkeypatch):
         artifact, row = self.runtime.artifact, self._rows[self.resume.layer]
         table = self._tables[row][0]
         for expert in self.resume.ids[:self.resume.n]:
-            if table[expert].gate_up.kind != 4:  # MAT_ABSENT
+            if table[expert].gate_up.kind != MAT_ABSENT:
                 continue
             spans = artifact.expert_spans(row, expert, artifact.allocation[row][expert])
             ranges = byte_ranges(spans, AHEAD_RANGES)

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+ONE_BIT_GRIDS = ("minmax", "spread")  # the levels of an asymmetric 1-bit grid (grid_params)
+
 
 @dataclass(frozen=True)
 class QuantSpec:
@@ -26,8 +28,8 @@ class QuantSpec:
     def __post_init__(self) -> None:
         if not 1 <= self.bits <= 8:
             raise ValueError(f"bits must be in 1..8, got {self.bits}")
-        if self.one_bit not in ("minmax", "spread"):
-            raise ValueError(f"one_bit must be 'minmax' or 'spread', got {self.one_bit!r}")
+        if self.one_bit not in ONE_BIT_GRIDS:
+            raise ValueError(f"one_bit must be one of {ONE_BIT_GRIDS}, got {self.one_bit!r}")
         if self.group_size is not None and self.group_size < 1:
             raise ValueError(f"group_size must be positive or None, got {self.group_size}")
 

@@ -637,6 +637,18 @@ static void rope(float* x, int64_t D, const float* cs, const float* sn) {
 
 /* The family's softmax top-k (ties to the lower expert id), renormalised if asked; then the served weights: the
    skipped (0-bit) experts' mass shared by the kept ones (hexq.simulate.renormalized_weights). */
+/* ids[0..k) = the indices of the k largest of v[0..E) (E <= 1024), largest first, the lower index on a tie. */
+static void top_k_of(const float* v, int E, int k, int* ids) {
+    unsigned char taken[1024] = {0};
+    for (int j = 0; j < k; j++) {
+        int best = -1;
+        for (int e = 0; e < E; e++)
+            if (!taken[e] && (best < 0 || v[e] > v[best])) best = e;
+        taken[best] = 1;
+        ids[j] = best;
+    }
+}
+
 static int route_token(const hexq_model* m, const hexq_layer* L, const float* logits, int* ids, float* weights) {
     const int E = m->num_experts, k = m->top_k;
     float top = -INFINITY, total = 0.0f;
@@ -647,16 +659,11 @@ static int route_token(const hexq_model* m, const hexq_layer* L, const float* lo
         total += probs[e];
     }
     for (int e = 0; e < E; e++) probs[e] /= total;
-    unsigned char taken[1024] = {0};
+    top_k_of(probs, E, k, ids);
     float sum = 0.0f;
     for (int j = 0; j < k; j++) {
-        int best = -1;
-        for (int e = 0; e < E; e++)
-            if (!taken[e] && (best < 0 || probs[e] > probs[best])) best = e;
-        taken[best] = 1;
-        ids[j] = best;
-        weights[j] = probs[best];
-        sum += probs[best];
+        weights[j] = probs[ids[j]];
+        sum += weights[j];
     }
     if (m->normalize)
         for (int j = 0; j < k; j++) weights[j] /= sum;
@@ -698,12 +705,10 @@ static void read_ahead(const hexq_layer* L, int e) {
    next attention - predicts its top-k; those absent are read ahead while this layer's loads and products run.
    Records them in s->ahead_ids to count how many the next routing keeps (profile.predicted_routed). */
 static void predict_ahead(const hexq_model* m, const hexq_layer* next, scratch* s) {
-    unsigned char taken[1024] = {0};
+    int predicted[64];
+    top_k_of(s->router_ahead, m->num_experts, m->top_k, predicted);
     for (int j = 0; j < m->top_k; j++) {
-        int best = -1;
-        for (int e = 0; e < m->num_experts; e++)
-            if (!taken[e] && (best < 0 || s->router_ahead[e] > s->router_ahead[best])) best = e;
-        taken[best] = 1;
+        const int best = predicted[j];
         if (next->experts[best].gate_up.kind != MAT_ABSENT) continue;
         read_ahead(next, best);
         s->ahead_ids[1 + s->ahead_ids[0]++] = best;
