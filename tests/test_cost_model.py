@@ -62,11 +62,11 @@ class FakeClock:
 def test_measure_latency_with_injected_clock():
     clock = FakeClock()
     calls = {"slow": 0, "fast": 0, "fill": 0}
-    jitter = iter([0.0, 0.5, 0.0, 0.0, 0.0] * 3)  # one slow outlier; the fastest run ignores it
+    jitter = iter([0.0, 0.5, 0.0, 0.0, 0.0] * 3)  # slow outliers; the fastest run ignores them
 
     def run_slow(n: int) -> None:
         calls["slow"] += 1
-        clock.now += n * 2e-3 + next(jitter, 0.0)
+        clock.now += 3e-3 + n * 2e-3 + next(jitter, 0.0)  # a fixed cost per call (the pool's wake-up), not per token
 
     def run_fast(n: int) -> None:
         calls["fast"] += 1
@@ -80,7 +80,7 @@ def test_measure_latency_with_injected_clock():
     assert p.lat_slow_per_token == pytest.approx(2e-3)
     assert p.lat_fast_per_token == pytest.approx(5e-4)
     assert p.fill_seconds == pytest.approx(9e-3)
-    assert calls == {"slow": 6, "fast": 6, "fill": 6}  # warmup + repeats each
+    assert calls == {"slow": 12, "fast": 6, "fill": 6}  # warmup + repeats each (the slow path at n and 4n)
     assert n_critical(p) == pytest.approx(6.0)
     with pytest.raises(ValueError):
         measure_latency(run_slow, run_fast, run_fill, n_tokens=0)

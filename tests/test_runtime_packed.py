@@ -45,11 +45,16 @@ def test_run_matches_eval_on_every_device(packed_artifact, eval_perplexity, devi
     """The check `hexq run` and `hexq eval` share: the served perplexity within 0.1% of the streamed evaluation, on
     every device this machine has, in both dtypes, from the codes, as the cost model picks, and from expanded
     weights."""
-    with Runtime(packed_artifact, device=device, dtype=dtype, cache=cache.removesuffix("-codes")) as runtime:
+    with Runtime(packed_artifact, device=device, dtype=dtype, cache=cache.removesuffix("-codes"),
+                 decode="transformers") as runtime:  # the native step would re-lay the experts at its start
         if cache == "packed-codes":
             from_codes(runtime)
         got, scored, _ = runtime_perplexity(runtime, IDS, 52, None)
         stats = runtime.stats()
+        resident = [runtime.cache.get(row, expert, bits) for (row, expert), bits in runtime.cache.resident().items()]
+        # what the pass computed is kept re-laid for the kernels (read once in the stored stream, never again)
+        relaid = [not runtime.compute.lays_out(weights) for weights in resident]
+    assert relaid and (all(relaid) or cache == "bf16" or device != "cpu" or KERNELS is None), relaid.count(False)
     assert scored == 5 * 51 and abs(got / eval_perplexity - 1) <= 1e-3, (got, eval_perplexity)
     if device == "cpu" and KERNELS is not None and cache == "packed-codes":
         assert stats.kernel_path == KERNELS.path and stats.gemv_rows > 0 and stats.expanded_experts == 0

@@ -39,7 +39,6 @@ path reads the re-laid codes through the same kernels (prefill).
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 
 import torch
 
@@ -189,10 +188,6 @@ class NativeDecoder:
         return Expert(self._packed(weights.gate_up, input_quant, keep=keep),
                       self._packed(weights.down, mid_quant, keep=keep))
 
-    def _relayout(self, weights: ExpertWeights) -> ExpertWeights:
-        return dataclasses.replace(weights, gate_up=self.kernels.relayout(weights.gate_up),
-                                   down=self.kernels.relayout(weights.down))
-
     def _experts(self, row: int, module) -> tuple[int, int]:
         """The layer's experts at their allocation: (table pointer, intermediate). With every expert in the fast
         tier, from the cache, pinned for good; else every served expert starts absent (`_load_absent`)."""
@@ -214,7 +209,7 @@ class NativeDecoder:
             weights = runtime.cache.get(row, expert, bits)
             if weights.transient or not weights.packed:
                 raise NotNative("an expert is not resident in the packed cache")
-            weights = runtime.cache.relayout(row, expert, self._relayout)
+            weights = runtime.cache.relayout(row, expert, runtime.compute.relaid)
             table[expert] = self._entry(weights, module.quantizers)
             inter = max(inter, weights.gate_up.shape[0] // 2)
         return ctypes.addressof(table), inter
@@ -264,7 +259,7 @@ class NativeDecoder:
     def _publish(self, row: int, expert: int) -> None:
         """Point (row, expert)'s table entry at its resident weights, re-laid for the kernels (it must be pinned)."""
         table, quantizers = self._tables[row]
-        weights = self.runtime.cache.relayout(row, expert, self._relayout)
+        weights = self.runtime.cache.relayout(row, expert, self.runtime.compute.relaid)
         self._held[(row, expert)] = weights
         table[expert] = self._entry(weights, quantizers, keep=False)
 
