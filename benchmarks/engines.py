@@ -23,8 +23,8 @@ Artifacts: the checkpoint calibrated with round-to-nearest replicas (decode spee
 were chosen) on 16 windows, packed at 3.0 and 4.0 bits (the 4-bit one with `--bank export`: the 4-bit replica of
 every 8-bit expert, which the GGUF export writes for it) and at 2.5 bits (2, 3, 4 and 8-bit experts mixed in every
 layer by the allocation; native decode row only); and once more with the dense linears at 4 bits in groups
-of 32 with full-precision activations (W4A16, attention at Q4_0's width; DENSE4_RECIPE), packed at 3.0 bits (native
-decode row only).
+of 32 with full-precision activations (W4A16, attention at Q4_0's width) and the head at 8 bits per channel (Q4_0
+keeps its head at Q6_K; DENSE4_RECIPE), packed at 3.0 bits (native decode row only).
 
 Bytes per decoded token (from the files, not timed): what one decode step reads - every dense tensor a token uses
 (attention, norms, routers, the head row-block it multiplies: the whole head; the embedding row aside) plus top_k of
@@ -61,7 +61,7 @@ PROMPT_TOKENS = 128
 # peak RSS 951 MiB at --memory 567 MiB, AMD EPYC) plus room for the page cache its reads go through.
 OVERHEAD = 450 * 2**20
 MMAP = ["--repack", "0", "-lm", "mmap"]  # llama.cpp reading its weights through mmap, as under a memory limit
-DENSE4 = "hexq 3-bit, dense W4A16 g32"
+DENSE4 = "hexq 3-bit, dense W4A16 g32, head 8-bit"
 MIXED = "hexq mixed 2.5-bit"  # the allocation's 2, 3, 4 and 8-bit experts side by side in every layer
 NATIVE_ONLY = (DENSE4, MIXED)  # rows measured on the native step alone
 CGROUP_HEXQ = "hexq 3-bit --memory, packed cache"
@@ -80,9 +80,10 @@ calibration: {num_samples: 16, seqlen: 256, seed: 0}
 pack: {bits: [2, 3, 4, 8]}
 """
 # The same experts at 3 bits with the dense linears (attention) at 4 bits in groups of 32 and activations in full
-# precision, the width llama.cpp's Q4_0 gives attention: what a decode step reads then differs from Q4_0's mainly by
-# the experts' 3 bits against 4.5 (and the bf16 head against Q6_K). Speed only: 4 windows are enough.
-DENSE4_RECIPE = """name: experts-rtn-dense4
+# precision, the width llama.cpp's Q4_0 gives attention, and the head at 8 bits per channel (Q4_0's is Q6_K, 6.6
+# bits): what a decode step reads then differs from Q4_0's mainly by the experts' 3 bits against 4.5. Speed only: 4
+# windows are enough.
+DENSE4_RECIPE = """name: experts-rtn-dense4-head8
 version: 1
 smoothing: {method: none}
 weights: {bits: 4, group_size: 32, symmetric: false, method: rtn}
@@ -93,6 +94,7 @@ experts:
   propagate_bits: 3
   weights: {group_size: 32, symmetric: false, method: rtn}
   activations: {bits: null}
+head: {bits: 8}
 calibration: {num_samples: 4, seqlen: 256, seed: 0}
 pack: {bits: [3]}
 """
@@ -214,8 +216,8 @@ def hexq_artifacts(checkpoint: Path, work: Path) -> dict[str, Path]:
         bank = ["--bank", "export"] if bits == 4 else []  # what the GGUF export of the 4-bit artifact needs
         artifacts[f"hexq {bits}-bit"] = packed(calibration, recipe, work / f"hexq-{bits}.hexq", bits, *bank)
     artifacts[MIXED] = packed(calibration, recipe, work / "hexq-2.5.hexq", 2.5)
-    recipe, calibration = calibrated(checkpoint, work, "experts-rtn-dense4", DENSE4_RECIPE)
-    artifacts[DENSE4] = packed(calibration, recipe, work / "hexq-3-dense4.hexq", 3)
+    recipe, calibration = calibrated(checkpoint, work, "experts-rtn-dense4-head8", DENSE4_RECIPE)
+    artifacts[DENSE4] = packed(calibration, recipe, work / "hexq-3-dense4-head8.hexq", 3)
     return artifacts
 
 
