@@ -28,11 +28,11 @@ from hexq.calib.pipeline import calibrate
 from hexq.data import calibration_windows, eval_text, tokenize
 from hexq.eval.perplexity import perplexity
 from hexq.eval.run import evaluate_model
-from hexq.models import load_model
 from hexq.recipe import ActivationQuant, Calibration, Experts, Recipe, Smoothing, WeightQuant
 
 from outliers import inject_outliers
 from provenance import start_run, write_results
+from reference import load_model
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = {"mixtral": ROOT / "models" / "hexq-tiny-mixtral", "qwen3moe": ROOT / "models" / "hexq-tiny-qwen3moe"}

@@ -49,7 +49,8 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from hexq.errors import HexqError
-from hexq.models import load_model
+
+from reference import load_model
 
 if TYPE_CHECKING:
     from compressed_tensors.quantization import QuantizationScheme

@@ -144,7 +144,7 @@ class Evaluator:
     @functools.cached_property
     def reference_model(self):
         """The full-precision model in memory (float32), read once: the in-memory rows' reference."""
-        from hexq.models import load_model
+        from reference import load_model
 
         return load_model(self.model_path, device="cpu", dtype=torch.float32)[0]
 
@@ -222,7 +222,7 @@ def auto_round_model(folder: Path, bits: int, ids: torch.Tensor, iters: int, lr:
     fake-quantized model in memory (quantize() leaves the rounded weights in the model's Linears)."""
     from auto_round import AutoRound
 
-    from hexq.models import load_model
+    from reference import load_model
 
     model, tokenizer, _ = load_model(folder, device="cpu", dtype=torch.float32)
     data = [{"input_ids": row[None], "attention_mask": torch.ones(1, ids.shape[1], dtype=torch.long)} for row in ids]

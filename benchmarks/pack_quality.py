@@ -22,7 +22,6 @@ from pathlib import Path
 
 import torch
 
-from hexq.algos.allocation import shuffled_like
 from hexq.artifact.reader import Artifact
 from hexq.calib.pipeline import calibrate
 from hexq.data import eval_text, tokenize
@@ -34,6 +33,7 @@ from hexq.runtime.model import artifact_model
 from hexq.streaming import open_model
 
 from provenance import start_run, write_results
+from reference import shuffled_like
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = {"mixtral": ROOT / "models" / "hexq-tiny-mixtral", "qwen3moe": ROOT / "models" / "hexq-tiny-qwen3moe"}

@@ -18,21 +18,12 @@ from pathlib import Path
 
 import torch
 
-from hexq.algos.placement import (
-    SCHEMES,
-    check_k,
-    check_trace,
-    expert_counts,
-    hit_rates,
-    place,
-    stack_trace,
-)
-from hexq.calib.routing import capture_router_topk
+from hexq.algos.placement import SCHEMES, check_k, check_trace, expert_counts, hit_rates, place
 from hexq.data import calibration_windows, eval_text, tokenize
 from hexq.eval.perplexity import make_windows
-from hexq.models import load_model
 
 from provenance import start_run, write_results
+from reference import capture_router_topk, load_model, stack_trace
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = {"mixtral": ROOT / "models" / "hexq-tiny-mixtral", "qwen3moe": ROOT / "models" / "hexq-tiny-qwen3moe"}

@@ -1,5 +1,5 @@
 """Every window through one materialized layer (`run_layer`), and a whole model streamed layer by layer
-(`stream_layers`, `stream_nll`, `stream_logits`) with the layer plan that says how each layer's routed experts are
+(`stream_layers`, `stream_nll`) with the layer plan that says how each layer's routed experts are
 computed (`ExpertCompute`; `full_precision_plan` for the checkpoint's own model)."""
 
 from __future__ import annotations
@@ -112,19 +112,6 @@ def stream_nll(streamed: StreamedModel, windows: torch.Tensor, batch_size: int, 
     hidden = stream_layers(streamed, windows, batch_size, prepare, activation_limit, spill_dir, progress)
     try:
         return streamed.head_nll(hidden, windows, batch_size)
-    finally:
-        hidden.close()
-
-
-@torch.no_grad()
-def stream_logits(streamed: StreamedModel, windows: torch.Tensor, prepare: LayerPlan,
-                  batch_size: int = 8) -> torch.Tensor:
-    """Logits [N, L, vocab] (float32) of windows, streamed: for checks on small models and few windows."""
-    hidden = stream_layers(streamed, windows, batch_size, prepare)
-    try:
-        with streamed.parts("model.norm", "lm_head"):
-            norm, head = streamed.model.model.norm, streamed.model.lm_head
-            return torch.cat([head(norm(h.to(streamed.device))).float().cpu() for h in hidden])
     finally:
         hidden.close()
 

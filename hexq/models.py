@@ -7,10 +7,7 @@ import json
 import re
 from pathlib import Path
 
-import torch
-
 from hexq.adapters import ADAPTERS, MoEAdapter, adapter_for, supported_types
-from hexq.devices import resolve_device
 from hexq.errors import HexqError
 from hexq.io import file_sha256
 
@@ -80,24 +77,6 @@ def check_moe_folder(folder: Path) -> MoEAdapter:
         keys = ", ".join(EXPERT_COUNT_KEYS)
         raise HexqError(f"{folder} is a {model_type} model without routed experts (none of {keys} is set)")
     return adapter
-
-
-def load_model(folder: str | Path, device: str | None = None, dtype: torch.dtype = torch.float32):
-    """(model, tokenizer, adapter) from a local folder, offline, in eval mode and `dtype` (fp32 by default:
-    the reference weights are stored in bf16 and every hexq computation runs on their fp32 upcast)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # the library does not print; callers show their own progress
-    folder = Path(folder)
-    adapter = check_moe_folder(folder)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=dtype)
-    except OSError as exc:
-        raise HexqError(f"cannot load model from {folder}: {str(exc).splitlines()[0]}") from None
-    model.to(resolve_device(device)).eval()
-    return model, tokenizer, adapter
 
 
 def context_length(config) -> int:

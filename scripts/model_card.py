@@ -20,13 +20,12 @@ from pathlib import Path
 import torch
 
 from hexq.algos.quant import QuantSpec
-from hexq.calib.routing import capture_router_counts
 from hexq.data import TRAIN_CORPORA, eval_text, tokenize
 from hexq.eval.perplexity import make_windows, perplexity
 from hexq.io import write_bytes_atomic, write_json_atomic
-from hexq.models import load_model
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))  # the RTN baseline lives there
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))  # the RTN baseline, the references
+from reference import capture_router_counts, load_model  # noqa: E402
 from rtn import rtn_quantize_model  # noqa: E402
 
 SEQLEN = 256

@@ -18,9 +18,10 @@ from hexq.algos.allocation import (
     avg_bit_budget,
     cosine_retention,
     layer_budgets,
-    shuffled_like,
 )
 from tests.allocation_reference import prefix_split
+
+from reference import shuffled_like
 
 BIT_SETS = [(1, 2, 3, 4), (1, 2, 3, 4, 8), (0, 2, 4), (0, 1, 2, 3, 4, 8), (0, 4, 8), (2,), (0, 8)]
 

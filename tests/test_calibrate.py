@@ -15,13 +15,15 @@ from hexq.calib.calibrated import calibrated_model
 from hexq.calib.pipeline import calibrate
 from hexq.calib.store import read_json
 from hexq.errors import HexqError
-from hexq.layer_pass import full_precision_plan, stream_logits
+from hexq.layer_pass import full_precision_plan
 from hexq.packed.bitpack import packed_nbytes, unpack_bits
 from hexq.recipe import Calibration, Experts, Pack, WeightQuant
 from hexq.simulate import loss_sample
 from hexq.streaming import open_model
 from hexq_cli.main import app
 from tests.conftest import small_recipe
+
+from reference import stream_logits
 
 SMALL = Calibration(num_samples=6, seqlen=32, seed=0)
 MIXED = dict(weights=WeightQuant(group_size=16, symmetric=False))

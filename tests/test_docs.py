@@ -4,6 +4,7 @@ table between `<!-- bench:NAME -->` markers is exactly what benchmarks/run_all.p
 
 from __future__ import annotations
 
+import ast
 import re
 import sys
 from pathlib import Path
@@ -29,6 +30,51 @@ def test_every_source_file_reads_in_one_sitting():
                                                                     *(ROOT / "cli").rglob("*.py")])
             if (lines := len(path.read_text().splitlines())) > 450}
     assert not long, long
+
+
+def _identifiers(node: ast.AST) -> set[str]:
+    """Every name, attribute and identifier-like string constant (getattr, typer's command names) under `node`."""
+    found = set()
+    for child in ast.walk(node):
+        if isinstance(child, ast.Name):
+            found.add(child.id)
+        elif isinstance(child, ast.Attribute):
+            found.add(child.attr)
+        elif isinstance(child, ast.Constant) and isinstance(child.value, str) and child.value.isidentifier():
+            found.add(child.value)
+    return found
+
+
+def test_the_library_holds_only_what_it_runs():
+    """No public module-level function or class of hexq/ is there only for tests, benchmarks or scripts: starting from
+    what module-level code and the CLI's commands use, every definition reached by name is live, and what is never
+    reached belongs in benchmarks/ (reference.py holds the references they compare with). By name, so a name shared
+    with a live one hides a dead definition: the scan can miss, never accuse wrongly."""
+    definitions, live = {}, set()
+    for path in sorted([*(ROOT / "hexq").rglob("*.py"), *(ROOT / "cli").rglob("*.py")]):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and not node.decorator_list:
+                definitions[(str(path.relative_to(ROOT)), node.name)] = _identifiers(node) - {node.name}
+            else:  # module-level code and decorated definitions (the CLI's commands) are where use starts
+                live |= _identifiers(node)
+    reached, grew = set(), True
+    while grew:
+        grew = False
+        for key, uses in definitions.items():
+            if key not in reached and key[1] in live:
+                reached.add(key)
+                live |= uses
+                grew = True
+    unused = sorted(f"{path}: {name}" for path, name in definitions.keys() - reached if not name.startswith("_"))
+    assert not unused, unused
+
+
+def test_the_manifest_is_read_in_one_place():
+    """The artifact's manifest is read through hexq.artifact's typed fields, never indexed by key elsewhere."""
+    indexed = [str(path.relative_to(ROOT)) for path in sorted([*(ROOT / "hexq").rglob("*.py"),
+                                                               *(ROOT / "cli").rglob("*.py")])
+               if "artifact" not in path.relative_to(ROOT).parts and 'manifest["' in path.read_text()]
+    assert not indexed, indexed
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)

@@ -95,8 +95,9 @@ def llama_perplexity(gguf, text) -> float:
 
 
 def test_llama_cpp_perplexity_is_hexq_s(exported):
-    from hexq.layer_pass import stream_logits
     from hexq.runtime.model import artifact_model
+
+    from reference import stream_logits
 
     artifact, gguf, text = exported
     theirs = llama_perplexity(gguf, text)

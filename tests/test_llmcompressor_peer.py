@@ -7,7 +7,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hexq.models import load_model
 from tests.conftest import save_tiny_model
 
 from llmcompressor_peer import (
@@ -19,6 +18,7 @@ from llmcompressor_peer import (
     quantization_scheme,
     run_peer,
 )
+from reference import load_model
 
 pytest.importorskip("llmcompressor")
 

@@ -16,13 +16,14 @@ from hexq.calib.calibrated import calibrated_model
 from hexq.calib.store import bank_weights
 from hexq.errors import HexqError
 from hexq.io import write_sealed_json
-from hexq.layer_pass import stream_logits
 from hexq.pack import Budget, pack
 from hexq.packed.bitpack import packed_nbytes
 from hexq.recipe import Pack
 from hexq.runtime.model import artifact_model
 from hexq_cli.main import app
 from tests.conftest import mixed_recipe
+
+from reference import stream_logits
 
 runner = CliRunner()
 

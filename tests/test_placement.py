@@ -13,12 +13,12 @@ from hexq.algos.placement import (
     hit_rates,
     path_placement,
     place,
-    stack_trace,
     transition_counts,
     two_stage_placement,
 )
-from hexq.calib.routing import capture_router_counts, capture_router_topk
 from tests.conftest import build_tiny_model
+
+from reference import capture_router_counts, capture_router_topk, stack_trace
 
 
 def random_trace(L: int, T: int, k: int, E: int, seed: int = 0) -> torch.Tensor:

@@ -9,12 +9,11 @@ import pytest
 import torch
 
 from hexq.algos.quant import QuantSpec
-from hexq.calib.routing import capture_router_counts
 from hexq.data import TRAIN_CORPORA, eval_text, tokenize
 from hexq.eval.perplexity import make_windows, perplexity
-from hexq.models import load_model
 from tests.conftest import REFERENCE_MODELS
 
+from reference import capture_router_counts, load_model
 from rtn import rtn_quantize_model
 
 EXPECTED = {

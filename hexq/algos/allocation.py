@@ -206,12 +206,6 @@ def average_bits(assignment: Sequence[int]) -> float:
     return sum(int(b) for b in assignment) / len(assignment)
 
 
-def shuffled_like(bits_per_expert: Sequence[int], seed: int) -> list[int]:
-    """Importance-blind baseline: the same widths (same histogram, same budget) randomly permuted across experts."""
-    perm = torch.randperm(len(bits_per_expert), generator=torch.Generator().manual_seed(seed), device="cpu")
-    return [int(bits_per_expert[i]) for i in perm.tolist()]
-
-
 def cosine_retention(num_layers: int, lam: float) -> list[float]:
     """Paper 004 eq. 4: r(l) = (1 - lam) (cos(pi l / (L-1)) + 1) / 2 + lam for l = 0..L-1; r(0) = 1, r(L-1) = lam.
 

@@ -49,16 +49,6 @@ def check_trace(topk: torch.Tensor, num_experts: int) -> None:
         raise ValueError(f"expert ids must be in [0, {num_experts}), found {int(topk.min())}..{int(topk.max())}")
 
 
-def stack_trace(calls: list[list[torch.Tensor]]) -> torch.Tensor:
-    """Per layer, a list of router calls [T_i, k] -> trace [L, T, k] (what `capture_router_topk` records)."""
-    layers = [torch.cat(layer_calls) if layer_calls else torch.zeros(0, 0, dtype=torch.int16, device="cpu")
-              for layer_calls in calls]
-    if len({tuple(layer.shape) for layer in layers}) != 1:
-        shapes = ", ".join(str(tuple(layer.shape)) for layer in layers)
-        raise ValueError(f"layers saw different tokens ({shapes}); a trace needs every layer to route the same ones")
-    return torch.stack(layers)
-
-
 def expert_counts(topk: torch.Tensor, num_experts: int) -> torch.Tensor:
     """[L, E] int64: routed (token, slot) pairs per expert and layer (the calibration store's router.counts)."""
     check_trace(topk, num_experts)

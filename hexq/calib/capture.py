@@ -17,11 +17,17 @@ from dataclasses import dataclass, field
 import torch
 
 from hexq.adapters import MoEAdapter
-from hexq.calib.routing import add_routing
 from hexq.simulate import RoutedTokens, expert_intermediate
 
 # Routed rows multiplied at once when accumulating one expert's Hessians (bounds the [rows, I] intermediate).
 TOKEN_CHUNK = 4096
+
+
+def add_routing(counts: torch.Tensor, score_sums: torch.Tensor, scores: torch.Tensor, indices: torch.Tensor) -> None:
+    """Add one router call's choices (indices [T, k]) and their scores to one layer's counts and score sums [E]."""
+    flat = indices.reshape(-1).cpu()
+    counts += torch.bincount(flat, minlength=counts.shape[0])[: counts.shape[0]]
+    score_sums.index_add_(0, flat, scores.reshape(-1).double().cpu())
 
 
 @dataclass

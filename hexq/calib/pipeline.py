@@ -234,7 +234,7 @@ def _calibrate(model_path: Path, recipe: Recipe, data: str, out: Path, device: t
         if "error" in state:
             raise HexqError(f"rank 0 could not open {out}: {state['error']}")
         run_layers(streamed, tokenizer, recipe, windows, Path(state["path"]), fingerprint, state["done"], device,
-                   batch_size, activation_limit, None, ranks)
+                   batch_size, activation_limit, None, ranks, origin=("", ""))
         ranks.barrier("publishing the calibration")
         return CalibrationSummary(out, num_layers, state["done"], 0, time.time() - started)
     inputs = [model_path] + ([Path(data)] if Path(data).exists() else [])
@@ -255,13 +255,12 @@ def _calibrate(model_path: Path, recipe: Recipe, data: str, out: Path, device: t
             ranks.broadcast({"error": str(exc)})  # the other ranks wait for the folder: tell them why not
             raise
         ranks.broadcast({"path": str(work.path), "done": done})
-        manifest = run_layers(streamed, tokenizer, recipe, windows, work.path, fingerprint, done, device,
-                              batch_size, activation_limit, progress, ranks)
-        manifest["model"]["path"] = str(model_path.resolve())
-        manifest["data"]["source"] = data
+        manifest, fallback = run_layers(streamed, tokenizer, recipe, windows, work.path, fingerprint, done, device,
+                                        batch_size, activation_limit, progress, ranks,
+                                        origin=(str(model_path.resolve()), data))
         write_sealed_json(work.path / "manifest.json", manifest)
     ranks.barrier("publishing the calibration")
-    return CalibrationSummary(out, num_layers, done, manifest["fallback_experts"], time.time() - started)
+    return CalibrationSummary(out, num_layers, done, fallback, time.time() - started)
 
 
 def remove_stale_work(folder: Path) -> None:
@@ -274,9 +273,11 @@ def remove_stale_work(folder: Path) -> None:
 
 def run_layers(streamed: StreamedModel, tokenizer, recipe: Recipe, windows, folder: Path, fingerprint: dict,
                done: int, device: torch.device, batch_size: int, activation_limit: int | None,
-               progress: Progress | None, ranks: Ranks = SINGLE) -> dict | None:
+               progress: Progress | None, ranks: Ranks = SINGLE, *,
+               origin: tuple[str, str]) -> tuple[dict, int] | None:
     """Calibrate layers done.. into `folder` (rebuilding layers ..done from their saved results); returns the
-    manifest (on rank 0; None on the other ranks, which write only their bank rows)."""
+    manifest, naming `origin` (model path, data source), and the number of experts that fell back to a simpler
+    quantizer (on rank 0; None on the other ranks, which write only their bank rows)."""
     config, adapter, num_layers = streamed.config, streamed.adapter, streamed.num_layers
     cal = recipe.calibration
     hidden = HiddenStore(activation_limit, folder)
@@ -335,16 +336,17 @@ def run_layers(streamed: StreamedModel, tokenizer, recipe: Recipe, windows, fold
         return None
     summaries = [layer_meta(folder, index) for index in range(num_layers)]
     num_experts = next(shape[0] for shape in streamed.moe_shapes if shape is not None)
+    fallback = sum(len(meta.get("fallback_experts", [])) for meta in summaries)
     return {
         "format": FORMAT, "format_version": FORMAT_VERSION, "hexq_version": __version__, "fingerprint": fingerprint,
-        "model": {"path": "", "model_type": config.model_type, "layers": num_layers,
+        "model": {"path": origin[0], "model_type": config.model_type, "layers": num_layers,
                   "moe_layers": [index for index in range(num_layers) if streamed.is_moe(index)],
                   "num_experts": num_experts, "top_k": config.num_experts_per_tok},
-        "data": {"source": "", "num_samples": cal.num_samples, "seqlen": cal.seqlen, "seed": cal.seed,
+        "data": {"source": origin[1], "num_samples": cal.num_samples, "seqlen": cal.seqlen, "seed": cal.seed,
                  "tokens_available": windows.tokens_available},
         "recipe": recipe_to_dict(recipe),
         "expert_bits": list(expert_bits_list(recipe)),
-        "fallback_experts": sum(len(meta.get("fallback_experts", [])) for meta in summaries),
+        "fallback_experts": fallback,
         "layers": summaries,
         "files": dict(sorted(files.items())),
-    }
+    }, fallback
