@@ -171,8 +171,10 @@ class CachedExperts(torch.nn.Module):
             for expert, width, start, count in plan.groups:
                 state.last_bits[(self.layer, expert)] = width
                 weights = self.cache.get(self.layer, expert, width, fill=expert in admitted)
-                if not weights.transient and self.compute.lays_out(weights):
-                    weights = self.cache.relayout(self.layer, expert, self.compute.relaid)
+                if self.compute.lays_out(weights):  # cached or transient, every expert is computed in one layout:
+                    # the same numbers whatever is resident (a transient one is this thread's buffer, re-laid in place)
+                    weights = (self.compute.relaid(weights) if weights.transient
+                               else self.cache.relayout(self.layer, expert, self.compute.relaid))
                 if weights.transient:  # the loading thread's buffer: computed before the next load reuses it
                     y[start:start + count] = self.compute.expert(x[start:start + count], weights, self.act_fn,
                                                                  self.quantizers)
