@@ -35,7 +35,7 @@ import json, sys
 from dataclasses import replace
 from pathlib import Path
 from hexq.calib.pipeline import calibrate
-from hexq.recipe_files import load_recipe
+from hexq.config.recipe_files import load_recipe
 recipe = load_recipe("experts-mixed")
 recipe = replace(recipe, calibration=replace(recipe.calibration, num_samples=int(sys.argv[2])))
 calibrate(sys.argv[1], recipe, "bundled", sys.argv[3])
@@ -43,7 +43,7 @@ calibrate(sys.argv[1], recipe, "bundled", sys.argv[3])
 
 PEER = """
 import sys, torch
-from hexq.data import calibration_windows
+from hexq.base.data import calibration_windows
 from llmcompressor_peer import PEER_SCHEMES, run_peer
 from transformers import AutoTokenizer
 tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])

@@ -24,11 +24,11 @@ from pathlib import Path
 
 import torch
 
+from hexq.base.data import calibration_windows, eval_text, tokenize
 from hexq.calib.pipeline import calibrate
-from hexq.data import calibration_windows, eval_text, tokenize
+from hexq.config.recipe import ActivationQuant, Calibration, Experts, Recipe, Smoothing, WeightQuant
 from hexq.eval.perplexity import perplexity
 from hexq.eval.run import evaluate_model
-from hexq.recipe import ActivationQuant, Calibration, Experts, Recipe, Smoothing, WeightQuant
 
 from outliers import inject_outliers
 from provenance import start_run, write_results

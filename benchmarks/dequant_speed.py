@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from hexq.algos.quant import QuantMeta, QuantSpec, dequantize, quantize
-from hexq.io import write_json_atomic
+from hexq.base.io import write_json_atomic
 from hexq.packed.bitpack import DequantScratch, dequantize_into, pack_bits
 
 ROOT = Path(__file__).resolve().parent.parent

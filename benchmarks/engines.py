@@ -105,7 +105,7 @@ pack: {bits: [3]}
 
 def prompt_ids(artifact: Path) -> list[int]:
     from hexq.artifact.reader import Artifact
-    from hexq.data import eval_text, tokenize
+    from hexq.base.data import eval_text, tokenize
     from hexq.runtime.model import artifact_tokenizer
 
     ids = tokenize(artifact_tokenizer(Artifact(artifact)), eval_text("austen"))

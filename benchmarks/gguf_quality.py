@@ -12,7 +12,7 @@ For each model (a reference model by name, or a checkpoint folder) and class:
   type it has in hexq's file (--tensor-type-file), so both files hold the same types: equal size but for the
   metadata (both sizes are reported).
 Perplexity of every file is computed by llama.cpp (llama-cpp-python's logits, hexq.export.gguf.check.llama_logits)
-on the same held-out windows (hexq.data.eval_text: the held-out parts of austen, pydocs, foldoc; GPTQ protocol,
+on the same held-out windows (hexq.base.data.eval_text: the held-out parts of austen, pydocs, foldoc; GPTQ protocol,
 `--windows` windows of `--seqlen` tokens, no BOS). A class whose type cannot hold the model's rows (K-quants need rows
 of a multiple of 256 weights; the reference models' are 192, 96 and 384) is recorded as such, not run.
 
@@ -100,7 +100,7 @@ def llama_perplexity(path: Path, windows: torch.Tensor) -> float:
 def eval_windows(model: Path, text: str, seqlen: int, count: int) -> torch.Tensor:
     from transformers import AutoTokenizer
 
-    from hexq.data import eval_text, tokenize
+    from hexq.base.data import eval_text, tokenize
     from hexq.eval.perplexity import make_windows
 
     tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
@@ -108,7 +108,7 @@ def eval_windows(model: Path, text: str, seqlen: int, count: int) -> torch.Tenso
 
 
 def quality(name: str, model: Path, args, work: Path, log: Path) -> list[dict]:
-    from hexq.data import calibration_text
+    from hexq.base.data import calibration_text
 
     rows = []
     cal = work / f"{name}-cal"

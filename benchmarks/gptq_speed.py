@@ -29,7 +29,7 @@ import torch
 from hexq.algos.gptq import gptq_bank
 from hexq.algos.hessian import factorize_hessians
 from hexq.algos.quant import QuantSpec
-from hexq.io import write_json_atomic
+from hexq.base.io import write_json_atomic
 
 ROOT = Path(__file__).resolve().parent.parent
 HIDDEN, INTERMEDIATE = 2048, 768  # Qwen3-30B-A3B: hidden_size, moe_intermediate_size

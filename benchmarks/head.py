@@ -108,8 +108,8 @@ def speed(args: argparse.Namespace, results: dict, save) -> None:
 
 
 def quality(args: argparse.Namespace, results: dict, save) -> None:
-    from hexq.recipe import recipe_to_dict
-    from hexq.recipe_files import load_recipe
+    from hexq.config.recipe import recipe_to_dict
+    from hexq.config.recipe_files import load_recipe
 
     work = args.work / "quality"
     work.mkdir(parents=True, exist_ok=True)

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from hexq.errors import HexqError
+from hexq.base.errors import HexqError
 
 from reference import load_model
 

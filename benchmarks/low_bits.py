@@ -38,17 +38,17 @@ from pathlib import Path
 import torch
 
 from hexq.artifact.reader import Artifact
+from hexq.base.data import calibration_windows, eval_text, tokenize
 from hexq.calib.calibrated import calibrated_model
 from hexq.calib.pipeline import calibrate
 from hexq.calib.store import read_manifest
-from hexq.data import calibration_windows, eval_text, tokenize
+from hexq.config.recipe import Experts, Pack, Recipe, WeightQuant, recipe_from_dict
+from hexq.config.recipe_files import load_recipe
 from hexq.eval.divergence import Divergence, token_divergence
 from hexq.eval.perplexity import make_windows
 from hexq.eval.run import kl_divergence, open_target
-from hexq.pack import Budget, make_plan, pack, read_stats
+from hexq.pack.stage import Budget, make_plan, pack, read_stats
 from hexq.packed.weight import PROJECTIONS
-from hexq.recipe import Experts, Pack, Recipe, WeightQuant, recipe_from_dict
-from hexq.recipe_files import load_recipe
 from hexq.runtime.model import artifact_model
 
 from provenance import start_run, write_results

@@ -15,8 +15,8 @@ import math
 
 import torch
 
-from hexq.adapters import MoEAdapter
 from hexq.calib.fold import fold_scales, smoothing_groups
+from hexq.model.adapters import MoEAdapter
 
 from rtn import decoder_layers
 

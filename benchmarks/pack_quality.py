@@ -23,14 +23,14 @@ from pathlib import Path
 import torch
 
 from hexq.artifact.reader import Artifact
+from hexq.base.data import eval_text, tokenize
 from hexq.calib.pipeline import calibrate
-from hexq.data import eval_text, tokenize
+from hexq.config.recipe_files import load_recipe
 from hexq.eval.perplexity import make_windows
-from hexq.layer_pass import full_precision_plan, stream_nll
-from hexq.pack import Budget, pack
-from hexq.recipe_files import load_recipe
+from hexq.model.layer_pass import full_precision_plan, stream_nll
+from hexq.model.streaming import open_model
+from hexq.pack.stage import Budget, pack
 from hexq.runtime.model import artifact_model
-from hexq.streaming import open_model
 
 from provenance import start_run, write_results
 from reference import shuffled_like

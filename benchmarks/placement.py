@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from hexq.algos.placement import SCHEMES, check_k, check_trace, expert_counts, hit_rates, place
-from hexq.data import calibration_windows, eval_text, tokenize
+from hexq.base.data import calibration_windows, eval_text, tokenize
 from hexq.eval.perplexity import make_windows
 
 from provenance import start_run, write_results

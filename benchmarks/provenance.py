@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from hexq import __version__
-from hexq.io import write_json_atomic
+from hexq.base.io import write_json_atomic
 
 ROOT = Path(__file__).resolve().parent.parent
 

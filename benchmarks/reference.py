@@ -15,13 +15,13 @@ from pathlib import Path
 
 import torch
 
-from hexq.adapters import MoEAdapter
+from hexq.base.devices import resolve_device
+from hexq.base.errors import HexqError
 from hexq.calib.capture import add_routing
-from hexq.devices import resolve_device
-from hexq.errors import HexqError
-from hexq.layer_pass import LayerPlan, stream_layers
-from hexq.models import check_moe_folder
-from hexq.streaming import StreamedModel
+from hexq.model.adapters import MoEAdapter
+from hexq.model.folder import check_moe_folder
+from hexq.model.layer_pass import LayerPlan, stream_layers
+from hexq.model.streaming import StreamedModel
 
 
 def load_model(folder: str | Path, device: str | None = None, dtype: torch.dtype = torch.float32):

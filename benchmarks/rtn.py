@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from hexq.adapters import MoEAdapter
 from hexq.algos.quant import QuantSpec, fake_quantize
+from hexq.model.adapters import MoEAdapter
 
 
 def decoder_layers(model) -> torch.nn.ModuleList:

@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hexq.io import write_bytes_atomic
+from hexq.base.io import write_bytes_atomic
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"

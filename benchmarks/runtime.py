@@ -295,7 +295,7 @@ def child_overhead(spec: dict) -> dict:
 
 
 def child_ppl(spec: dict) -> dict:
-    from hexq.data import eval_text, tokenize
+    from hexq.base.data import eval_text, tokenize
     from hexq.eval.run import runtime_perplexity
     from hexq.runtime.engine import Runtime
 
@@ -382,9 +382,9 @@ def dequant_rate(reps: int) -> list[dict]:
 
 def artifact_for(name: str, work: Path) -> Path:
     from hexq.calib.pipeline import calibrate
-    from hexq.pack import Budget, pack
-    from hexq.recipe import Calibration
-    from hexq.recipe_files import load_recipe
+    from hexq.config.recipe import Calibration
+    from hexq.config.recipe_files import load_recipe
+    from hexq.pack.stage import Budget, pack
 
     out = work / f"{name}-3.0.hexq"
     if not (out / "manifest.json").exists():
@@ -401,7 +401,7 @@ def sizes(artifact: Path) -> dict:
     import torch
 
     from hexq.artifact.reader import Artifact
-    from hexq.data import eval_text, tokenize
+    from hexq.base.data import eval_text, tokenize
     from hexq.runtime.model import artifact_tokenizer, skeleton
     from hexq.runtime.source import ArtifactSource
 

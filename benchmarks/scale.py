@@ -61,7 +61,7 @@ def recipe_file(work: Path, bank: list[int] | None) -> str:
         return "experts-mixed"
     import yaml
 
-    from hexq.recipe_files import recipe_path
+    from hexq.config.recipe_files import recipe_path
 
     recipe = yaml.safe_load(recipe_path("experts-mixed").read_text())
     recipe["experts"]["replica_bits"] = sorted(bank)

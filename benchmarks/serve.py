@@ -41,9 +41,9 @@ PROMPT_WORDS = 48
 
 def artifact_for(name: str, work: Path) -> Path:
     from hexq.calib.pipeline import calibrate
-    from hexq.pack import Budget, pack
-    from hexq.recipe import Calibration
-    from hexq.recipe_files import load_recipe
+    from hexq.config.recipe import Calibration
+    from hexq.config.recipe_files import load_recipe
+    from hexq.pack.stage import Budget, pack
 
     out = work / f"{name}-3.0-online.hexq"
     if not (out / "manifest.json").exists():
@@ -71,7 +71,7 @@ def expert_bytes(artifact: Path) -> int:
 
 def prompts(count: int) -> dict[str, list[str]]:
     """`count` prompts of PROMPT_WORDS words per domain, cut from its held-out text."""
-    from hexq.data import corpus_text
+    from hexq.base.data import corpus_text
 
     out = {}
     for domain in DOMAINS:

@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from hexq.errors import HexqError
+from hexq.base.errors import HexqError
 from hexq_cli.common import ForceOpt, JsonOpt, SeqlenOpt, console, err_console, handle_errors, progress_bar, staged
 
 
@@ -21,8 +21,8 @@ def inspect(
 ) -> None:
     """Sizes per part, bits per layer, budget use and checksums of an artifact."""
     from hexq.artifact.inspect import summarize
-    from hexq.io import write_json_atomic
-    from hexq.units import format_bytes
+    from hexq.base.io import write_json_atomic
+    from hexq.base.units import format_bytes
 
     info = summarize(artifact)
     parts = Table(title=f"{artifact.name}: {info['model']['model_type']}, {info['model']['num_layers']} layers x "
@@ -85,10 +85,10 @@ def export(
 ) -> None:
     """Write a compressed-tensors checkpoint (or a GGUF file) one layer at a time, keeping every calibrated code it
     can express, and check it against the model hexq run serves."""
+    from hexq.base.io import write_json_atomic
+    from hexq.base.units import format_bytes, parse_bytes
     from hexq.export.command import export_artifact
-    from hexq.io import write_json_atomic
-    from hexq.models import resolve_model
-    from hexq.units import format_bytes, parse_bytes
+    from hexq.model.folder import resolve_model
 
     source = None if source is None else resolve_model(source)
 

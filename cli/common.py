@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from hexq.errors import HexqError
+from hexq.base.errors import HexqError
 
 app = typer.Typer(help="Quantize, calibrate and serve Mixture-of-Experts language models.", no_args_is_help=True,
                   add_completion=False, pretty_exceptions_enable=False)
@@ -62,7 +62,7 @@ def handle_errors(command):
 
             if not isinstance(exc, torch.OutOfMemoryError) or os.environ.get("HEXQ_DEBUG"):
                 raise
-            from hexq.devices import out_of_memory_message
+            from hexq.base.devices import out_of_memory_message
 
             message = out_of_memory_message(exc, command.__name__.removesuffix("_command"))
             err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from hexq.errors import HexqError
+from hexq.base.errors import HexqError
 from hexq_cli.common import (
     DEFAULT_EVAL_DATA,
     ActivationsOpt,
@@ -61,12 +61,12 @@ def eval_command(
 ) -> None:
     """Perplexity with the GPTQ protocol (exp of mean token NLL), streamed one layer at a time; with --kl-against,
     the KL divergence from another model; with --baseline, a regression gate for CI."""
-    from hexq.devices import resolve_device
+    from hexq.base.devices import resolve_device
+    from hexq.base.io import write_json_atomic
+    from hexq.base.units import parse_bytes
     from hexq.eval import baseline as gate
     from hexq.eval.run import evaluate_model
-    from hexq.io import write_json_atomic
-    from hexq.models import resolve_model
-    from hexq.units import parse_bytes
+    from hexq.model.folder import resolve_model
 
     resolved = resolve_device(device)  # a bad --device fails before anything is read
     model = resolve_model(model, revision)

@@ -13,9 +13,9 @@ console = Console()
 
 def export_gguf_command(artifact: Path, out: Path, experts: str, windows: int, seqlen: int, data: str, check: bool,
                         force: bool, json_out: Path | None, progress) -> None:
+    from hexq.base.io import write_json_atomic
+    from hexq.base.units import format_bytes
     from hexq.export.gguf.command import export_gguf, gguf_report
-    from hexq.io import write_json_atomic
-    from hexq.units import format_bytes
 
     summary = export_gguf(artifact, out, experts, force, windows, seqlen, data, check, progress)
     table = Table(title=f"{out}: routed experts per layer ({summary.plan.family.arch})")

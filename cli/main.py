@@ -11,7 +11,7 @@ import typer
 from rich.table import Table
 
 from hexq import __version__
-from hexq.errors import HexqError
+from hexq.base.errors import HexqError
 from hexq_cli.artifact_commands import export, inspect, report
 from hexq_cli.common import (
     ActivationsOpt,
@@ -99,11 +99,11 @@ def calibrate(
     (`torchrun --nproc_per_node N --no-python hexq calibrate ...`) the routed experts are split across the ranks."""
     from dataclasses import replace
 
+    from hexq.base.devices import resolve_device
+    from hexq.base.units import parse_bytes
     from hexq.calib.pipeline import calibrate as run_calibration
-    from hexq.devices import resolve_device
-    from hexq.models import resolve_model
-    from hexq.recipe_files import load_recipe
-    from hexq.units import parse_bytes
+    from hexq.config.recipe_files import load_recipe
+    from hexq.model.folder import resolve_model
 
     resolve_device(device)  # a bad --device fails before anything is read
     shown = Path(str(model)).name
@@ -162,9 +162,9 @@ def pack_command(
     """Importance, hot-expert placement, bit allocation and one packed, checksummed artifact."""
     from dataclasses import replace
 
-    from hexq.pack import Budget, pack
-    from hexq.recipe_files import load_recipe
-    from hexq.units import format_bytes, parse_bytes
+    from hexq.base.units import format_bytes, parse_bytes
+    from hexq.config.recipe_files import load_recipe
+    from hexq.pack.stage import Budget, pack
 
     if bits is not None and expert_bytes is not None:
         raise HexqError("give either --bits (average per layer) or --expert-bytes (bytes for the model), not both")
@@ -293,10 +293,10 @@ def run(
     config = runtime_config(memory=memory, budget=budget, context=context, dtype=dtype, cache=cache, threads=threads,
                             kernels=kernels, decode=decode, warm=warm, cost_model=cost_model, policy=policy,
                             prefetch=prefetch, prefetch_top=prefetch_top, mode=mode, device=device)
-    from hexq.data import eval_text, tokenize
+    from hexq.base.data import eval_text, tokenize
+    from hexq.base.io import write_json_atomic
     from hexq.eval.run import runtime_divergence, runtime_perplexity
-    from hexq.io import write_json_atomic
-    from hexq.models import resolve_model
+    from hexq.model.folder import resolve_model
     from hexq.runtime.engine import Runtime
     from hexq.runtime.sampling import Sampling
 

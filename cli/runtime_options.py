@@ -53,9 +53,9 @@ def runtime_config(*, memory: str | None, budget: str | None, context: int | Non
     # shapes to a prefill: a server's resident set grew with each request of a new length (+285 MiB over 128 requests
     # of benchmarks/serve.py on a tiny model). 64 holds a prefill's shapes; read when the first primitive is made.
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
-    from hexq.devices import resolve_device
+    from hexq.base.devices import resolve_device
+    from hexq.base.units import parse_bytes
     from hexq.runtime.engine import RuntimeConfig
-    from hexq.units import parse_bytes
 
     resolve_device(device)
     return RuntimeConfig(memory_bytes=parse_bytes(memory) if memory is not None else None,

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from hexq.errors import HexqError
+from hexq.base.errors import HexqError
 from hexq_cli.common import DeviceOpt, console, err_console, handle_errors
 from hexq_cli.runtime_options import (
     BudgetOpt,
@@ -68,10 +68,10 @@ def serve(
     config = runtime_config(memory=memory, budget=budget, context=context, dtype=dtype, cache=cache, threads=threads,
                             kernels=kernels, decode=decode, warm=warm, cost_model=cost_model, policy=policy,
                             prefetch=prefetch, prefetch_top=prefetch_top, mode=mode, device=device)
-    from hexq.devices import peak_rss_bytes
+    from hexq.base.devices import peak_rss_bytes
+    from hexq.base.units import parse_bytes
     from hexq.runtime.engine import Runtime
     from hexq.serve.app import serve as run_server
-    from hexq.units import parse_bytes
 
     template = chat_template.read_text() if chat_template is not None else None
     max_body_bytes = parse_bytes(max_body)

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script: make `hexq` importable from the checkout
     sys.path.insert(0, str(ROOT))
 
-from hexq.errors import HexqError  # noqa: E402
+from hexq.base.errors import HexqError  # noqa: E402
 
 TOKENIZER_SPECIAL_ID = 0  # <|endoftext|> in hexq's tokenizer: bos = eos = unk
 DEFAULT_SHARD = {"published": "2GB", "tiny": "1MB"}

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script: make `hexq` importable from the checkout
     sys.path.insert(0, str(ROOT))
 
-from hexq.errors import HexqError  # noqa: E402
+from hexq.base.errors import HexqError  # noqa: E402
 from scripts.checkpoint_families import is_moe_layer, num_experts, weight_files  # noqa: E402
 
 
@@ -180,7 +180,7 @@ def routed_indices(output) -> torch.Tensor:
 
 def corpus_windows(tokenizer, seqlen: int = 256, windows_per_corpus: int = 2) -> torch.Tensor:
     """[W, seqlen] token ids: the first windows of each training corpus (austen, pydocs, foldoc)."""
-    from hexq.data import TRAIN_CORPORA, corpus_text
+    from hexq.base.data import TRAIN_CORPORA, corpus_text
 
     windows = []
     for name in TRAIN_CORPORA:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hexq.data import TRAIN_CORPORA, corpus_text
+from hexq.base.data import TRAIN_CORPORA, corpus_text
 
 SLICE_CHARS = 256 * 1024
 OUT = Path(__file__).resolve().parent.parent / "calib_data"

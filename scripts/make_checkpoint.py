@@ -41,7 +41,7 @@ way and a few experts take most slots (tiny models, unskewed routers, forward pa
 of the slots, against 32-35% with unit embeddings). Norm weights 1 + N(0, 0.02^2) and biases N(0, 0.02^2), not the
 init values 1 and 0, so a reader that silently skips a norm or a bias fails a value check; DeepSeek-V3's router
 `e_score_correction_bias` N(0, 0.01^2) in F32, as the hub stores it. Each tensor is generated in float32 chunks of
-at most 16M elements, written through hexq.io.SafetensorsWriter and freed: peak memory is about one bf16 tensor
+at most 16M elements, written through hexq.base.io.SafetensorsWriter and freed: peak memory is about one bf16 tensor
 plus one chunk (measured with /usr/bin/time -f %M, one published layer: Qwen3-30B-A3B 0.97 GB RSS for a 2.49 GB
 checkpoint in 39 s, Mixtral-8x7B 0.64 GB for 3.43 GB in 45 s, on 2 shared cores; Python with torch alone: 0.23 GB).
 
@@ -90,8 +90,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script: make `hexq` importable from the checkout
     sys.path.insert(0, str(ROOT))
 
-from hexq.errors import HexqError  # noqa: E402
-from hexq.io import SafetensorsWriter, write_bytes_atomic, write_json_atomic  # noqa: E402
+from hexq.base.errors import HexqError  # noqa: E402
+from hexq.base.io import SafetensorsWriter, write_bytes_atomic, write_json_atomic  # noqa: E402
 from scripts.checkpoint_families import (  # noqa: E402
     DEFAULT_SHARD,
     FAMILIES,

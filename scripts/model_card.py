@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 from hexq.algos.quant import QuantSpec
-from hexq.data import TRAIN_CORPORA, eval_text, tokenize
+from hexq.base.data import TRAIN_CORPORA, eval_text, tokenize
+from hexq.base.io import write_bytes_atomic, write_json_atomic
 from hexq.eval.perplexity import make_windows, perplexity
-from hexq.io import write_bytes_atomic, write_json_atomic
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))  # the RTN baseline, the references
 from reference import capture_router_counts, load_model  # noqa: E402

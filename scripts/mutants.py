@@ -49,7 +49,7 @@ MUTANTS = [
            "        scale", "        if False:\n            return BlockRounding(dict(replicas), before, before)\n"
            "        scale",
            ("tests/test_rounding.py",)),
-    Mutant("a-rank-reads-every-expert-then-its-share", "hexq/checkpoint.py",
+    Mutant("a-rank-reads-every-expert-then-its-share", "hexq/model/checkpoint.py",
            "                tensor = part[rows.start:rows.stop]",
            "                tensor = part[:][rows.start:rows.stop].clone()",
            ("tests/test_streaming.py",)),
@@ -86,7 +86,7 @@ MUTANTS = [
            "        weights = served_weights(top_k_index, top_k_weights, bits > 0, self.num_experts)",
            "        weights = top_k_weights",
            ("tests/test_runtime_packed.py::test_skipped_experts_are_served_as_eval_computes_them",)),
-    Mutant("skipped-weight-not-renormalised", "hexq/simulate.py",
+    Mutant("skipped-weight-not-renormalised", "hexq/model/simulate.py",
            "    scale = torch.where(kept_mass > 0, total / kept_mass.masked_fill(kept_mass == 0, 1), "
            "torch.zeros_like(total))",
            "    scale = torch.where(kept_mass > 0, torch.ones_like(total), torch.zeros_like(total))",
@@ -247,7 +247,7 @@ MUTANTS = [
            "        quantizer = act_quantizer(", ("tests/test_quantized_head.py",)),
     Mutant("head-rows-cut-with-the-wrong-scales", "hexq/packed/weight.py",
            "self.scale[start:stop],", "self.scale[start:stop].flip(0),", ("tests/test_quantized_head.py",)),
-    Mutant("head-dequantized-whole-at-start-up", "hexq/streaming.py",
+    Mutant("head-dequantized-whole-at-start-up", "hexq/model/streaming.py",
            "            if key in leave:", "            if False:", ("tests/test_quantized_head.py",)),
     Mutant("head-gptq-without-its-hessian", "hexq/calib/head.py",
            "expert_factor(hessian, setting, channel_max)", "expert_factor(torch.eye(cols)[None], setting, channel_max)",
@@ -262,7 +262,7 @@ MUTANTS = [
            "        fp_gate_up, fp_down = weights_of(experts)\n        rows =",
            "        out.zero_()\n        fp_gate_up, fp_down = weights_of(experts)\n        rows =",
            ("tests/test_calibrate.py::test_same_inputs_give_the_same_bytes",)),
-    Mutant("checkpoint-maps-never-released", "hexq/checkpoint.py",
+    Mutant("checkpoint-maps-never-released", "hexq/model/checkpoint.py",
            "            if (row + 1) % max(1, MAPPED_BYTES // expert_bytes) == 0:",
            "            if False:",
            ("tests/test_streaming.py::test_experts_assembled_from_per_expert_tensors_hold_one_copy",)),
@@ -270,7 +270,7 @@ MUTANTS = [
            "        self.skipped += ((bits == 0) & valid).sum()", "        pass",
            ("tests/test_runtime_packed.py::test_gpu_path_serves_skipped_experts_as_eval",)),
     # ------------------------------------------------------------------ pack's guard
-    Mutant("pack-accepts-an-average-below-every-width", "hexq/pack.py",
+    Mutant("pack-accepts-an-average-below-every-width", "hexq/pack/stage.py",
            "        if 0 in bits and avg < smallest and not budget.allow_skipping:",
            "        if False:", ("tests/test_cli.py",)),
     Mutant("pack-silent-about-missing-4-bit-replicas", "cli/main.py", "    if summary.without_4bit:",
@@ -286,7 +286,7 @@ MUTANTS = [
     Mutant("gate-smoothing-off", "hexq/algos/smoothing.py",
            "    s = act_max.clamp(min=DEAD_CHANNEL_MAX).pow(exponent)",
            "    s = act_max.clamp(min=DEAD_CHANNEL_MAX).pow(0.0)", (), gate=True),
-    Mutant("gate-activations-not-quantized", "hexq/simulate.py",
+    Mutant("gate-activations-not-quantized", "hexq/model/simulate.py",
            "            return fake_quantize_activations(x, self.bits, per_token=True, symmetric=self.symmetric)",
            "            return x", (), gate=True),
 ]

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from hexq.data import TRAIN_CORPORA, corpus_text
+from hexq.base.data import TRAIN_CORPORA, corpus_text
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "models"

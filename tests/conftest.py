@@ -23,7 +23,7 @@ def own_cache_folder(tmp_path_factory):
     these sources is copied over, so no test process compiles it again."""
     import shutil
 
-    from hexq.io import cache_dir
+    from hexq.base.io import cache_dir
     from hexq.packed import cpu
 
     folder = tmp_path_factory.mktemp("hexq-cache")
@@ -110,8 +110,8 @@ def small_recipe(name: str, **experts):
     """A bundled recipe on 6 windows of 32 tokens (seconds on CPU), optionally with experts fields replaced."""
     from dataclasses import replace
 
-    from hexq.recipe import Calibration
-    from hexq.recipe_files import load_recipe
+    from hexq.config.recipe import Calibration
+    from hexq.config.recipe_files import load_recipe
 
     recipe = replace(load_recipe(name), calibration=Calibration(num_samples=6, seqlen=32, seed=0))
     return replace(recipe, experts=replace(recipe.experts, **experts)) if experts else recipe
@@ -122,7 +122,7 @@ def mixed_recipe():
     bits (pack.order free and 0-bit experts have tests of their own)."""
     from dataclasses import replace
 
-    from hexq.recipe import Pack, WeightQuant
+    from hexq.config.recipe import Pack, WeightQuant
 
     return replace(small_recipe("experts-mixed", weights=WeightQuant(group_size=16, symmetric=False)), pack=Pack())
 
@@ -139,7 +139,7 @@ def mixed_calibration(tiny_qwen3moe, tmp_path_factory):
 @pytest.fixture(scope="session")
 def mixed_artifact(mixed_calibration, tmp_path_factory):
     """The tiny calibration packed at 2.5 bits on average (widths 1-4 mixed in every layer)."""
-    from hexq.pack import Budget, pack
+    from hexq.pack.stage import Budget, pack
 
     out = tmp_path_factory.mktemp("pack") / "mixed-2.5.hexq"
     pack(mixed_calibration[0], out, budget=Budget(avg_bits=2.5))
@@ -172,8 +172,8 @@ def wide_calibration(tmp_path_factory):
 def packed_artifact(wide_calibration, tmp_path_factory):
     """The wide calibration packed at 2.5 bits by 002's prefix split over 1-4 bits (widths mixed, no expert
     skipped)."""
-    from hexq.pack import Budget, pack
-    from hexq.recipe import Pack
+    from hexq.config.recipe import Pack
+    from hexq.pack.stage import Budget, pack
 
     out = tmp_path_factory.mktemp("pack") / "wide-2.5.hexq"
     pack(wide_calibration, out, Pack(), Budget(avg_bits=2.5))
@@ -184,7 +184,7 @@ def packed_artifact(wide_calibration, tmp_path_factory):
 def skipping_artifact(wide_calibration, tmp_path_factory):
     """The wide calibration packed at 1.5 bits by the bundled recipe's allocator (0-8 bits, any width per expert):
     some experts of every layer skipped (0 bits)."""
-    from hexq.pack import Budget, pack
+    from hexq.pack.stage import Budget, pack
 
     out = tmp_path_factory.mktemp("pack") / "wide-1.5.hexq"
     pack(wide_calibration, out, budget=Budget(avg_bits=1.5))

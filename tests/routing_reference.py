@@ -1,12 +1,12 @@
-"""Each family's routing computed from its adapter's contract (hexq.adapters.Routing): what the adapter tests check
-against transformers' own routers, so that the registry's routing data says what the families really do."""
+"""Each family's routing computed from its adapter's contract (hexq.model.adapters.Routing): what the adapter tests
+check against transformers' own routers, so that the registry's routing data says what the families really do."""
 
 from __future__ import annotations
 
 import torch
 
-from hexq.adapters import SIGMOID_BIAS_GROUP_TOPK, SOFTMAX_GROUP_TOPK, SPARSEMIXER, Routing, _config_value
-from hexq.errors import HexqError
+from hexq.base.errors import HexqError
+from hexq.model.adapters import SIGMOID_BIAS_GROUP_TOPK, SOFTMAX_GROUP_TOPK, SPARSEMIXER, Routing, _config_value
 
 
 def route(routing: Routing, config, logits: torch.Tensor,

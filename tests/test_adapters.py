@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from hexq.adapters import (
+from hexq.base.errors import HexqError
+from hexq.model.adapters import (
     ADAPTERS,
     SIGMOID_BIAS_GROUP_TOPK,
     adapter_for,
@@ -11,7 +12,6 @@ from hexq.adapters import (
     moe_layer_indices,
     supported_types,
 )
-from hexq.errors import HexqError
 from tests.conftest import TINY_CONFIGS, build_tiny_model
 from tests.routing_reference import route
 

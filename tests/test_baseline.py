@@ -5,7 +5,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from hexq.errors import HexqError
+from hexq.base.errors import HexqError
 from hexq.eval.baseline import FORMAT, VERSION, compare, parse_tolerance, read_baseline
 from hexq_cli.main import app
 

@@ -10,16 +10,16 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
+from hexq.base.errors import HexqError
 from hexq.calib import pipeline
 from hexq.calib.calibrated import calibrated_model
 from hexq.calib.pipeline import calibrate
 from hexq.calib.store import read_json
-from hexq.errors import HexqError
-from hexq.layer_pass import full_precision_plan
+from hexq.config.recipe import Calibration, Experts, Pack, WeightQuant
+from hexq.model.layer_pass import full_precision_plan
+from hexq.model.simulate import loss_sample
+from hexq.model.streaming import open_model
 from hexq.packed.bitpack import packed_nbytes, unpack_bits
-from hexq.recipe import Calibration, Experts, Pack, WeightQuant
-from hexq.simulate import loss_sample
-from hexq.streaming import open_model
 from hexq_cli.main import app
 from tests.conftest import small_recipe
 
@@ -189,7 +189,7 @@ def test_haq_w8a8_smoothing_helps_on_outliers_and_stays_close_to_full_precision(
 
     from transformers import AutoTokenizer
 
-    from hexq.adapters import adapter_for
+    from hexq.model.adapters import adapter_for
     from tests.conftest import TOKENIZER_DIR, build_tiny_model
 
     from outliers import inject_outliers

@@ -3,7 +3,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from hexq.adapters import supported_types
+from hexq.model.adapters import supported_types
 from hexq_cli.main import app
 
 runner = CliRunner()

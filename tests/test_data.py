@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from hexq.data import (
+from hexq.base.data import (
     CORPUS_FILES,
     TRAIN_CORPORA,
     calibration_text,
@@ -14,7 +14,7 @@ from hexq.data import (
     split_point,
     text_from_file,
 )
-from hexq.errors import HexqError
+from hexq.base.errors import HexqError
 
 
 def test_split_point_cuts_at_a_line_start_near_ninety_percent():

@@ -5,10 +5,10 @@ explicit device fails loudly, as it would on a GPU - checked on a machine withou
 import pytest
 import torch
 
+from hexq.base.data import eval_text, tokenize
 from hexq.calib.pipeline import calibrate
-from hexq.data import eval_text, tokenize
 from hexq.eval.run import evaluate_model, runtime_perplexity
-from hexq.pack import Budget, pack
+from hexq.pack.stage import Budget, pack
 from hexq.runtime.engine import Runtime
 from tests.conftest import HexqFactoriesOnMeta, mixed_recipe, small_recipe
 

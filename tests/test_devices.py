@@ -1,12 +1,12 @@
-"""hexq.devices.resolve_device: auto/cpu/cuda/cuda:N, with and without CUDA (torch.cuda monkeypatched)."""
+"""hexq.base.devices.resolve_device: auto/cpu/cuda/cuda:N, with and without CUDA (torch.cuda monkeypatched)."""
 
 from pathlib import Path
 
 import pytest
 import torch
 
-from hexq.devices import resolve_device
-from hexq.errors import HexqError
+from hexq.base.devices import resolve_device
+from hexq.base.errors import HexqError
 
 
 @pytest.fixture
@@ -51,7 +51,7 @@ def test_this_machine():
 
 
 def test_out_of_memory_is_one_line_naming_device_and_need():
-    from hexq.devices import out_of_memory_message
+    from hexq.base.devices import out_of_memory_message
 
     torch_text = ("CUDA out of memory. Tried to allocate 2.50 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
                   "1.10 GiB is free. Including non-PyTorch memory, this process has 78.0 GiB memory in use. Of the "

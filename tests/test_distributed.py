@@ -33,7 +33,7 @@ def free_port() -> int:
 
 def recipe_file(folder: Path, **experts) -> Path:
     """experts-mixed on 6 windows of 32 tokens (conftest.small_recipe), written where the CLI reads it."""
-    from hexq.recipe import WeightQuant, recipe_to_dict
+    from hexq.config.recipe import WeightQuant, recipe_to_dict
 
     recipe = small_recipe("experts-mixed", weights=WeightQuant(group_size=16, symmetric=False), **experts)
     path = folder / "recipe.yaml"
@@ -103,7 +103,7 @@ def compare(single: Path, split: Path) -> int:
 
 def perplexity_of(calibration: Path, tmp: Path) -> float:
     from hexq.eval.run import evaluate_model
-    from hexq.pack import Budget, pack
+    from hexq.pack.stage import Budget, pack
 
     artifact = tmp / f"{calibration.name}.hexq"
     pack(calibration, artifact, budget=Budget(avg_bits=2.5), overwrite=True)
@@ -150,8 +150,8 @@ def test_the_result_does_not_depend_on_the_ranks_timing(tmp_path):
 
 
 def test_a_killed_rank_ends_the_job_in_one_line_and_the_rerun_resumes(tmp_path):
-    from hexq.recipe import Calibration, recipe_to_dict
-    from hexq.recipe_files import load_recipe
+    from hexq.config.recipe import Calibration, recipe_to_dict
+    from hexq.config.recipe_files import load_recipe
 
     model = REFERENCE_MODELS["qwen3moe"]
     recipe = recipe_file(tmp_path)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from conftest import REFERENCE_MODELS, save_tiny_model
 
-from hexq.errors import HexqError
+from hexq.base.errors import HexqError
 from hexq.eval import divergence as kl
 from hexq.eval.run import evaluate_model
 
@@ -53,7 +53,7 @@ def reference_artifact(tmp_path_factory):
     from conftest import small_recipe
 
     from hexq.calib.pipeline import calibrate
-    from hexq.pack import Budget, pack
+    from hexq.pack.stage import Budget, pack
 
     folder = tmp_path_factory.mktemp("kl")
     calibrate(REFERENCE_MODELS["qwen3moe"], small_recipe("experts-mixed"), "bundled", folder / "cal")
@@ -91,7 +91,7 @@ def test_kl_needs_one_vocabulary(tmp_path, tiny_qwen3moe):
 def test_the_served_model_against_the_original(reference_artifact):
     """hexq run --ppl --kl-against: the runtime's windows (one forward pass each) against the streamed original give
     the runtime's own perplexity and, in fp32, the simulated model's divergence."""
-    from hexq.data import eval_text, tokenize
+    from hexq.base.data import eval_text, tokenize
     from hexq.eval.run import runtime_divergence, runtime_perplexity
     from hexq.runtime.engine import Runtime
 

@@ -69,6 +69,20 @@ def test_the_library_holds_only_what_it_runs():
     assert not unused, unused
 
 
+def test_the_layer_map_is_the_checked_one():
+    """docs/development.md's import layers are the ones lint-imports enforces (pyproject's first contract), in order:
+    the map a newcomer reads cannot drift from the code."""
+    toml = (ROOT / "pyproject.toml").read_text()
+    contract = toml[toml.index('containers = ["hexq"]'):]
+    layers = contract[contract.index("layers = [\n") + 11:contract.index("\n]")]
+    checked = [line.strip().strip('",') for line in layers.splitlines()]
+    doc = (ROOT / "docs" / "development.md").read_text()
+    block = doc[doc.index("hexq_cli            the commands"):]
+    block = block[:block.index("```")]
+    drawn = [line[:20].strip() for line in block.splitlines()[1:] if line[:20].strip()]
+    assert drawn == checked, (drawn, checked)
+
+
 def test_the_manifest_is_read_in_one_place():
     """The artifact's manifest is read through hexq.artifact's typed fields, never indexed by key elsewhere."""
     indexed = [str(path.relative_to(ROOT)) for path in sorted([*(ROOT / "hexq").rglob("*.py"),

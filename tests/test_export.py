@@ -14,20 +14,20 @@ import pytest
 import torch
 from conftest import save_tiny_model, small_recipe
 
-from hexq.adapters import adapter_for
 from hexq.algos.quant import QuantSpec, dequantize, quantize
 from hexq.artifact.format import export_shard, replica_key
 from hexq.artifact.reader import Artifact
-from hexq.errors import HexqError
+from hexq.base.errors import HexqError
+from hexq.config.recipe import Pack, WeightQuant
 from hexq.export.check import ExportReader
 from hexq.export.codec import ActSpec, CtScheme, module_tensors, retarget
 from hexq.export.command import export_artifact
 from hexq.export.plan import plan_export
+from hexq.model.adapters import adapter_for
+from hexq.model.streaming import StreamedModel
 from hexq.packed.grids import scheme_fits
 from hexq.packed.weight import PackedWeight, dequantize_packed, pack_weight
-from hexq.recipe import Pack, WeightQuant
 from hexq.runtime.model import artifact_config
-from hexq.streaming import StreamedModel
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -107,7 +107,7 @@ def test_export_of_a_mixed_artifact_is_the_served_model(mixed_artifact, tmp_path
 def qwen2moe_artifact(tmp_path_factory):
     """A shared-expert family: tiny Qwen2-MoE calibrated with experts-mixed and packed at 2.5 bits."""
     from hexq.calib.pipeline import calibrate
-    from hexq.pack import Budget, pack
+    from hexq.pack.stage import Budget, pack
 
     root = tmp_path_factory.mktemp("qwen2moe")
     model = save_tiny_model(root / "model", "qwen2_moe")
@@ -152,8 +152,8 @@ def test_shared_expert_is_bit_identical_and_keys_load_in_transformers(qwen2moe_a
 @pytest.fixture(scope="module")
 def eight_bit_artifact(mixed_calibration, tmp_path_factory):
     """The tiny calibration packed with 8-bit experts allowed and the export replicas kept."""
-    from hexq.pack import Budget, pack
-    from hexq.recipe import Pack
+    from hexq.config.recipe import Pack
+    from hexq.pack.stage import Budget, pack
 
     out = tmp_path_factory.mktemp("pack8") / "art.hexq"
     pack(mixed_calibration[0], out, replace(Pack(), bits=(1, 2, 4, 8), export_replicas=True),
@@ -189,8 +189,8 @@ def test_eight_bit_experts_are_projected_with_their_gptq_replica(eight_bit_artif
 
 
 def test_without_replicas_auto_keeps_eight_bit_layers_exact(mixed_calibration, tmp_path):
-    from hexq.pack import Budget, pack
-    from hexq.recipe import Pack
+    from hexq.config.recipe import Pack
+    from hexq.pack.stage import Budget, pack
 
     pack(mixed_calibration[0], tmp_path / "a.hexq", replace(Pack(), bits=(1, 2, 8)), budget=Budget(avg_bits=4.0))
     plans = plan_export(Artifact(tmp_path / "a.hexq"), "auto")
@@ -296,7 +296,7 @@ def test_export_target_vllm_replicas_replace_another_grid(tokenizer, tmp_path):
     from conftest import build_tiny_model
 
     from hexq.calib.pipeline import calibrate
-    from hexq.pack import pack
+    from hexq.pack.stage import pack
 
     model = tmp_path / "model"
     build_tiny_model("qwen3_moe", hidden_size=64, moe_intermediate_size=32, intermediate_size=64).save_pretrained(model)
@@ -331,7 +331,7 @@ def test_vllm_line_says_intel_cpu_refuses_group_32_moe():
 def test_an_artifact_that_skips_experts_is_refused(mixed_calibration, tmp_path):
     """0-bit experts are served with their routing weight renormalised onto the kept experts, which compressed-tensors
     cannot express: the export names the skipped experts and what to pack instead, and writes nothing."""
-    from hexq.pack import Budget, pack
+    from hexq.pack.stage import Budget, pack
 
     pack(mixed_calibration[0], tmp_path / "skips.hexq", Pack(bits=(0, 1, 2, 3, 4), avg_bits=1.0), Budget(avg_bits=1.0))
     skipped = sum(b == 0 for row in Artifact(tmp_path / "skips.hexq").allocation for b in row)

@@ -24,17 +24,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from hexq.adapters import adapter_for, moe_layer_indices
 from hexq.artifact.format import dense_shard
 from hexq.artifact.reader import Artifact
+from hexq.base.data import eval_text, tokenize
 from hexq.calib.pipeline import calibrate
 from hexq.calib.store import read_json
-from hexq.data import eval_text, tokenize
+from hexq.config.recipe import Calibration
+from hexq.config.recipe_files import load_recipe
 from hexq.eval.perplexity import make_windows
 from hexq.export.command import export_artifact
-from hexq.pack import pack
-from hexq.recipe import Calibration
-from hexq.recipe_files import load_recipe
+from hexq.model.adapters import adapter_for, moe_layer_indices
+from hexq.pack.stage import pack
 from hexq.runtime.engine import Runtime
 from scripts.make_checkpoint import write_checkpoint
 
@@ -229,7 +229,7 @@ def mixed_recipe():
 def mixed_deepseek(tmp_path_factory) -> Path:
     """DeepSeek-V3 (two dense first layers) calibrated with experts-mixed, MoE group selected, packed at 2.5 bits by
     the recipe's allocator without 0-bit experts (compressed-tensors cannot express them, and the test exports)."""
-    from hexq.pack import Budget
+    from hexq.pack.stage import Budget
 
     root = tmp_path_factory.mktemp("mixed-deepseek")
     overrides, layers, _moe_layers = FAMILIES["deepseek_v3"]

@@ -10,9 +10,9 @@ import torch
 from hexq.algos.allocation import allocate_free, assignment_loss
 from hexq.artifact.format import STATS_SHARD
 from hexq.artifact.reader import Artifact
-from hexq.errors import HexqError
-from hexq.pack import Budget, pack, read_stats, table_losses
-from hexq.recipe import Pack
+from hexq.base.errors import HexqError
+from hexq.config.recipe import Pack
+from hexq.pack.stage import Budget, pack, read_stats, table_losses
 
 
 def brute_force(loss: torch.Tensor, bits: list[int], costs: list[int], budget: int) -> float:

@@ -18,9 +18,9 @@ import pytest
 import yaml
 
 from hexq.artifact.inspect import summarize
-from hexq.errors import HexqError
+from hexq.base.errors import HexqError
 from hexq.eval.run import evaluate_model
-from hexq.pack import Budget, pack
+from hexq.pack.stage import Budget, pack
 
 CASES = int(os.environ.get("HEXQ_FUZZ_CASES", "60"))
 EVAL = dict(data=["austen"], seqlen=16, max_windows=1, batch_size=1, device="cpu")
@@ -153,7 +153,7 @@ def test_corrupted_calibrations_are_named_or_harmless(mixed_calibration, clean, 
 
 
 def test_random_recipe_shapes_load_or_are_named(tmp_path):
-    from hexq.recipe_files import load_recipe, recipe_path
+    from hexq.config.recipe_files import load_recipe, recipe_path
 
     base = yaml.safe_load(recipe_path("experts-mixed").read_text())
     loaded = 0

@@ -14,7 +14,7 @@ from gguf import quants
 from hexq.algos.gptq import factorize_hessians
 from hexq.algos.kquant import gptq_kquant, kquant_blocks, rtn_kquant
 from hexq.algos.quant import QuantSpec, quantize
-from hexq.errors import HexqError
+from hexq.base.errors import HexqError
 from hexq.export.gguf.check import llama_available
 from hexq.packed import ggml as B
 from hexq.packed.ggml import packed_blocks
@@ -168,7 +168,7 @@ def gguf_calibration(tmp_path_factory):
 @pytest.fixture(scope="module")
 def k_artifact(gguf_calibration, tmp_path_factory):
     """Packed at 3 bits: K-quant layers (Q3_K), the replicas kept by pack.export_replicas."""
-    from hexq.pack import pack
+    from hexq.pack.stage import pack
 
     out = tmp_path_factory.mktemp("gguf-pack") / "k3.hexq"
     pack(gguf_calibration, out)
@@ -189,7 +189,7 @@ def test_k_quant_export_passes_its_check_and_holds_the_calibrated_replicas(k_art
 
 def test_four_bit_export_writes_the_gptq_codes(gguf_calibration, tmp_path):
     from hexq.export.gguf.command import export_gguf
-    from hexq.pack import Budget, pack
+    from hexq.pack.stage import Budget, pack
 
     artifact = tmp_path / "b4.hexq"
     pack(gguf_calibration, artifact, budget=Budget(avg_bits=4.0))
@@ -222,10 +222,10 @@ def test_a_wrong_block_fails_the_check_and_leaves_no_file(k_artifact, tmp_path, 
 def test_one_line_errors_name_what_to_use(gguf_calibration, tmp_path):
     from transformers import AutoConfig
 
+    from hexq.config.recipe import Pack
     from hexq.export.gguf.arch import family_of
     from hexq.export.gguf.command import export_gguf
-    from hexq.pack import pack
-    from hexq.recipe import Pack
+    from hexq.pack.stage import pack
 
     plain = tmp_path / "plain.hexq"  # no export replicas: no K-quant blocks for a 3-bit layer
     pack(gguf_calibration, plain, settings=Pack(bits=(2, 3, 4), avg_bits=3.0))
@@ -275,7 +275,7 @@ def test_every_family_llama_cpp_runs_is_exported_and_checked(family, tmp_path):
     """calibrate -> pack (4 bits) -> export: checked by llama.cpp where it is installed, by gguf-py otherwise."""
     from hexq.calib.pipeline import calibrate
     from hexq.export.gguf.command import export_gguf
-    from hexq.pack import Budget, pack
+    from hexq.pack.stage import Budget, pack
     from tests.conftest import small_recipe
 
     model = gguf_model(tmp_path / "model", family)
@@ -292,7 +292,7 @@ def test_llama_cpp_check_catches_rows_llama_cpp_reads_otherwise(tmp_path, monkey
     llama.cpp still computes another model: its check must fail."""
     from hexq.calib.pipeline import calibrate
     from hexq.export.gguf.command import export_gguf
-    from hexq.pack import Budget, pack
+    from hexq.pack.stage import Budget, pack
     from tests.conftest import small_recipe
 
     model = gguf_model(tmp_path / "model", "mixtral")

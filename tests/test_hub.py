@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from hexq.errors import HexqError
+from hexq.base.errors import HexqError
 from tests.conftest import REFERENCE_MODELS, ROOT
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -37,7 +37,7 @@ def offline(cache) -> dict:
 
 
 def test_resolve_finds_the_snapshot_offline(hub_cache):
-    code = ("from hexq.models import resolve_model; print(resolve_model('hexq-test/tiny-qwen3moe'))")
+    code = ("from hexq.model.folder import resolve_model; print(resolve_model('hexq-test/tiny-qwen3moe'))")
     done = subprocess.run([sys.executable, "-c", code], env=offline(hub_cache), capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().endswith(f"snapshots/{COMMIT}")
@@ -62,7 +62,7 @@ def test_uncached_id_offline_is_one_line(hub_cache, tmp_path):
 
 
 def test_a_local_folder_wins_and_revision_needs_an_id(tmp_path):
-    from hexq.models import resolve_model
+    from hexq.model.folder import resolve_model
 
     assert resolve_model(REFERENCE_MODELS["qwen3moe"]) == REFERENCE_MODELS["qwen3moe"]
     with pytest.raises(HexqError, match="--revision v1 applies to a hub id"):

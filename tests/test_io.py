@@ -6,8 +6,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from hexq.errors import HexqError
-from hexq.io import SAFETENSORS_DTYPES, SafetensorsWriter, safetensors_layout
+from hexq.base.errors import HexqError
+from hexq.base.io import SAFETENSORS_DTYPES, SafetensorsWriter, safetensors_layout
 
 
 def sample(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from hexq.base.errors import HexqError
 from hexq.calib.pipeline import calibrate
-from hexq.errors import HexqError
-from hexq.pack import Budget, pack
+from hexq.pack.stage import Budget, pack
 from tests.conftest import mixed_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,7 +68,7 @@ def run_until_paused(tmp_path: Path, module: str, name: str, calls: int, *args: 
 def test_kill_9_during_calibrate_then_the_rerun_resumes(tiny_qwen3moe, tmp_path):
     out = tmp_path / "cal"
     recipe = tmp_path / "recipe.yaml"
-    from hexq.recipe import recipe_to_dict
+    from hexq.config.recipe import recipe_to_dict
 
     recipe.write_text(json.dumps(recipe_to_dict(mixed_recipe())))  # JSON is YAML
     def second_writer():  # the running calibration holds the output's lock: a second one is refused at once

@@ -45,12 +45,12 @@ def exported(request, tmp_path_factory):
     at 4 bits, exported to GGUF; the first 60,000 characters of held-out austen."""
     from dataclasses import replace
 
+    from hexq.base.data import eval_text
     from hexq.calib.pipeline import calibrate
-    from hexq.data import eval_text
+    from hexq.config.recipe import Calibration
+    from hexq.config.recipe_files import load_recipe
     from hexq.export.gguf.command import export_gguf
-    from hexq.pack import Budget, pack
-    from hexq.recipe import Calibration
-    from hexq.recipe_files import load_recipe
+    from hexq.pack.stage import Budget, pack
 
     folder = tmp_path_factory.mktemp(request.param)
     recipe = replace(load_recipe("experts-gguf"), calibration=Calibration(num_samples=8, seqlen=128, seed=0))

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from hexq.calib.pipeline import calibrate
-from hexq.recipe import WeightQuant
+from hexq.config.recipe import WeightQuant
 from tests.conftest import mixed_recipe, small_recipe
 
 

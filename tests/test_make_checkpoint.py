@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from hexq.errors import HexqError
+from hexq.base.errors import HexqError
 from scripts.checkpoint_families import FAMILIES, build_config, families, weight_files
 from scripts.checkpoint_skew import (
     calibrate_alpha,

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from hexq.artifact.format import expert_shard
-from hexq.errors import HexqError
+from hexq.base.errors import HexqError
 from hexq.packed.cpu import available_paths, load_cpu_kernels
 from hexq.runtime.compute import Profiles
 from hexq.runtime.engine import Runtime
@@ -77,7 +77,7 @@ def test_native_step_is_the_transformers_step(packed_artifact):
 
 
 def test_skipped_experts_renormalised_as_served(skipping_artifact):
-    """0-bit experts: their routing weight goes to the token's kept experts (hexq.simulate.served_weights)."""
+    """0-bit experts: their routing weight goes to the token's kept experts (hexq.model.simulate.served_weights)."""
     assert agrees(compare(skipping_artifact))
 
 
@@ -88,8 +88,8 @@ def a16_artifact(tmp_path_factory):
     from dataclasses import replace
 
     from hexq.calib.pipeline import calibrate
-    from hexq.pack import Budget, pack
-    from hexq.recipe import ActivationQuant, Smoothing
+    from hexq.config.recipe import ActivationQuant, Smoothing
+    from hexq.pack.stage import Budget, pack
 
     folder = tmp_path_factory.mktemp("a16")
     model = save_tiny_model(folder / "model", "qwen3_moe", hidden_size=64, moe_intermediate_size=64,
@@ -134,8 +134,8 @@ def symmetric_g128_artifact(tmp_path_factory):
     from dataclasses import replace
 
     from hexq.calib.pipeline import calibrate
-    from hexq.pack import Budget, pack
-    from hexq.recipe import Pack, WeightQuant
+    from hexq.config.recipe import Pack, WeightQuant
+    from hexq.pack.stage import Budget, pack
 
     folder = tmp_path_factory.mktemp("g128")
     model = save_tiny_model(folder / "model", "qwen3_moe", hidden_size=128, moe_intermediate_size=128,
@@ -162,8 +162,8 @@ def planes_artifact(tmp_path_factory):
     from dataclasses import replace
 
     from hexq.calib.pipeline import calibrate
-    from hexq.pack import Budget, pack
-    from hexq.recipe import ActivationQuant, Pack, Smoothing
+    from hexq.config.recipe import ActivationQuant, Pack, Smoothing
+    from hexq.pack.stage import Budget, pack
 
     folder = tmp_path_factory.mktemp("planes")
     model = save_tiny_model(folder / "model", "qwen3_moe", hidden_size=256, moe_intermediate_size=256,
@@ -223,7 +223,7 @@ FAMILIES = {
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family_artifact(request, tmp_path_factory):
     from hexq.calib.pipeline import calibrate
-    from hexq.pack import Budget, pack
+    from hexq.pack.stage import Budget, pack
 
     folder = tmp_path_factory.mktemp(request.param)
     model = save_tiny_model(folder / "model", request.param, **FAMILIES[request.param])
@@ -241,7 +241,7 @@ def test_every_family(family_artifact):
 def test_reference_models(name, tmp_path):
     """The trained reference models, mixed 2.5 bits."""
     from hexq.calib.pipeline import calibrate
-    from hexq.pack import Budget, pack
+    from hexq.pack.stage import Budget, pack
 
     calibrate(REFERENCE_MODELS[name], small_recipe("experts-mixed"), "bundled", tmp_path / "cal")
     pack(tmp_path / "cal", tmp_path / "model.hexq", budget=Budget(avg_bits=2.5))

@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from hexq.adapters import adapter_for
 from hexq.algos.smoothing import activation_channel_max, search_exponent
 from hexq.calib.fold import ATTN_IN, MOE_IN, smoothing_groups
+from hexq.model.adapters import adapter_for
 from tests.conftest import TINY_CONFIGS, build_tiny_model
 
 from outliers import inject_outliers

@@ -1,4 +1,5 @@
-"""hexq.outputs: refuse users' folders, replace only hexq's own, never an input; atomic, lock, stale cleanup, resume."""
+"""hexq.base.outputs: refuse users' folders, replace only hexq's own, never an input; atomic, lock, stale cleanup,
+resume."""
 
 import json
 import os
@@ -8,15 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from hexq.errors import HexqError
-from hexq.outputs import MARKER, output_folder, read_marker, resumable_output_folder
+from hexq.base.errors import HexqError
+from hexq.base.outputs import MARKER, output_folder, read_marker, resumable_output_folder
 
 ROOT = Path(__file__).resolve().parent.parent
 
 # A child process that starts writing `argv[1]` and then waits to be killed (or for `argv[3]` seconds).
 WRITER = """
 import sys, time
-from hexq.outputs import output_folder, resumable_output_folder
+from hexq.base.outputs import output_folder, resumable_output_folder
 out, mode, wait = sys.argv[1], sys.argv[2], float(sys.argv[3])
 if mode == "resumable":
     with resumable_output_folder(out, kind="calibration") as work:

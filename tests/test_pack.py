@@ -12,13 +12,13 @@ from typer.testing import CliRunner
 
 from hexq.artifact.format import FORMAT_VERSION, expert_shard
 from hexq.artifact.reader import Artifact
+from hexq.base.errors import HexqError
+from hexq.base.io import write_sealed_json
 from hexq.calib.calibrated import calibrated_model
 from hexq.calib.store import bank_weights
-from hexq.errors import HexqError
-from hexq.io import write_sealed_json
-from hexq.pack import Budget, pack
+from hexq.config.recipe import Pack
+from hexq.pack.stage import Budget, pack
 from hexq.packed.bitpack import packed_nbytes
-from hexq.recipe import Pack
 from hexq.runtime.model import artifact_model
 from hexq_cli.main import app
 from tests.conftest import mixed_recipe
@@ -293,7 +293,7 @@ def test_pack_never_replaces_its_input_a_parent_or_a_user_folder(mixed_calibrati
 def test_pack_says_at_once_what_a_gguf_export_will_need(mixed_calibration, tmp_path):
     """Experts packed above 4 bits without a 4-bit replica: hexq pack says so (and how to keep one) rather than the
     GGUF export stopping at the last step; with --bank export nothing is missing and nothing is said."""
-    from hexq.recipe import recipe_to_dict
+    from hexq.config.recipe import recipe_to_dict
 
     recipe = tmp_path / "recipe.json"  # YAML's superset: a JSON recipe file is read as YAML
     recipe.write_text(json.dumps(recipe_to_dict(replace(mixed_recipe(), pack=replace(Pack(), bits=(1, 2, 4, 8))))))

@@ -19,8 +19,8 @@ SOURCES = ("pyproject.toml", "README.md", "hexq", "cli", "recipes", "calib_data"
 # Run by the installed package, from outside the checkout: where hexq was imported from and what it bundles.
 PROBE = """
 import json, hexq
-from hexq.data import TRAIN_CORPORA, calibration_text
-from hexq.recipe_files import bundled_recipes, load_recipe
+from hexq.base.data import TRAIN_CORPORA, calibration_text
+from hexq.config.recipe_files import bundled_recipes, load_recipe
 print(json.dumps({"hexq": hexq.__file__, "recipes": bundled_recipes(), "mixed": load_recipe("experts-mixed").name,
                   "bundled": len(calibration_text("bundled")),
                   "slices": {name: len(calibration_text(name)) for name in TRAIN_CORPORA}}))

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from hexq.errors import HexqError
+from hexq.base.errors import HexqError
 from hexq.eval.perplexity import make_windows, perplexity
 from tests.conftest import build_tiny_model
 

@@ -5,7 +5,6 @@ import pytest
 import torch
 from placement import global_frequency_placement, path_coverage, placement_metrics  # benchmarks/placement.py
 
-from hexq.adapters import adapter_for
 from hexq.algos.placement import (
     SCHEMES,
     expert_counts,
@@ -16,6 +15,7 @@ from hexq.algos.placement import (
     transition_counts,
     two_stage_placement,
 )
+from hexq.model.adapters import adapter_for
 from tests.conftest import build_tiny_model
 
 from reference import capture_router_counts, capture_router_topk, stack_trace

@@ -12,8 +12,8 @@ from hexq.runtime.engine import Runtime
 @pytest.fixture(scope="module")
 def banked_artifact(wide_calibration, tmp_path_factory):
     """The wide calibration at 2.5 bits with every replica width kept, so that every policy can serve any width."""
-    from hexq.pack import Budget, pack
-    from hexq.recipe import Pack
+    from hexq.config.recipe import Pack
+    from hexq.pack.stage import Budget, pack
 
     out = tmp_path_factory.mktemp("pack") / "wide-banked.hexq"
     pack(wide_calibration, out, Pack(), Budget(avg_bits=2.5), bank=("all",))

@@ -13,14 +13,14 @@ import torch
 from hexq.artifact.format import HEAD_WEIGHT
 from hexq.artifact.inspect import summarize
 from hexq.artifact.reader import Artifact
+from hexq.base.data import eval_text, tokenize
+from hexq.base.errors import HexqError
 from hexq.calib.head import HEAD_ROWS, quantize_rows
 from hexq.calib.pipeline import calibrate
-from hexq.data import eval_text, tokenize
-from hexq.errors import HexqError
+from hexq.config.recipe import RecipeError, WeightQuant, recipe_from_dict, validate_for_model
 from hexq.eval.run import evaluate_model, runtime_divergence, runtime_perplexity
-from hexq.pack import Budget, pack
+from hexq.pack.stage import Budget, pack
 from hexq.packed.weight import dequantize_packed
-from hexq.recipe import RecipeError, WeightQuant, recipe_from_dict, validate_for_model
 from hexq.runtime.engine import Runtime
 from hexq.runtime.model import artifact_config
 from tests.conftest import save_tiny_model, small_recipe

@@ -3,8 +3,8 @@ import copy
 import pytest
 import yaml
 
-from hexq.errors import HexqError
-from hexq.recipe import (
+from hexq.base.errors import HexqError
+from hexq.config.recipe import (
     Experts,
     Recipe,
     WeightQuant,
@@ -13,7 +13,7 @@ from hexq.recipe import (
     recipe_to_dict,
     validate_for_model,
 )
-from hexq.recipe_files import bundled_recipes, load_recipe
+from hexq.config.recipe_files import bundled_recipes, load_recipe
 
 BUNDLED = ("haq-w8a8", "experts-mixed", "w4a16-g32", "rtn-w4a16")
 
@@ -281,7 +281,7 @@ def test_calibrations_made_before_later_switches_keep_their_fingerprint():
     import hashlib
     import json
 
-    from hexq.recipe import calibration_hash
+    from hexq.config.recipe import calibration_hash
 
     recipe = load_recipe("haq-w8a8")
     data = {key: value for key, value in recipe_to_dict(recipe).items() if key not in ("pack", "head")}

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hexq.algos.quant import QuantSpec
-from hexq.data import TRAIN_CORPORA, eval_text, tokenize
+from hexq.base.data import TRAIN_CORPORA, eval_text, tokenize
 from hexq.eval.perplexity import make_windows, perplexity
 from tests.conftest import REFERENCE_MODELS
 

@@ -155,9 +155,9 @@ def test_frozen_matrices_and_no_steps_keep_gptq():
 
 def test_routed_experts_stand_in_computes_what_the_experts_module_does():
     """hexq.calib.block_rounding.RoutedExperts (one padded batch for all experts) against each expert's tokens
-    computed one expert at a time (hexq.simulate.routed_outputs), with a dropped slot (id -1) ignored by both."""
+    computed one expert at a time (hexq.model.simulate.routed_outputs), with a dropped slot (id -1) ignored by both."""
     from hexq.calib.block_rounding import RoutedExperts
-    from hexq.simulate import RoutedTokens, routed_outputs
+    from hexq.model.simulate import RoutedTokens, routed_outputs
 
     g = torch.Generator().manual_seed(3)
     experts, hidden, inner, tokens, k = 5, 12, 6, 40, 2

@@ -1,6 +1,6 @@
 import torch
 
-from hexq.adapters import adapter_for
+from hexq.model.adapters import adapter_for
 from tests.conftest import build_tiny_model
 
 from reference import capture_router_counts

@@ -11,9 +11,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from hexq.errors import HexqError
+from hexq.base.errors import HexqError
 from hexq.eval.run import runtime_perplexity
-from hexq.layer_pass import stream_nll
+from hexq.model.layer_pass import stream_nll
 from hexq.runtime.engine import Runtime
 from hexq.runtime.model import artifact_model
 from hexq_cli.main import app

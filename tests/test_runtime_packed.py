@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from hexq.artifact.reader import Artifact
-from hexq.errors import HexqError
+from hexq.base.errors import HexqError
 from hexq.eval.perplexity import make_windows
 from hexq.eval.run import runtime_perplexity
-from hexq.layer_pass import stream_nll
+from hexq.model.layer_pass import stream_nll
 from hexq.packed import triton as gpu
 from hexq.packed.cpu import available_paths, load_cpu_kernels
 from hexq.runtime.compute import Compute, Profiles

@@ -39,7 +39,7 @@ MEMORY = "96MiB"
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory) -> dict[str, Path]:
     from hexq.calib.pipeline import calibrate
-    from hexq.pack import Budget, pack
+    from hexq.pack.stage import Budget, pack
 
     folder = tmp_path_factory.mktemp("serve")
     out = {}
@@ -291,8 +291,8 @@ def test_past_the_queue_bound_requests_get_503(guarded):
 def test_load(plain, artifacts):
     """16 clients x 8 requests, mixed prompts, greedy: every request answered with what the runtime gives alone,
     and the process's memory past its start within --memory."""
+    from hexq.base.units import parse_bytes
     from hexq.runtime.engine import Runtime
-    from hexq.units import parse_bytes
 
     with Runtime(artifacts["mixtral"]) as runtime:
         want = {prompt: runtime.generate(prompt, 8)[0] for prompt in PROMPTS}

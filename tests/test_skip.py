@@ -1,4 +1,4 @@
-"""0-bit experts: routing weights renormalised onto the kept experts (hexq.simulate.renormalized_weights), the
+"""0-bit experts: routing weights renormalised onto the kept experts (hexq.model.simulate.renormalized_weights), the
 streamed experts' output with skipped experts, and the loss table's skip entry measured that way."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from hexq.simulate import RoutedTokens, expert_output, renormalized_weights, routed_outputs, skipped_output
+from hexq.model.simulate import RoutedTokens, expert_output, renormalized_weights, routed_outputs, skipped_output
 from tests.conftest import DEVICES
 
 F64 = torch.float64

@@ -1,7 +1,6 @@
 import pytest
 import torch
 
-from hexq.adapters import adapter_for
 from hexq.algos import smoothing as smoothing_mod
 from hexq.algos.quant import QuantSpec, fake_quantize
 from hexq.algos.smoothing import (
@@ -15,6 +14,7 @@ from hexq.algos.smoothing import (
     weight_channel_max,
 )
 from hexq.calib.fold import ATTN_IN, MOE_IN, fold_scales, smoothing_groups
+from hexq.model.adapters import adapter_for
 from tests.conftest import TINY_CONFIGS, HexqFactoriesOnMeta, build_tiny_model
 
 W8 = QuantSpec(bits=8)

@@ -9,12 +9,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hexq.checkpoint import Checkpoint
-from hexq.errors import HexqError
+from hexq.base.errors import HexqError
+from hexq.base.hidden import HiddenStore
 from hexq.eval.run import evaluate_model
-from hexq.hidden import HiddenStore
-from hexq.layer_pass import full_precision_plan
-from hexq.streaming import open_model
+from hexq.model.checkpoint import Checkpoint
+from hexq.model.layer_pass import full_precision_plan
+from hexq.model.streaming import open_model
 from tests.conftest import REFERENCE_MODELS, TINY_CONFIGS, save_tiny_model
 
 from reference import load_model, stream_logits
@@ -152,7 +152,7 @@ def test_activations_spill_past_their_limit_and_are_removed(tmp_path):
 @pytest.mark.parametrize("name", sorted(REFERENCE_MODELS))
 def test_streamed_perplexity_equals_the_in_memory_path(name):
     """hexq eval streams every window through layer l before l+1; the number is today's in-memory one."""
-    from hexq.data import eval_text, tokenize
+    from hexq.base.data import eval_text, tokenize
     from hexq.eval.perplexity import perplexity
 
     folder = REFERENCE_MODELS[name]
@@ -180,10 +180,10 @@ def test_experts_assembled_from_per_expert_tensors_hold_one_copy(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
     expert_bytes = experts * 3 * inner * hidden * 2  # 72 MiB
     code = f"""
-from hexq import checkpoint
+from hexq.model import checkpoint
 checkpoint.MAPPED_BYTES = 4 << 20
 source = checkpoint.Checkpoint({str(tmp_path)!r})
-from hexq.devices import peak_rss_bytes
+from hexq.base.devices import peak_rss_bytes
 with open("/proc/self/clear_refs", "w") as handle:  # resets the peak (VmHWM) to the current RSS
     handle.write("5")
 before = peak_rss_bytes()
@@ -220,10 +220,10 @@ def test_a_share_of_the_experts_reads_only_their_bytes(layout, tmp_path):
     share_bytes = (rows[1] - rows[0]) * 3 * inner * hidden * 2  # 24 MiB of the layer's 144
     layer_bytes = experts * 3 * inner * hidden * 2
     code = f"""
-from hexq import checkpoint
+from hexq.model import checkpoint
 checkpoint.MAPPED_BYTES = 4 << 20
 source = checkpoint.Checkpoint({str(tmp_path)!r})
-from hexq.devices import peak_rss_bytes
+from hexq.base.devices import peak_rss_bytes
 with open("/proc/self/clear_refs", "w") as handle:
     handle.write("5")
 before = peak_rss_bytes()
@@ -243,8 +243,8 @@ print("GROWTH", growth)
 
 
 def test_a_layer_with_a_share_of_its_experts_refuses_the_others(tiny_qwen3moe):
-    from hexq.errors import HexqError
-    from hexq.streaming import open_model
+    from hexq.base.errors import HexqError
+    from hexq.model.streaming import open_model
 
     streamed, _tokenizer = open_model(tiny_qwen3moe, torch.device("cpu"))
     with streamed.layer(0) as loaded:

@@ -36,8 +36,8 @@ from pathlib import Path
 import torch
 
 from hexq import __version__
-from hexq.errors import HexqError
-from hexq.io import file_record, read_sealed_json, save_tensors, write_json_atomic, write_sealed_json
+from hexq.base.errors import HexqError
+from hexq.base.io import file_record, read_sealed_json, save_tensors, write_json_atomic, write_sealed_json
 from hexq.packed.weight import PROJECTIONS
 
 FORMAT = "hexq-artifact"
@@ -84,7 +84,7 @@ def kquant_key(expert: int, kind: str, projection: str) -> str:
 
 
 class ArtifactWriter:
-    """Fills an artifact folder (the temporary folder hexq.outputs.output_folder gives, published only when
+    """Fills an artifact folder (the temporary folder hexq.base.outputs.output_folder gives, published only when
     complete): every file written atomically and recorded with its size and SHA-256; the manifest, written last by
     `finish`, lists them all."""
 

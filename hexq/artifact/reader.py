@@ -13,11 +13,11 @@ from safetensors import safe_open
 
 from hexq.artifact.format import TOP_SHARD, dense_shard, expert_shard, layer_of, read_artifact_manifest, replica_key
 from hexq.artifact.spans import TensorSpan, read_spans_into, safetensors_spans
-from hexq.checkpoint import safetensors_dtype
-from hexq.errors import HexqError
-from hexq.io import file_sha256
+from hexq.base.errors import HexqError
+from hexq.base.io import file_sha256
+from hexq.config.recipe import Recipe, recipe_from_dict
+from hexq.model.checkpoint import safetensors_dtype
 from hexq.packed.weight import PROJECTIONS, PackedWeight, dequantize_packed
-from hexq.recipe import Recipe, recipe_from_dict
 
 # ------------------------------------------------------------------------------------------ the reader
 
@@ -122,7 +122,7 @@ class Artifact:
 
     @property
     def model_type(self) -> str:
-        """The checkpoint's config model_type (hexq.adapters.adapter_for's key)."""
+        """The checkpoint's config model_type (hexq.model.adapters.adapter_for's key)."""
         return self.manifest["model"]["model_type"]
 
     @property
@@ -272,7 +272,7 @@ class Artifact:
             return tuple(torch.zeros(self.expert_shape(p), dtype=dtype, device="cpu") for p in PROJECTIONS)
         return tuple(dequantize_packed(self.packed_expert(row, expert, bits, p), dtype) for p in PROJECTIONS)
 
-    # --- dense weights (hexq.streaming.LayerSource)
+    # --- dense weights (hexq.model.streaming.LayerSource)
 
     def _dense_file(self, name: str) -> str:
         layer = layer_of(name)

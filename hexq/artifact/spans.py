@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from hexq.checkpoint import safetensors_dtype
-from hexq.errors import HexqError
+from hexq.base.errors import HexqError
+from hexq.model.checkpoint import safetensors_dtype
 
 
 @dataclass(frozen=True)

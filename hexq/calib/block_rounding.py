@@ -18,11 +18,11 @@ from torch.func import functional_call
 
 from hexq.algos.quant import QuantMeta, dequantize
 from hexq.algos.rounding import BlockRounding, Replica, optimize_block_rounding
-from hexq.hidden import HiddenStore
-from hexq.layer_pass import ExpertCompute, expert_chunk, run_layer
+from hexq.base.hidden import HiddenStore
+from hexq.config.recipe import Recipe
+from hexq.model.layer_pass import ExpertCompute, expert_chunk, run_layer
+from hexq.model.streaming import LoadedLayer
 from hexq.packed.weight import PROJECTIONS
-from hexq.recipe import Recipe
-from hexq.streaming import LoadedLayer
 
 Replicas = dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # projection -> (codes, scale, zero) [E, ...]
 

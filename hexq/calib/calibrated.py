@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from hexq.adapters import MoEAdapter
 from hexq.artifact.format import HEAD_WEIGHT
+from hexq.base.errors import HexqError
 from hexq.calib.capture import (
     quantized_linears,
 )
@@ -27,15 +27,15 @@ from hexq.calib.store import (
     packed_matrix,
     read_manifest,
 )
-from hexq.errors import HexqError
-from hexq.layer_pass import ExpertCompute, expert_chunk
-from hexq.packed.weight import PROJECTIONS, PackedWeight, dequantize_packed
-from hexq.recipe import Recipe
-from hexq.simulate import (
+from hexq.config.recipe import Recipe
+from hexq.model.adapters import MoEAdapter
+from hexq.model.layer_pass import ExpertCompute, expert_chunk
+from hexq.model.simulate import (
     act_quantizer,
     attach_input_quant,
 )
-from hexq.streaming import LoadedLayer, open_model
+from hexq.model.streaming import LoadedLayer, open_model
+from hexq.packed.weight import PROJECTIONS, PackedWeight, dequantize_packed
 
 # Working memory for one chunk of experts' GPTQ (weights of every width stacked, Hessians and factors, float32).
 
@@ -97,8 +97,8 @@ def calibration_plan(calib_dir: Path, expert_bits: int | None) -> tuple[Calibrat
 
 
 class QuantizedHead:
-    """A checkpoint (hexq.streaming.LayerSource) whose LM head reads as a calibration's quantized head, dequantized
-    (float32); everything else is the checkpoint's."""
+    """A checkpoint (hexq.model.streaming.LayerSource) whose LM head reads as a calibration's quantized head,
+    dequantized (float32); everything else is the checkpoint's."""
 
     def __init__(self, source, head: PackedWeight) -> None:
         self.source, self.head = source, head

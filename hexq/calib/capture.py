@@ -4,7 +4,7 @@ Per linear input (attention, shared expert, a dense layer's MLP): the Hessian H 
 proxy), the token count and the input range (for static activation scales), gathered by forward pre-hooks that are
 removed in `finally`. Per routed expert: the Hessians of its gate/up input and of its down input (the
 intermediate) from the tokens routed to it only, computed expert by expert from what the experts received
-(hexq.simulate.RoutedTokens) rather than inside the forward pass, so only one chunk of experts' Hessians exists at
+(hexq.model.simulate.RoutedTokens) rather than inside the forward pass, so only one chunk of experts' Hessians exists at
 a time. Hessians are accumulated in float32 on the device of the activations (float64 is reserved for a
 factorization that fails in float32, hexq.algos.gptq).
 """
@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hexq.adapters import MoEAdapter
-from hexq.simulate import RoutedTokens, expert_intermediate
+from hexq.model.adapters import MoEAdapter
+from hexq.model.simulate import RoutedTokens, expert_intermediate
 
 # Routed rows multiplied at once when accumulating one expert's Hessians (bounds the [rows, I] intermediate).
 TOKEN_CHUNK = 4096

@@ -4,7 +4,7 @@ the search for the factors is hexq.algos.smoothing).
 Smoothing rewrites W X as (W diag(s)) (diag(s)^-1 X) (eq. 1). In a pre-norm transformer the division by s is free:
 it is folded into the affine weight (and bias) of the norm whose output X is, and the multiplication into the input
 columns of every weight that reads that output. Every reader of a norm must take the same s, so smoothing works
-on groups, named by the family's adapter (hexq.adapters):
+on groups, named by the family's adapter (hexq.model.adapters):
 
     attn_in: input_norm          -> the attention input projections (q/k/v; DeepSeek q_proj or q_a_proj, and
                                     kv_a_proj_with_mqa)
@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
-from hexq.adapters import ATTN_IN, MOE, MOE_IN, MoEAdapter, NormGroup
+from hexq.base.errors import HexqError
 from hexq.calib.capture import quantized_linears
-from hexq.errors import HexqError
+from hexq.model.adapters import ATTN_IN, MOE, MOE_IN, MoEAdapter, NormGroup
 
 __all__ = ["ATTN_IN", "MOE_IN", "SmoothingGroup", "SmoothingReader", "fold_calibrated", "fold_scales",
            "smoothing_groups", "unsmoothed_linears"]

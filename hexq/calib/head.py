@@ -16,12 +16,12 @@ from collections.abc import Callable
 import torch
 
 from hexq.algos.quant import QuantMeta
+from hexq.base.hidden import HiddenStore
 from hexq.calib.capture import SiteStats
 from hexq.calib.quantize import expert_factor, quantize_expert_chunk
-from hexq.hidden import HiddenStore
+from hexq.config.recipe import WeightQuant
+from hexq.model.streaming import StreamedModel
 from hexq.packed.weight import PackedWeight, pack_weight
-from hexq.recipe import WeightQuant
-from hexq.streaming import StreamedModel
 
 HEAD_ROWS = 8192  # rows of the head quantized at once: ~64 MB of float32 at hidden 2048, x the GPTQ working set
 HEAD_PREFIX = "linear.lm_head"  # its tensors in the calibration's head file (codes, scale, zero)

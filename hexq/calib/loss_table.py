@@ -9,8 +9,8 @@ from collections.abc import Callable
 import torch
 
 from hexq.calib.ranks import SINGLE, Ranks
-from hexq.layer_pass import expert_chunk
-from hexq.simulate import (
+from hexq.model.layer_pass import expert_chunk
+from hexq.model.simulate import (
     RoutedTokens,
     expert_output,
     loss_sample,
@@ -49,7 +49,7 @@ def loss_table(routed: RoutedTokens, weights_of, tensors: dict, replicas, bits_l
     full-precision expert on (at most loss_tokens of) the tokens routed to it (002 §4.2), tensors["loss_table.skip"]
     [E] with the MSE of skipping it (004's 0 bits, measured like a replica: skipping renormalises the token's other
     routing weights, which is the same as replacing the expert's output by the weighted mean of the token's other
-    experts, hexq.simulate.renormalized_weights), tensors["loss_table.mass"] [E] with each expert's summed squared
+    experts, hexq.model.simulate.renormalized_weights), tensors["loss_table.mass"] [E] with each expert's summed squared
     routing weight per layer token (how much of the layer's output error one unit of its MSE is); return the
     experts' combined output [T, H] at the propagated width, computed on every routed token.
 

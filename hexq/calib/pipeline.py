@@ -1,12 +1,12 @@
 """`hexq calibrate`: calibration windows through an MoE model layer by layer, streamed from its checkpoint (the GPTQ
 schedule: layer l is calibrated on the outputs of the already-quantized layers below it).
 
-Only one decoder layer is ever materialized (hexq.streaming.StreamedModel): its dense part in float32, its routed
+Only one decoder layer is ever materialized (hexq.model.streaming.StreamedModel): its dense part in float32, its routed
 experts in the checkpoint's dtype, upcast one chunk of experts at a time. The stages, in the order they run:
 
-  open       `calibrate`: the model opened streamed (hexq.streaming.open_model), the recipe checked against its
-             widths, the calibration windows drawn (hexq.data), the fingerprint of model, data and recipe taken, and
-             the output folder opened or resumed (hexq.outputs; calib.store.layers_done says where to go on).
+  open       `calibrate`: the model opened streamed (hexq.model.streaming.open_model), the recipe checked against its
+             widths, the calibration windows drawn (hexq.base.data), the fingerprint of model, data and recipe taken,
+             and the output folder opened or resumed (hexq.base.outputs; calib.store.layers_done says where to go on).
   per layer  `run_layers` -> `calibrate_layer`, three passes over the windows, the experts stood in for by an
              ExpertTap that records what they receive:
     A. smooth    calib.scales.smooth_layer: each smoothing group's s (003 §III.B.1, eq. 1-3: HAQ grid search of
@@ -42,7 +42,12 @@ from pathlib import Path
 import torch
 
 from hexq import __version__
-from hexq.adapters import MoEAdapter
+from hexq.base.data import calibration_windows
+from hexq.base.devices import peak_rss_bytes, resolve_device
+from hexq.base.errors import HexqError
+from hexq.base.hidden import HiddenStore
+from hexq.base.io import write_json_atomic, write_sealed_json
+from hexq.base.outputs import resumable_output_folder
 from hexq.calib.calibrated import apply_dense_part, bank_replicas, calibrated_experts
 from hexq.calib.capture import (
     quantized_linears,
@@ -70,19 +75,14 @@ from hexq.calib.store import (
     tensor_fingerprint,
     write_progress,
 )
-from hexq.data import calibration_windows
-from hexq.devices import peak_rss_bytes, resolve_device
-from hexq.errors import HexqError
-from hexq.hidden import HiddenStore
-from hexq.io import write_json_atomic, write_sealed_json
-from hexq.layer_pass import run_layer
-from hexq.models import context_length, model_fingerprint
-from hexq.outputs import resumable_output_folder
-from hexq.recipe import Recipe, calibration_hash, recipe_to_dict, validate_for_model
-from hexq.simulate import (
+from hexq.config.recipe import Recipe, calibration_hash, recipe_to_dict, validate_for_model
+from hexq.model.adapters import MoEAdapter
+from hexq.model.folder import context_length, model_fingerprint
+from hexq.model.layer_pass import run_layer
+from hexq.model.simulate import (
     RoutedTokens,
 )
-from hexq.streaming import LoadedLayer, StreamedModel, open_model
+from hexq.model.streaming import LoadedLayer, StreamedModel, open_model
 
 Progress = Callable[[str, int, int], None]  # (what, done, total)
 # Working memory for one chunk of experts' GPTQ (weights of every width stacked, Hessians and factors, float32).
@@ -192,8 +192,8 @@ def calibrate(model_path: str | Path, recipe: Recipe, data: str, out: str | Path
               force: bool = False) -> CalibrationSummary:
     """Calibrate `model_path` with `recipe` on `data` into the folder `out`.
 
-    The work goes into the hidden sibling `.OUT.partial` (hexq.outputs.resumable_output_folder), one layer file at a
-    time; a rerun after a kill resumes after the last finished layer, and the folder becomes OUT when the manifest
+    The work goes into the hidden sibling `.OUT.partial` (hexq.base.outputs.resumable_output_folder), one layer file at
+    a time; a rerun after a kill resumes after the last finished layer, and the folder becomes OUT when the manifest
     is written. An existing OUT holding this very calibration is left as it is ("nothing to do"); any other
     non-empty OUT is replaced only with `force` and only if hexq wrote it. activation_limit: bytes of activations
     kept in memory per layer boundary (the rest spills to disk inside the partial folder).

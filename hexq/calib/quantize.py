@@ -11,11 +11,12 @@ from pathlib import Path
 
 import torch
 
-from hexq.adapters import MoEAdapter
 from hexq.algos.gptq import gptq_bank, gptq_replicas
 from hexq.algos.hessian import HessianFactor, blend_cold_hessian, factorize_hessians
 from hexq.algos.kquant import KQUANTS, SUPER, gptq_kquant, kquant_blocks, rtn_kquant
 from hexq.algos.quant import QuantMeta, QuantSpec, quantize
+from hexq.base.errors import HexqError
+from hexq.base.hidden import HiddenStore
 from hexq.calib.block_rounding import kept_widths, round_block
 from hexq.calib.capture import (
     RoutingStats,
@@ -30,16 +31,15 @@ from hexq.calib.store import (
     ExpertBank,
     put_packed,
 )
-from hexq.errors import HexqError
-from hexq.hidden import HiddenStore
-from hexq.layer_pass import run_layer
-from hexq.packed.weight import PROJECTIONS
-from hexq.recipe import Recipe, WeightQuant
-from hexq.simulate import (
+from hexq.config.recipe import Recipe, WeightQuant
+from hexq.model.adapters import MoEAdapter
+from hexq.model.layer_pass import run_layer
+from hexq.model.simulate import (
     RoutedTokens,
     expert_intermediate,
 )
-from hexq.streaming import LoadedLayer
+from hexq.model.streaming import LoadedLayer
+from hexq.packed.weight import PROJECTIONS
 
 Progress = Callable[[str, int, int], None]  # (what, done, total)
 

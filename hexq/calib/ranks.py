@@ -12,8 +12,8 @@ on every rank, as in one process, whatever the order or timing of the additions.
 same way with zeros in the rows a rank does not own, which is exact.
 
 Files: rank 0 alone writes the layer files, progress and the manifest; bank rows are written by their owners into
-one file rank 0 created (hexq.io.SafetensorsWriter, attached), published by rank 0 after a barrier. The output folder
-must be on a file system every rank sees (one machine, or a shared file system across nodes).
+one file rank 0 created (hexq.base.io.SafetensorsWriter, attached), published by rank 0 after a barrier. The output
+folder must be on a file system every rank sees (one machine, or a shared file system across nodes).
 
 Failures: every collective runs with a timeout; a rank that dies, runs out of memory or raises makes the others'
 next collective fail, and every surviving rank ends with one line naming itself, its host and the layer. Nothing
@@ -28,7 +28,7 @@ from datetime import timedelta
 
 import torch
 
-from hexq.errors import HexqError
+from hexq.base.errors import HexqError
 
 TIMEOUT_SECONDS = int(os.environ.get("HEXQ_DIST_TIMEOUT", "1800"))  # one layer's expert work must fit in it
 TOKEN_COST = 0.5  # expert cost model: GPTQ per expert = 1, Hessian and loss table per routed token / mean tokens

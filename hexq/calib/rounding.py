@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from hexq.algos.rounding import Replica, optimize_rounding
+from hexq.model.simulate import RoutedTokens, loss_sample
 from hexq.packed.weight import PROJECTIONS
-from hexq.simulate import RoutedTokens, loss_sample
 
 
 def routed_batch(routed: RoutedTokens, experts: list[int], limit: int) -> tuple[torch.Tensor, torch.Tensor]:

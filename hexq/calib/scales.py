@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import torch
 
-from hexq.adapters import MoEAdapter
 from hexq.algos.smoothing import search_exponent, search_exponent_routed, smoothquant_scales
+from hexq.base.hidden import HiddenStore
 from hexq.calib.capture import (
     capture_norm_outputs,
 )
 from hexq.calib.fold import MOE_IN, fold_scales, smoothing_groups
 from hexq.calib.quantize import default_expert_bits
-from hexq.hidden import HiddenStore
-from hexq.layer_pass import run_layer
-from hexq.recipe import Recipe
-from hexq.streaming import LoadedLayer
+from hexq.config.recipe import Recipe
+from hexq.model.adapters import MoEAdapter
+from hexq.model.layer_pass import run_layer
+from hexq.model.streaming import LoadedLayer
 
 # Working memory for one chunk of experts' GPTQ (weights of every width stacked, Hessians and factors, float32).
 

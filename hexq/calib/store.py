@@ -28,13 +28,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from hexq.errors import HexqError
-from hexq.io import SafetensorsWriter, file_record, file_sha256, read_sealed_json, save_tensors, write_json_atomic
-from hexq.models import source_state
+from hexq.base.errors import HexqError
+from hexq.base.io import SafetensorsWriter, file_record, file_sha256, read_sealed_json, save_tensors, write_json_atomic
+from hexq.config.recipe import Recipe, recipe_from_dict
+from hexq.model.folder import source_state
 from hexq.packed.bitpack import pack_bits, packed_nbytes
 from hexq.packed.ggml import BLOCK_TYPES
 from hexq.packed.weight import SCALE_DTYPE, PackedWeight, dequantize_packed, pack_weight
-from hexq.recipe import Recipe, recipe_from_dict
 
 FORMAT = "hexq-calibration"
 FORMAT_VERSION = 2  # 2: bit-packed codes and float16 scales (1 stored one byte per code)
@@ -281,8 +281,8 @@ def packed_matrix(tensors: dict, prefix: str, shape: tuple[int, int], bits: int)
 class ExpertBank:
     """One layer's replica bank, written to its own file chunk by chunk as GPTQ produces it, so a layer's bank (1.4x
     its bf16 experts for widths 1-8) is never held in memory: per (projection, bits), packed codes [E, bytes] and
-    float16 scale/zero [E, rows, groups], each chunk's rows written in place (hexq.io.SafetensorsWriter.write_rows);
-    the file appears, complete, when `close` is called."""
+    float16 scale/zero [E, rows, groups], each chunk's rows written in place
+    (hexq.base.io.SafetensorsWriter.write_rows); the file appears, complete, when `close` is called."""
 
     def __init__(self, path: Path, num_experts: int, shapes: dict[str, tuple[int, int]], bits_list: tuple[int, ...],
                  group_sizes: dict[str, int], export: tuple[int, int] | None = None,
@@ -291,7 +291,7 @@ class ExpertBank:
         the bank under export.<proj>.b<bits>, if the recipe asks for one; kquants: {projection: K-quant names} of
         the GGUF replicas (hexq.calib.quantize.kquant_kinds), stored as GGML blocks under gguf.<proj>.<kind>
         [E, bytes]. attach: the temporary file of the bank another process (rank 0) is writing, whose rows of other
-        experts this one writes (hexq.io.SafetensorsWriter's attach)."""
+        experts this one writes (hexq.base.io.SafetensorsWriter's attach)."""
         entries = [(bank_prefix(p, bits), p, bits, group_sizes[p]) for p in shapes for bits in bits_list]
         if export is not None:
             entries += [(bank_prefix(p, export[0], export=True), p, export[0], export[1]) for p in shapes]

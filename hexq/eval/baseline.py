@@ -17,8 +17,8 @@ import reprlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from hexq.errors import HexqError
-from hexq.io import write_json_atomic
+from hexq.base.errors import HexqError
+from hexq.base.io import write_json_atomic
 
 FORMAT = "hexq-ppl-baseline"
 VERSION = 1

@@ -76,7 +76,7 @@ def token_divergence(logits: torch.Tensor, reference: torch.Tensor, targets: tor
 
 @contextmanager
 def streamed_head(streamed) -> Iterator[tuple]:
-    """(norm, head weight, head bias, compute dtype) of a hexq.streaming.StreamedModel, materialized for the block
+    """(norm, head weight, head bias, compute dtype) of a hexq.model.streaming.StreamedModel, materialized for the block
     (the head in its stored dtype)."""
     with streamed.parts("model.norm"), streamed.parts("lm_head", dtype=streamed.head_dtype()):
         yield (streamed.model.model.norm, streamed.model.lm_head.weight, getattr(streamed.model.lm_head, "bias", None),

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hexq.errors import HexqError
-from hexq.models import context_length
+from hexq.base.errors import HexqError
+from hexq.model.folder import context_length
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Evaluate a model on several texts with the perplexity protocol: the library entry behind `hexq eval`.
 
-Every target is evaluated streamed (hexq.layer_pass.stream_nll): one decoder layer in memory at a time, every window
-through layer l before layer l+1 is read, so a model bigger than memory can be measured. The windows of all texts
+Every target is evaluated streamed (hexq.model.layer_pass.stream_nll): one decoder layer in memory at a time, every
+window through layer l before layer l+1 is read, so a model bigger than memory can be measured. The windows of all texts
 go through the layers together, so the model is read once.
 """
 
@@ -15,17 +15,17 @@ from pathlib import Path
 
 import torch
 
+from hexq.base.data import eval_text, tokenize
+from hexq.base.devices import resolve_device
+from hexq.base.errors import HexqError
 from hexq.calib.calibrated import calibrated_model
-from hexq.data import eval_text, tokenize
-from hexq.devices import resolve_device
-from hexq.errors import HexqError
 from hexq.eval.divergence import Divergence, divergence, streamed_head
 from hexq.eval.perplexity import PerplexityResult, make_windows
-from hexq.layer_pass import full_precision_plan, stream_layers, stream_nll
-from hexq.models import context_length
+from hexq.model.folder import context_length
+from hexq.model.layer_pass import full_precision_plan, stream_layers, stream_nll
+from hexq.model.streaming import open_model
 from hexq.runtime.compute import weight_rows
 from hexq.runtime.model import artifact_model
-from hexq.streaming import open_model
 
 
 @dataclass(frozen=True)

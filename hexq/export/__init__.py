@@ -13,7 +13,7 @@ What each part becomes (hexq.export.codec explains the exact code mapping):
   expert's routing weight onto the token's kept experts, which no compressed-tensors scheme expresses. An expert
   that does not fit (an 8-bit expert in a 4-bit layer, 1-bit asymmetric) is projected onto the layer's scheme with a
   GPTQ replica in that scheme: the artifact's export replicas (`hexq pack` keeps them for such experts, see
-  hexq.pack), else the widest stored bank replica that fits; round-to-nearest from the allocated weights only when
+  hexq.pack.stage), else the widest stored bank replica that fits; round-to-nearest from the allocated weights only when
   no replica exists.
   `experts="auto"` gives a layer T = 4 unless that would need round-to-nearest, and T = 8 (every width exact) then.
 - embeddings, norms, routers, biases: as stored in the artifact.

@@ -12,11 +12,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from hexq.adapters import MoEAdapter, adapter_for
 from hexq.artifact.reader import Artifact
-from hexq.checkpoint import safetensors_dtype
-from hexq.data import eval_text, tokenize
-from hexq.errors import HexqError
+from hexq.base.data import eval_text, tokenize
+from hexq.base.errors import HexqError
 from hexq.eval.perplexity import make_windows
 from hexq.export.codec import (
     INDEX,
@@ -24,9 +22,11 @@ from hexq.export.codec import (
     expert_modules,
     hub_name,
 )
-from hexq.layer_pass import ExpertCompute, expert_chunk, full_precision_plan, stream_layers
+from hexq.model.adapters import MoEAdapter, adapter_for
+from hexq.model.checkpoint import safetensors_dtype
+from hexq.model.layer_pass import ExpertCompute, expert_chunk, full_precision_plan, stream_layers
+from hexq.model.streaming import LoadedLayer, StreamedModel, open_model
 from hexq.runtime.model import artifact_model
-from hexq.streaming import LoadedLayer, StreamedModel, open_model
 
 Progress = Callable[[str, int, int], None]
 @dataclass(frozen=True)

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hexq.adapters import MoEAdapter
 from hexq.algos.quant import QuantSpec, quantize
+from hexq.model.adapters import MoEAdapter
 from hexq.packed.bitpack import unpack_bits
 from hexq.packed.weight import PackedWeight
 
@@ -230,7 +230,8 @@ def module_tensors(module: str, weight: CtWeight, scheme: CtScheme) -> dict[str,
 
 
 def hub_name(name: str, adapter: MoEAdapter) -> str:
-    """A model parameter or module name as the family's hub checkpoints spell it (hexq.checkpoint reads the same)."""
+    """A model parameter or module name as the family's hub checkpoints spell it (hexq.model.checkpoint reads the
+    same)."""
     if adapter.hub_moe:
         name = name.replace(f".{adapter.moe}.", f".{adapter.hub_moe}.")
     if adapter.hub_router:

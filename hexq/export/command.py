@@ -1,4 +1,4 @@
-"""`hexq export`: write, check, publish (hexq.outputs rules), report."""
+"""`hexq export`: write, check, publish (hexq.base.outputs rules), report."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from hexq.artifact.reader import Artifact
-from hexq.errors import HexqError
+from hexq.base.errors import HexqError
+from hexq.base.outputs import output_folder
 from hexq.export.check import CheckResult, check_export
 from hexq.export.codec import (
     CtScheme,
@@ -17,8 +18,7 @@ from hexq.export.codec import (
 )
 from hexq.export.plan import LayerExport, check_exportable
 from hexq.export.write import DEFAULT_SHARD_BYTES, WritePlan, write_export
-from hexq.models import source_state
-from hexq.outputs import output_folder
+from hexq.model.folder import source_state
 
 Progress = Callable[[str, int, int], None]
 EXPORT_REPORT = "hexq_export.json"
@@ -60,7 +60,7 @@ def export_artifact(path: str | Path, out: str | Path, experts: str = "auto", fo
                     source: Path | None = None, windows: int = 8, seqlen: int = 256, data: str = "austen",
                     check: bool = True, shard_bytes: int = DEFAULT_SHARD_BYTES,
                     progress: Progress | None = None) -> ExportSummary:
-    """Write the artifact at `path` as a compressed-tensors checkpoint in `out` (hexq.outputs rules: a temporary
+    """Write the artifact at `path` as a compressed-tensors checkpoint in `out` (hexq.base.outputs rules: a temporary
     sibling renamed into place only after the check passed), and check it (see the module docstring)."""
     started = time.time()
     artifact = Artifact(path)

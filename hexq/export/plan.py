@@ -9,7 +9,7 @@ import torch
 
 from hexq.artifact.format import HEAD_WEIGHT, STATS_SHARD
 from hexq.artifact.reader import Artifact
-from hexq.errors import HexqError
+from hexq.base.errors import HexqError
 from hexq.export.codec import (
     ActSpec,
     CtScheme,
@@ -119,8 +119,8 @@ def vllm_grid(artifact: Artifact) -> tuple[int | None, bool]:
 
 def refuse_skipped_experts(artifact: Artifact, format_name: str, engine: str) -> None:
     """Raise when the artifact skips experts (0 bits): hexq serves a skipped expert by renormalising its routing
-    weight onto each token's kept experts (hexq.simulate.renormalized_weights), which neither export format can say;
-    the engine would run it as a zero expert whose weight is lost, a model other than the one hexq checked."""
+    weight onto each token's kept experts (hexq.model.simulate.renormalized_weights), which neither export format can
+    say; the engine would run it as a zero expert whose weight is lost, a model other than the one hexq checked."""
     skipped = sum(bits == 0 for row in artifact.allocation for bits in row)
     if skipped:
         raise HexqError(f"{artifact.path} skips {skipped} routed expert(s) (0 bits), which hexq serves by "

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 
-from hexq.adapters import MoEAdapter
 from hexq.artifact.format import MODEL_FILES, TOP_SHARD, dense_shard, export_shard, replica_key
 from hexq.artifact.reader import Artifact
-from hexq.errors import HexqError
+from hexq.base.errors import HexqError
+from hexq.base.io import SafetensorsWriter, write_json_atomic
 from hexq.export.codec import (
     INDEX,
     SINGLE,
@@ -30,10 +30,10 @@ from hexq.export.codec import (
     rtn_weight,
 )
 from hexq.export.plan import ExpertChoice, LayerExport, dense_scheme, plan_export
-from hexq.io import SafetensorsWriter, write_json_atomic
+from hexq.model.adapters import MoEAdapter
+from hexq.model.streaming import StreamedModel
 from hexq.packed.weight import PROJECTIONS, PackedWeight, dequantize_packed
 from hexq.runtime.model import artifact_config
-from hexq.streaming import StreamedModel
 
 Progress = Callable[[str, int, int], None]
 DEFAULT_SHARD_BYTES = 5 * 10**9  # as save_pretrained's default max_shard_size "5GB"

@@ -40,7 +40,7 @@ comparisons. Without a C compiler or with a failed build there is no library: ca
 notice, never a different number). `--stats` names the path taken.
 
 Build. Plain C with no torch or Python headers, compiled on first use with the system C compiler (`$CC`, else cc, gcc
-or clang) into hexq's cache folder (hexq.io.cache_dir()/kernels), keyed by a hash of the source, the compiler's
+or clang) into hexq's cache folder (hexq.base.io.cache_dir()/kernels), keyed by a hash of the source, the compiler's
 version and the flags, and loaded with ctypes, which releases the GIL during a call.
 """
 
@@ -62,7 +62,7 @@ from pathlib import Path
 
 import torch
 
-from hexq.io import cache_dir
+from hexq.base.io import cache_dir
 from hexq.packed.weight import LAYOUTS, ROWS8, PackedWeight
 
 logger = logging.getLogger(__name__)

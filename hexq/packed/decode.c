@@ -11,7 +11,7 @@
    input vector into int16 blocks (kernels.c quantize_x) and shared by every matrix that reads it: q, k and v; the
    k experts' gate_up products (and the shared expert's); each expert's down product reads its own intermediate.
    Where the recipe quantizes activations (W8A8), the input is first put on the recipe's grid exactly as
-   hexq.simulate.ActQuantizer computes it (act_quant), once per distinct grid. */
+   hexq.model.simulate.ActQuantizer computes it (act_quant), once per distinct grid. */
 #include <fcntl.h>
 #include <math.h>
 #include <stdint.h>
@@ -33,7 +33,7 @@
    experts): a token routed to it stops the step there (hexq_resume). */
 enum { MAT_NONE = 0, MAT_PACKED = 1, MAT_F32 = 2, MAT_BF16 = 3, MAT_ABSENT = 4 };
 
-/* The recipe's activation grid on a matrix input (hexq.simulate.ActQuantizer); bits 0: none. */
+/* The recipe's activation grid on a matrix input (hexq.model.simulate.ActQuantizer); bits 0: none. */
 typedef struct {
     int32_t bits, symmetric, dynamic;
     float low, high; /* static range */
@@ -53,7 +53,7 @@ typedef struct {
 } hexq_matrix;
 
 /* One routed expert as served: its two packed matrices at the served width (kind MAT_NONE: skipped, its routing
-   weight renormalised onto the token's kept experts, hexq.simulate.served_weights; MAT_ABSENT: served, but not
+   weight renormalised onto the token's kept experts, hexq.model.simulate.served_weights; MAT_ABSENT: served, but not
    resident now). */
 typedef struct {
     hexq_matrix gate_up, down;
@@ -158,7 +158,7 @@ typedef struct {
     int64_t sum;
 } act_codes;
 
-/* x put on the activation grid (hexq.simulate.ActQuantizer: codes = clamp(round(x / scale + zero), 0, qmax), value
+/* x put on the activation grid (hexq.model.simulate.ActQuantizer: codes = clamp(round(x / scale + zero), 0, qmax), value
    (codes - zero) * scale), dynamic per token or from the static range; with `codes` (8-bit grids) the codes too. */
 static inline __attribute__((always_inline)) void act_quant_body(const hexq_act* a, const float* x, float* out,
                                                                  int64_t n, act_codes* codes) {
@@ -636,7 +636,7 @@ static void rope(float* x, int64_t D, const float* cs, const float* sn) {
 /* ------------------------------------------------------------------------------------------ routing */
 
 /* The family's softmax top-k (ties to the lower expert id), renormalised if asked; then the served weights: the
-   skipped (0-bit) experts' mass shared by the kept ones (hexq.simulate.renormalized_weights). */
+   skipped (0-bit) experts' mass shared by the kept ones (hexq.model.simulate.renormalized_weights). */
 /* ids[0..k) = the indices of the k largest of v[0..E) (E <= 1024), largest first, the lower index on a tie. */
 static void top_k_of(const float* v, int E, int k, int* ids) {
     unsigned char taken[1024] = {0};

@@ -17,7 +17,7 @@ HTML, writing).
 
 The same inputs give the same bytes: fixed figure sizes and dpi, matplotlib's default style whatever the user's
 matplotlibrc says, no software or date stamps in the PNGs, nothing time-dependent in the HTML. The folder is
-written through hexq.outputs: into a hidden sibling renamed to DIR once every file is there, so DIR never holds half a
-report; an existing DIR is replaced only with force and only when it is a report hexq wrote, and DIR may not be, hold
-or lie inside the artifact or the result files being read.
+written through hexq.base.outputs: into a hidden sibling renamed to DIR once every file is there, so DIR never holds
+half a report; an existing DIR is replaced only with force and only when it is a report hexq wrote, and DIR may not be,
+hold or lie inside the artifact or the result files being read.
 """

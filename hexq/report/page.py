@@ -1,4 +1,4 @@
-"""The report page: its sections, the HTML and writing the folder (hexq.outputs rules)."""
+"""The report page: its sections, the HTML and writing the folder (hexq.base.outputs rules)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from hexq.algos.placement import SCHEMES
 from hexq.artifact.format import STATS_SHARD
 from hexq.artifact.inspect import summarize
 from hexq.artifact.reader import Artifact
-from hexq.io import write_bytes_atomic
-from hexq.outputs import output_folder
+from hexq.base.io import write_bytes_atomic
+from hexq.base.outputs import output_folder
+from hexq.base.units import format_bytes
 from hexq.report.numbers import (
     DEFAULT_RESULTS,
     FrontierPoint,
@@ -39,7 +40,6 @@ from hexq.report.plots import (
     plot_loss_tables,
     relative_change,
 )
-from hexq.units import format_bytes
 
 logger = logging.getLogger(__name__)
 

@@ -51,7 +51,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 
-from hexq.errors import HexqError
+from hexq.base.errors import HexqError
 from hexq.runtime.cache_prefetch import PrefetchWorker
 from hexq.runtime.residency import (
     Admission,

@@ -28,15 +28,15 @@ from pathlib import Path
 
 import torch
 
-from hexq.errors import HexqError
-from hexq.io import cache_dir, write_json_atomic
+from hexq.base.errors import HexqError
+from hexq.base.io import cache_dir, write_json_atomic
+from hexq.model.simulate import quantized_expert_output
 from hexq.packed.bitpack import DequantScratch
 from hexq.packed.cpu import SOURCE, GemvJob, gemv_takes, load_cpu_kernels
 from hexq.packed.weight import PackedWeight, dequantize_packed_into
 from hexq.runtime import cost
 from hexq.runtime.cache import ExpertWeights
 from hexq.runtime.cost import LatencyProfile, measure_latency, n_critical, should_fill
-from hexq.simulate import quantized_expert_output
 
 # Rows of a dense packed matrix expanded at once (the scratch "dense"): every layer linear whole, a quantized head
 # ([vocab, hidden]: 151,936 rows at Qwen3-30B-A3B's vocabulary) a block at a time, in a decode step and in a
@@ -354,7 +354,7 @@ class PackedLinear(torch.nn.Module):
 class PackedRows:
     """A PackedLinear's weight read a block of rows at a time: `rows[start:stop]` is those rows dequantized in the
     compute dtype (valid until the next block is read), so code that upcasts a head a block of vocabulary rows at a
-    time (hexq.streaming.blocked_nll, hexq.eval.divergence.head_logits) reads a packed head the same way, never
+    time (hexq.model.streaming.blocked_nll, hexq.eval.divergence.head_logits) reads a packed head the same way, never
     expanding all of it."""
 
     def __init__(self, linear: PackedLinear) -> None:

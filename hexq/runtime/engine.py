@@ -42,12 +42,13 @@ from pathlib import Path
 
 import torch
 
-from hexq.adapters import adapter_for
 from hexq.artifact.format import STATS_SHARD
 from hexq.artifact.reader import Artifact
-from hexq.devices import peak_rss_bytes, resolve_device
-from hexq.errors import HexqError
-from hexq.models import context_length
+from hexq.base.devices import peak_rss_bytes, resolve_device
+from hexq.base.errors import HexqError
+from hexq.model.adapters import adapter_for
+from hexq.model.folder import context_length
+from hexq.model.streaming import blocked_nll
 from hexq.runtime.cache import ExpertCache
 from hexq.runtime.compute import EXPAND_ROWS, Compute, compute_backend, weight_rows
 from hexq.runtime.cost import admit_fill, calibration_usage, usage_update
@@ -60,7 +61,6 @@ from hexq.runtime.self_check import self_check
 from hexq.runtime.source import CACHE_FORMATS, ArtifactSource
 from hexq.runtime.stats import RunStats
 from hexq.runtime.warm import warm_order
-from hexq.streaming import blocked_nll
 
 MODES = ("cache", "ondemand")  # ondemand: no fast tier, every expert loaded from the slow tier at each use
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -328,7 +328,7 @@ class Runtime:
     @torch.no_grad()
     def window_nll(self, window: torch.Tensor) -> torch.Tensor:
         """Summed next-token NLL of one window scored as a prefill (a new sequence for the policy). The head is
-        applied in vocabulary blocks (hexq.streaming.blocked_nll): no [positions, vocab] logits exist at once."""
+        applied in vocabulary blocks (hexq.model.streaming.blocked_nll): no [positions, vocab] logits exist at once."""
         hidden = self.window_states(window)[:-1]
         head = self.model.lm_head
         nll = blocked_nll(hidden, weight_rows(head), getattr(head, "bias", None), window[1:].to(self.device),

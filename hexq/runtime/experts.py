@@ -15,7 +15,7 @@ and shared expert stay the model's) and:
      transient load computed at once), highest width first so that lower-width requests reuse it (004 §4.4.2);
   4. computes them all through hexq.runtime.compute (two kernel calls for every expert computed from its codes)
      and adds each token's weighted outputs; a slot the policy gives 0 bits is skipped, its routing weight
-     renormalised onto the token's kept experts (hexq.simulate.served_weights, as `hexq eval` computes it).
+     renormalised onto the token's kept experts (hexq.model.simulate.served_weights, as `hexq eval` computes it).
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hexq.model.simulate import served_weights
 from hexq.runtime.cache import ExpertCache
 from hexq.runtime.compute import Compute, route
 from hexq.runtime.cost import usage_update
-from hexq.simulate import served_weights
 
 # Tokens over which the per-expert usage estimates average (hexq.runtime.cost.usage_update). Short, so that the
 # estimate follows the traffic's locality: decoding 3 x 64 tokens after 128-token prompts on the reference models at

@@ -7,8 +7,8 @@ Two ways to run it:
   packed codes (hexq.runtime.compute.PackedLinear, with their activation quantization); each MoE layer's routed
   experts replaced, in one place, by a module the caller chooses (the budgeted cache). The experts exist nowhere
   else.
-- `artifact_model` (`hexq eval ARTIFACT`): streamed like any other target (hexq.layer_pass.stream_nll), one layer's
-  dense part and its experts at the artifact's allocation at a time.
+- `artifact_model` (`hexq eval ARTIFACT`): streamed like any other target (hexq.model.layer_pass.stream_nll), one
+  layer's dense part and its experts at the artifact's allocation at a time.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ import torch
 
 from hexq.artifact.format import HEAD_WEIGHT, expert_shard
 from hexq.artifact.reader import Artifact
-from hexq.layer_pass import ExpertCompute, expert_chunk
+from hexq.model.layer_pass import ExpertCompute, expert_chunk
+from hexq.model.simulate import ActQuantizer, act_quantizer, attach_input_quant
+from hexq.model.streaming import LoadedLayer, StreamedModel, _tensor_slots
 from hexq.packed.weight import CODE_PAD, PackedWeight
 from hexq.runtime.compute import PackedLinear
-from hexq.simulate import ActQuantizer, act_quantizer, attach_input_quant
-from hexq.streaming import LoadedLayer, StreamedModel, _tensor_slots
 
 ExpertsFactory = Callable[[int, torch.nn.Module], torch.nn.Module]  # (MoE row, the family's module) -> replacement
 # (MoE row, expert ids) -> (gate_up [n, 2I, H], down [n, H, I])
@@ -74,8 +74,8 @@ def artifact_model(path, device: torch.device, dtype: torch.dtype = torch.float3
     """(streamed model, tokenizer, prepare) of an artifact at its static allocation (or at `allocation`, [MoE row]
     [expert] widths the artifact stores, e.g. to compare allocations of one `--bank all` artifact; or with the
     routed experts' weights from `expert_weights(row, experts)`, e.g. the replicas an export wrote), for
-    hexq.layer_pass.stream_nll. An expert at 0 bits is skipped, its routing weight renormalised onto the token's
-    kept experts (hexq.simulate.routed_outputs), as `hexq run` serves it."""
+    hexq.model.layer_pass.stream_nll. An expert at 0 bits is skipped, its routing weight renormalised onto the token's
+    kept experts (hexq.model.simulate.routed_outputs), as `hexq run` serves it."""
     artifact = path if isinstance(path, Artifact) else Artifact(path)
     streamed = StreamedModel(artifact_config(artifact), artifact, device, dtype)
     rows = {layer: row for row, layer in enumerate(artifact.moe_layers)}

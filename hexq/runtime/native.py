@@ -42,7 +42,7 @@ import ctypes
 
 import torch
 
-from hexq.adapters import SOFTMAX_TOPK, adapter_for
+from hexq.model.adapters import SOFTMAX_TOPK, adapter_for
 from hexq.packed.cpu import gemv_takes
 from hexq.packed.weight import LAYOUTS
 from hexq.runtime.compute import PackedLinear

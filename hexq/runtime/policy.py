@@ -62,7 +62,7 @@ from hexq.algos.policy_widths import (
 )
 from hexq.artifact.format import STATS_SHARD
 from hexq.artifact.reader import Artifact
-from hexq.errors import HexqError
+from hexq.base.errors import HexqError
 
 Transition = tuple[int, int, int]  # (layer, expert, bits)
 

@@ -26,7 +26,7 @@ from typing import Protocol
 
 import torch
 
-from hexq.errors import HexqError
+from hexq.base.errors import HexqError
 
 Key = tuple[int, int]  # (layer, expert)
 

@@ -6,7 +6,7 @@ its experts, and per expert a table entry (where its gate_up and down start, its
 expert). A forward pass looks the table up with the router's own choice of experts, on the device, and runs the
 pair GEMV for all (token, slot) pairs at once: no host synchronisation, no Python loop over experts, mixed widths in
 one launch. A skipped expert's pairs get weight 0 and their routing weight goes to the token's kept experts
-(hexq.simulate.served_weights, as `hexq eval` computes it).
+(hexq.model.simulate.served_weights, as `hexq eval` computes it).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 
 from hexq.artifact.reader import Artifact
+from hexq.model.simulate import served_weights
 from hexq.packed import triton as gpu
-from hexq.simulate import served_weights
 
 
 class ResidentExperts:

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import torch
 
-from hexq.errors import HexqError
+from hexq.base.errors import HexqError
+from hexq.model.simulate import quantized_expert_output
 from hexq.packed.bitpack import packed_nbytes
 from hexq.packed.weight import dequantize_packed
 from hexq.runtime.compute import PackedLinear
 from hexq.runtime.experts import CachedExperts
-from hexq.simulate import quantized_expert_output
 
 # A served computation may differ from the float64 reference by what bf16 activations and weights round away (a
 # few 1e-3 relative); a wrong dequantization or kernel is off by O(1). Between the two: refuse to serve.

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from hexq.errors import HexqError
+from hexq.base.errors import HexqError
 from hexq.runtime.sampling import Sampling
 from hexq.serve.api import (
     ChatRequest,

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.process_collector import ProcessCollector
 
-from hexq.devices import peak_rss_bytes
+from hexq.base.devices import peak_rss_bytes
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # seconds: TTFT spans a tiny model's prefill (ms) to a queued request behind long generations (minutes)

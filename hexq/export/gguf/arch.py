@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from hexq.errors import HexqError
+from hexq.base.errors import HexqError
 
 
 @dataclass(frozen=True)

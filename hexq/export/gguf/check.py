@@ -25,12 +25,12 @@ import numpy as np
 import torch
 
 from hexq.artifact.reader import Artifact
-from hexq.data import eval_text, tokenize
-from hexq.errors import HexqError
+from hexq.base.data import eval_text, tokenize
+from hexq.base.errors import HexqError
 from hexq.eval.perplexity import make_windows
 from hexq.export.check import LogitAccumulator
 from hexq.export.gguf.write import GgufPlan, reference_expert
-from hexq.layer_pass import stream_layers
+from hexq.model.layer_pass import stream_layers
 from hexq.packed.ggml import Q4_1, Q8_0
 from hexq.packed.weight import PROJECTIONS
 from hexq.runtime.model import artifact_model

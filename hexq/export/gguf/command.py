@@ -3,7 +3,7 @@
 The file is written under a hidden temporary name beside the destination (.NAME.tmp-PID) and renamed into place only
 after its check passed, so a failed or killed export leaves no partial .gguf under the final name (the next run on
 the same destination deletes the leftover). An existing destination is replaced only with --force and only if it is
-a GGUF file; the destination is never the artifact or inside it (hexq.outputs' rules for folders, for one file).
+a GGUF file; the destination is never the artifact or inside it (hexq.base.outputs' rules for folders, for one file).
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from hexq.artifact.reader import Artifact
-from hexq.errors import HexqError
+from hexq.base.errors import HexqError
+from hexq.base.outputs import TEMP, check_inputs, destination_lock, pid_alive, resolve, sibling
 from hexq.export.gguf.check import (
     LLAMA_LIMIT,
     LLAMA_MISSING,
@@ -27,7 +28,6 @@ from hexq.export.gguf.check import (
 )
 from hexq.export.gguf.write import GgufPlan, plan_gguf, write_gguf
 from hexq.export.plan import check_exportable
-from hexq.outputs import TEMP, check_inputs, destination_lock, pid_alive, resolve, sibling
 
 Progress = Callable[[str, int, int], None]
 GGUF_MAGIC = b"GGUF"

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hexq.algos.gguf_layers import four_bit_type, layer_type
-from hexq.errors import HexqError
+from hexq.base.errors import HexqError
 from hexq.packed.ggml import BLOCK_TYPES, Q8_0, BlockType
 
 EXPERT_MODES = ("auto", "q4", "q3_k", "q2_k", "q8_0")

@@ -20,7 +20,7 @@ import torch
 from hexq.artifact.format import TOP_SHARD, dense_shard, export_shard, kquant_key, replica_key
 from hexq.artifact.reader import Artifact
 from hexq.artifact.spans import safetensors_spans
-from hexq.errors import HexqError
+from hexq.base.errors import HexqError
 from hexq.export.gguf.arch import (
     EXPERT_NAMES,
     Family,

@@ -1,5 +1,5 @@
 """Recipes: frozen, typed configs for `hexq calibrate`, read from YAML files that map 1:1 onto them
-(hexq.recipe_files reads the files).
+(hexq.config.recipe_files reads the files).
 
 A recipe file is one mapping whose keys are the fields of `Recipe`; each section is the mapping of one dataclass:
 
@@ -35,7 +35,7 @@ from typing import Any
 from hexq.algos.hessian import ACT_ORDERS
 from hexq.algos.placement import SCHEMES
 from hexq.algos.quant import ONE_BIT_GRIDS, QuantSpec
-from hexq.typed_config import (
+from hexq.config.typed_config import (
     RecipeError,
     build,
     check_at_least,

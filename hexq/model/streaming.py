@@ -4,7 +4,7 @@
 rotary frequencies stay real) and materializes one decoder layer at a time from a `LayerSource` (a Hugging Face
 checkpoint, a calibration, an artifact): its dense part (attention, norms, router, shared expert, or a dense MLP)
 upcast to the compute dtype on the compute device, its routed experts left in their stored form for the caller
-to compute expert by expert (hexq.simulate.ExpertTap). Leaving the `layer()` block puts the layer back on the
+to compute expert by expert (hexq.model.simulate.ExpertTap). Leaving the `layer()` block puts the layer back on the
 meta device, so peak memory is one layer plus the activations, whatever the depth of the model.
 
 Activations live in a `HiddenStore`: in memory up to a byte limit, spilled to files beyond it.
@@ -24,12 +24,12 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from hexq.adapters import MoEAdapter, adapter_for, check_moe_layers
-from hexq.checkpoint import Checkpoint
-from hexq.errors import HexqError
-from hexq.hidden import HiddenStore
-from hexq.models import check_moe_folder
-from hexq.simulate import ExpertTap
+from hexq.base.errors import HexqError
+from hexq.base.hidden import HiddenStore
+from hexq.model.adapters import MoEAdapter, adapter_for, check_moe_layers
+from hexq.model.checkpoint import Checkpoint
+from hexq.model.folder import check_moe_folder
+from hexq.model.simulate import ExpertTap
 
 Progress = Callable[[str, int, int], None]
 
@@ -90,7 +90,7 @@ class LoadedLayer:
     module: torch.nn.Module
     reader: Callable[[range], tuple[torch.Tensor, torch.Tensor]] | None
     act_fn: Callable | None
-    tap: torch.nn.Module | None  # the hexq.simulate.ExpertTap standing in for the experts
+    tap: torch.nn.Module | None  # the hexq.model.simulate.ExpertTap standing in for the experts
     shapes: tuple[int, tuple[int, int], tuple[int, int]] | None = None  # (experts, gate_up [2I, H], down [H, I])
     hooks: list = field(default_factory=list)  # handles of hooks attached while materialized (removed at exit)
     read: range | None = None  # the experts read so far (None: none yet)

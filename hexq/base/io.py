@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from hexq.errors import HexqError
+from hexq.base.errors import HexqError
 
 
 def _umask() -> int:

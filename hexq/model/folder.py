@@ -7,9 +7,9 @@ import json
 import re
 from pathlib import Path
 
-from hexq.adapters import ADAPTERS, MoEAdapter, adapter_for, supported_types
-from hexq.errors import HexqError
-from hexq.io import file_sha256
+from hexq.base.errors import HexqError
+from hexq.base.io import file_sha256
+from hexq.model.adapters import ADAPTERS, MoEAdapter, adapter_for, supported_types
 
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # owner/name, as the hub spells a repository
@@ -86,7 +86,7 @@ def context_length(config) -> int:
 
 def model_fingerprint(folder: Path) -> str:
     """SHA-256 over the names and SHA-256s of the model's weight shards and config (not its tokenizer or card);
-    each file's hash comes from hexq's stat-keyed cache (hexq.io.file_sha256) when the file has not changed."""
+    each file's hash comes from hexq's stat-keyed cache (hexq.base.io.file_sha256) when the file has not changed."""
     digest = hashlib.sha256()
     for path in sorted([*Path(folder).glob("*.safetensors"), Path(folder) / "config.json"]):
         digest.update(f"{path.name}:{file_sha256(path, cached=True)}\n".encode())

@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from hexq.adapters import MoEAdapter, adapter_for
-from hexq.errors import HexqError
-from hexq.models import read_model_config
+from hexq.base.errors import HexqError
+from hexq.model.adapters import MoEAdapter, adapter_for
+from hexq.model.folder import read_model_config
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

@@ -1,6 +1,6 @@
 """Frozen config dataclasses from plain mappings (parsed YAML): every field type-checked against its annotation and
 stored in its canonical type, unknown and missing keys named with the allowed ones, and every problem a one-line
-RecipeError naming the dotted key (the recipe sections of hexq.recipe are built with it)."""
+RecipeError naming the dotted key (the recipe sections of hexq.config.recipe are built with it)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import typing
 from dataclasses import MISSING, fields, is_dataclass
 from typing import Any
 
-from hexq.errors import HexqError
+from hexq.base.errors import HexqError
 
 
 class RecipeError(HexqError):

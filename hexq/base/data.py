@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hexq.errors import HexqError
+from hexq.base.errors import HexqError
 
 if TYPE_CHECKING:  # importlib.resources.abc is Python >= 3.11; only the annotations need it
     from importlib.resources.abc import Traversable
@@ -30,7 +30,7 @@ CORPUS_FILES = {
 }
 HELDOUT_FRACTION = 0.10
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+PROJECT_ROOT = Path(__file__).resolve().parents[2]  # hexq/base/data.py -> the source tree
 
 
 def bundled_folder(name: str) -> Traversable:

@@ -1,4 +1,4 @@
-"""What one layer contributes to an artifact, sliced from a calibration folder (hexq.pack writes it).
+"""What one layer contributes to an artifact, sliced from a calibration folder (hexq.pack.stage writes it).
 
 Dense part: quantized linears as the calibration's packed codes with their static activation ranges, everything
 else as stored. Routed experts: the replicas of each expert's stored widths, read row by row from the calibration's

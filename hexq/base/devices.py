@@ -16,7 +16,7 @@ import re
 
 import torch
 
-from hexq.errors import HexqError
+from hexq.base.errors import HexqError
 
 CUDA = re.compile(r"cuda(?::(\d+))?")
 

@@ -1,5 +1,5 @@
 """Activations at one layer boundary: every batch of the calibration or evaluation windows, in memory up to a byte
-limit and spilled to files beyond it, so a streamed pass holds what fits and no more (hexq.streaming runs the
+limit and spilled to files beyond it, so a streamed pass holds what fits and no more (hexq.model.streaming runs the
 windows through one layer at a time)."""
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 
-from hexq.hidden import HiddenStore
-from hexq.simulate import routed_outputs
-from hexq.streaming import LoadedLayer, Progress, StreamedModel
+from hexq.base.hidden import HiddenStore
+from hexq.model.simulate import routed_outputs
+from hexq.model.streaming import LoadedLayer, Progress, StreamedModel
 
 # Bytes of compute-ready expert weights materialized at once when experts are computed one chunk at a time.
 EXPERT_CHUNK_BYTES = 512 * 2**20
@@ -39,7 +39,7 @@ def stored_weights(loaded: LoadedLayer, device: torch.device, dtype: torch.dtype
 class ExpertCompute:
     """How a streamed layer's routed experts are computed: compute-ready weights per chunk of expert ids, the
     activation quantizers of their inputs, the chunk size, and which experts are computed at all (kept [E] bool,
-    None: all; a skipped expert's routing weight goes to the token's kept experts, hexq.simulate.routed_outputs);
+    None: all; a skipped expert's routing weight goes to the token's kept experts, hexq.model.simulate.routed_outputs);
     accumulate: the dtype their combined output is summed in (None: the activations')."""
 
     weights_of: Callable[[list[int]], tuple[torch.Tensor, torch.Tensor]]
@@ -55,8 +55,8 @@ def run_layer(loaded: LoadedLayer, hidden: HiddenStore, kwargs: list[dict], out:
               experts: ExpertCompute | None, progress: Callable[[int, int], None] | None = None):
     """Every batch of `hidden` through the materialized layer, outputs appended to `out` (None: a pass whose
     outputs are not needed, e.g. one that only feeds hooks). On a MoE layer the routed experts' output is added
-    expert by expert (hexq.simulate.routed_outputs) when `experts` is given; returns what the experts received
-    (hexq.simulate.RoutedTokens), or None on a dense layer."""
+    expert by expert (hexq.model.simulate.routed_outputs) when `experts` is given; returns what the experts received
+    (hexq.model.simulate.RoutedTokens), or None on a dense layer."""
     device = next(loaded.module.parameters()).device
     for index in range(len(hidden)):
         result = loaded.module(hidden[index].to(device), **kwargs[index])

@@ -12,7 +12,7 @@ Every expert is stored at its allocated width, plus the `bank` widths the run po
 3/16 of their bf16 size plus scales instead of every replica of the calibration.
 
 Streamed: the statistics of every MoE layer are read first (small); then one layer at a time, its dense part is
-materialized from the source checkpoint (hexq.streaming), smoothing folded in, and written with the calibration's
+materialized from the source checkpoint (hexq.model.streaming), smoothing folded in, and written with the calibration's
 quantized codes; its experts' stored widths are sliced from the calibration's packed bank without reading the rest.
 """
 
@@ -49,6 +49,8 @@ from hexq.artifact.format import (
     expert_shard,
     export_shard,
 )
+from hexq.base.errors import HexqError
+from hexq.base.outputs import output_folder
 from hexq.calib.fold import fold_calibrated
 from hexq.calib.head import HEAD_PREFIX
 from hexq.calib.store import (
@@ -60,9 +62,9 @@ from hexq.calib.store import (
     open_layer,
     read_manifest,
 )
-from hexq.errors import HexqError
-from hexq.outputs import output_folder
-from hexq.pack_tensors import (
+from hexq.config.recipe import Pack, recipe_to_dict
+from hexq.model.streaming import open_model
+from hexq.pack.tensors import (
     dense_layer_tensors,
     export_grid,
     export_replica_experts,
@@ -73,8 +75,6 @@ from hexq.pack_tensors import (
 )
 from hexq.packed.grids import EXPORT_BITS
 from hexq.packed.weight import PROJECTIONS, packed_weight_nbytes
-from hexq.recipe import Pack, recipe_to_dict
-from hexq.streaming import open_model
 
 Progress = Callable[[str, int, int], None]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hexq.errors import HexqError
+from hexq.base.errors import HexqError
 
 # ------------------------------------------------------------------------------------------ smoothing groups
 
@@ -100,7 +100,7 @@ class MoEAdapter:
     attention_groups: tuple[NormGroup, ...] = STANDARD_ATTENTION
     input_norm: str = "input_layernorm"
     post_attention_norm: str = "post_attention_layernorm"  # feeds router + experts (+ shared expert, its gate)
-    # How the hub's files spell what transformers renames or fuses on load (hexq.checkpoint reads them directly):
+    # How the hub's files spell what transformers renames or fuses on load (hexq.model.checkpoint reads them directly):
     hub_moe: str | None = None  # on-disk name of the MoE block when it differs from `moe`
     hub_router: str | None = None  # on-disk name of the router when it differs from `router`
     hub_expert_projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # per-expert (gate, up, down)

@@ -71,8 +71,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hexq import __version__
-from hexq.errors import HexqError
-from hexq.io import write_json_atomic
+from hexq.base.errors import HexqError
+from hexq.base.io import write_json_atomic
 
 MARKER = ".hexq-output.json"
 MARKER_FORMAT = "hexq-output"

@@ -1,6 +1,6 @@
 """Recipe files: a recipe read from a YAML file, or from the name of one shipped with hexq (recipes/*.yaml).
 
-The mapping inside is `hexq.recipe`'s (its docstring gives the format and the rules); this module adds what
+The mapping inside is `hexq.config.recipe`'s (its docstring gives the format and the rules); this module adds what
 reading a file needs: a duplicated key fails (PyYAML would keep the last), unreadable or invalid YAML and unknown
 names fail with one line listing the bundled recipes.
 """
@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from hexq.data import bundled_folder
-from hexq.recipe import Recipe, recipe_from_dict
-from hexq.typed_config import RecipeError
+from hexq.base.data import bundled_folder
+from hexq.config.recipe import Recipe, recipe_from_dict
+from hexq.config.typed_config import RecipeError
 
 if TYPE_CHECKING:  # importlib.resources.abc is Python >= 3.11; only the annotations need it
     from importlib.resources.abc import Traversable
