@@ -30,6 +30,9 @@ def export_gguf_command(artifact: Path, out: Path, experts: str, windows: int, s
         table.add_row(str(layer.layer), layer.kind.name, ", ".join(f"{k} {v}" for k, v in sorted(sources.items())),
                       (listing + more) or "-")
     console.print(table)
+    for layer in summary.plan.layers:
+        if layer.instead_of:
+            console.print(f"layer {layer.layer}: {layer.kind.name} instead of {layer.instead_of}", markup=False)
     if summary.plan.inexact:
         console.print(f"re-rounded to Q8_0 (no GGUF type holds their asymmetric codes): "
                       f"{len(summary.plan.inexact)} tensor(s), e.g. {summary.plan.inexact[0]}")

@@ -193,8 +193,8 @@ def pack_command(
                   f"({summary.seconds:.1f}s)")
     if summary.without_4bit:
         err_console.print(f"note: {summary.without_4bit} experts are stored above 4 bits with no 4-bit replica; "
-                          "`hexq export --format gguf` needs one for each in a 4-bit layer: pack with --bank export "
-                          "to keep them (or export with --experts q8_0)")
+                          "`hexq export` writes a 4-bit layer holding one at 8 bits (GGUF Q8_0): pack with --bank "
+                          "export to keep their 4-bit replicas for a smaller file")
     if summary.empty_layers:
         err_console.print(f"warning: the allocation skips every routed expert of layer(s) "
                           f"{', '.join(map(str, summary.empty_layers))}: those layers serve no MoE output")

@@ -210,6 +210,8 @@ MUTANTS = [
     Mutant("transient-experts-in-another-layout", "hexq/runtime/experts.py",
            "weights = (self.compute.relaid(weights) if weights.transient", "weights = (weights if weights.transient",
            ("tests/test_families.py::test_dense_layers_are_smoothed_at_the_dense_setting_in_a_mixed_precision_model",)),
+    Mutant("gguf-auto-refuses-where-a-wider-type-fits", "hexq/export/gguf/write.py", '        if experts == "auto":',
+           "        if False:", ("tests/test_gguf.py::test_auto_writes_a_wider_type_where_a_source_is_missing",)),
     Mutant("cost-model-charges-the-call-to-one-expert", "hexq/runtime/cost.py",
            "slow = max(many - few, 0.0) / (3 * n_tokens)", "slow = many / (4 * n_tokens)",
            ("tests/test_cost_model.py::test_measure_latency_with_injected_clock",)),

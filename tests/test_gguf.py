@@ -230,7 +230,7 @@ def test_one_line_errors_name_what_to_use(gguf_calibration, tmp_path):
     plain = tmp_path / "plain.hexq"  # no export replicas: no K-quant blocks for a 3-bit layer
     pack(gguf_calibration, plain, settings=Pack(bits=(2, 3, 4), avg_bits=3.0))
     with pytest.raises(HexqError, match="--export-target gguf and pack with --bank export"):
-        export_gguf(plain, tmp_path / "m.gguf")
+        export_gguf(plain, tmp_path / "m.gguf", experts="q3_k")  # a type named: refused, saying what to do
     assert not (tmp_path / "m.gguf").exists()
     skips = tmp_path / "skips.hexq"  # llama.cpp would run a skipped expert as zeros, its routing weight lost
     pack(gguf_calibration, skips, settings=Pack(bits=(0, 2, 3, 4), avg_bits=1.5))
@@ -259,6 +259,30 @@ def test_cli_gguf_export_refuses_to_overwrite_and_writes_a_report(k_artifact, tm
 
 
 LLAMA = pytest.mark.skipif(not llama_available(), reason="llama-cpp-python is not installed (pip install 'hexq[gguf]')")
+
+
+def test_auto_writes_a_wider_type_where_a_source_is_missing(tmp_path):
+    """`hexq pack --bits B` then `hexq export --format gguf` on an experts-mixed calibration (no export replicas):
+    under --experts auto a 3-bit layer without K-quant replicas is written Q4 (hexq's codes exactly), a 4-bit layer
+    holding 8-bit experts without 4-bit replicas Q8_0, each saying what it stands in for; the file checks against
+    what hexq serves."""
+    from hexq.calib.pipeline import calibrate
+    from hexq.config.recipe import Pack
+    from hexq.export.gguf.command import export_gguf
+    from hexq.pack.stage import Budget, pack
+    from tests.conftest import small_recipe
+
+    gguf_calibration = tmp_path / "cal"
+    calibrate(gguf_model(tmp_path / "model", "qwen3_moe"), small_recipe("experts-mixed"), "bundled", gguf_calibration)
+
+    for name, widths, average, wanted, written in (("three", (2, 3, 4), 3.0, "Q3_K", {"Q4_0", "Q4_1"}),
+                                                   ("eights", (2, 4, 8), 5.0, "Q4_", {"Q8_0"})):
+        artifact = tmp_path / f"{name}.hexq"
+        pack(gguf_calibration, artifact, settings=Pack(bits=widths, avg_bits=average), budget=Budget(avg_bits=average))
+        summary = export_gguf(artifact, tmp_path / f"{name}.gguf", windows=2, seqlen=32)
+        fallen = [layer for layer in summary.plan.layers if layer.instead_of]
+        assert fallen and all(layer.kind.name in written and layer.instead_of.startswith(wanted) for layer in fallen)
+        assert summary.check.passed
 
 
 @LLAMA

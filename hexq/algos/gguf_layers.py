@@ -22,3 +22,12 @@ def layer_type(allocation: list[int], symmetric: bool, kquants_fit: bool) -> Blo
     if mean > 3.5 or not kquants_fit:
         return four_bit_type(symmetric)
     return BLOCK_TYPES["Q3_K" if mean > 2.5 else "Q2_K"]
+
+
+def wider_types(kind: BlockType, symmetric: bool) -> list[BlockType]:
+    """`kind`, then the types `--experts auto` falls back to when an expert of the layer has no source for it (a
+    K-quant replica, a 4-bit replica of a wider expert): the 4-bit type (hexq's <= 4-bit codes exactly), then Q8_0
+    (any width). A larger file rather than a refused export, as the compressed-tensors export gives such a layer 8
+    bits."""
+    chain = [kind, four_bit_type(symmetric), Q8_0]
+    return chain[chain.index(kind):] if kind in chain else chain

@@ -11,6 +11,10 @@ class of its mean allocated width, 4-bit when K-quants cannot hold the rows), or
 - Q2_K / Q3_K: every expert takes its GPTQ replica on the K-quant's own grid (`hexq calibrate --export-target gguf`,
   kept by `hexq pack --bank export`): codes on another grid do not fit a K-quant's quantized sub-block scales;
 - Q8_0: symmetric codes of any width exactly; asymmetric ones re-rounded (Q8_0 has no zero point).
+Under `auto` a layer whose type lacks a source for one of its experts (no K-quant replicas: the calibration was not
+made with --export-target gguf; an 8-bit expert without a 4-bit replica: pack kept none) is written in the next
+wider type that has one (the 4-bit type, then Q8_0: `plan_auto_layer`), and says so; a type named by --experts
+refuses instead, naming what to pack or calibrate with.
 An artifact that skips experts (0 bits) is refused (hexq.export.plan.refuse_skipped_experts).
 
 Dense linears (attention, shared experts): their artifact code where a type holds it exactly (<= 4 bits: Q4_0 /
@@ -20,9 +24,9 @@ Everything stored in float keeps its dtype (2-D) or becomes F32 (1-D: norms and 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from hexq.algos.gguf_layers import four_bit_type, layer_type
+from hexq.algos.gguf_layers import four_bit_type, layer_type, wider_types
 from hexq.base.errors import HexqError
 from hexq.packed.ggml import BLOCK_TYPES, Q8_0, BlockType
 
@@ -47,6 +51,7 @@ class LayerPlan:
     row: int  # MoE row
     kind: BlockType
     experts: tuple[ExpertSource, ...]
+    instead_of: str = ""  # --experts auto: the type the allocation asked for and why this one is written instead
 
     @property
     def projected(self) -> list[ExpertSource]:
@@ -92,6 +97,24 @@ def plan_layer(layer: int, row: int, kind: BlockType, allocation: list[int], sto
             raise HexqError(f"expert {e} of layer {layer} is allocated {bits} bits and the artifact keeps no 4-bit "
                             f"replica of it for a {kind.name} layer; pack with --bank 4 (or --bank export)")
     return LayerPlan(layer, row, kind, tuple(experts))
+
+
+def plan_auto_layer(layer: int, row: int, kind: BlockType, allocation: list[int], stored: list[list[int]],
+                    symmetric: bool, export_replicas: set[int], kquant_replicas_of) -> LayerPlan:
+    """`--experts auto`: the allocation's type `kind`, else the first wider type every expert has a source for
+    (hexq.algos.gguf_layers.wider_types), so that an artifact packed without the export's replicas still exports;
+    `instead_of` says what was asked and what was missing. kquant_replicas_of(name): experts with that K-quant's
+    replica."""
+    missing = ""
+    for candidate in wider_types(kind, symmetric):
+        try:
+            plan = plan_layer(layer, row, candidate, allocation, stored, symmetric, export_replicas,
+                              kquant_replicas_of(candidate.name))
+        except HexqError as error:
+            missing = missing or str(error)
+            continue
+        return plan if candidate == kind else replace(plan, instead_of=f"{kind.name}: {missing}")
+    raise AssertionError("Q8_0 takes every expert")  # plan_layer never refuses a Q8_0 layer
 
 
 def dense_type(bits: int, symmetric: bool, group: int | None, cols: int) -> tuple[BlockType, bool]:

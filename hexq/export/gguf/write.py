@@ -30,7 +30,15 @@ from hexq.export.gguf.arch import (
     gguf_name,
     rope_permutation,
 )
-from hexq.export.gguf.plan import ExpertSource, LayerPlan, dense_type, expert_type, fits_blocks, plan_layer
+from hexq.export.gguf.plan import (
+    ExpertSource,
+    LayerPlan,
+    dense_type,
+    expert_type,
+    fits_blocks,
+    plan_auto_layer,
+    plan_layer,
+)
 from hexq.export.plan import refuse_skipped_experts
 from hexq.packed.bitpack import packed_nbytes
 from hexq.packed.ggml import decode, packed_blocks
@@ -188,8 +196,12 @@ def plan_gguf(artifact: Artifact, experts: str = "auto") -> GgufPlan:
                             f"{[cols for _r, cols in shapes.values()]} (use --experts q4)")
         replicas = set(extra.get("replicas", {}).get(str(layer), [])) if same_grid else set()
         stored = [artifact.stored_bits(row, e) for e in range(artifact.num_experts)]
-        layers.append(plan_layer(layer, row, kind, allocation, stored, symmetric, replicas,
-                                 _kquant_experts(artifact, layer, kind.name)))
+        if experts == "auto":
+            layers.append(plan_auto_layer(layer, row, kind, allocation, stored, symmetric, replicas,
+                                          lambda name, layer=layer: _kquant_experts(artifact, layer, name)))
+        else:
+            layers.append(plan_layer(layer, row, kind, allocation, stored, symmetric, replicas,
+                                     _kquant_experts(artifact, layer, kind.name)))
     plan = GgufPlan(family, layers)
     top = _shard_specs(artifact, TOP_SHARD)
     embed = "model.embed_tokens.weight"
