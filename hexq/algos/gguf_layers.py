@@ -29,5 +29,5 @@ def wider_types(kind: BlockType, symmetric: bool) -> list[BlockType]:
     K-quant replica, a 4-bit replica of a wider expert): the 4-bit type (hexq's <= 4-bit codes exactly), then Q8_0
     (any width). A larger file rather than a refused export, as the compressed-tensors export gives such a layer 8
     bits."""
-    chain = [kind, four_bit_type(symmetric), Q8_0]
-    return chain[chain.index(kind):] if kind in chain else chain
+    wider = [four_bit_type(symmetric), Q8_0]
+    return [kind, *wider[wider.index(kind) + 1:]] if kind in wider else [kind, *wider]
