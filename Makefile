@@ -18,7 +18,7 @@ setup: $(STAMP)
 
 DEMO := .cache/demo
 # Half of the demo model's routed experts as the fast tier holds them (packed at 3 bits: 4 layers x 32 experts = 3.5 MB).
-BUDGET ?= 1.8MB
+FAST_TIER ?= 1.8MB
 
 # The main job on the bundled defaults: calibrate the reference model on the bundled text (HAQ W8A8 attention,
 # GPTQ replica banks for the experts), pack it at 3 bits per expert on average, then serve it with half of the
@@ -27,8 +27,8 @@ demo: setup
 	$(BIN)/hexq calibrate $(MODEL) --recipe experts-mixed --data bundled --samples 32 --out $(DEMO)/calibration
 	$(BIN)/hexq pack $(DEMO)/calibration --bits 3 --out $(DEMO)/model.hexq --force
 	$(BIN)/hexq inspect $(DEMO)/model.hexq
-	$(BIN)/hexq run $(DEMO)/model.hexq --ppl austen --windows 50 --budget $(BUDGET) --stats
-	$(BIN)/hexq run $(DEMO)/model.hexq --prompt '"My dear Mr. Bennet," said his lady to him one day,' --budget $(BUDGET) --stats
+	$(BIN)/hexq run $(DEMO)/model.hexq --ppl austen --windows 50 --fast-tier $(FAST_TIER) --stats
+	$(BIN)/hexq run $(DEMO)/model.hexq --prompt '"My dear Mr. Bennet," said his lady to him one day,' --fast-tier $(FAST_TIER) --stats
 
 # ruff, then the import layers and the no-cycle rule of pyproject's [tool.importlinter] contracts.
 lint: setup

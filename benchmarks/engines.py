@@ -130,8 +130,8 @@ def child_hexq(spec: dict) -> dict:
     return {"tpot_ms": 1000 * stats.tpot_seconds, "peak_rss_mib": vm_hwm() / 2**20,
             "prefill_tps": len(spec["prompt"]) / stats.ttft_seconds, "decode_path": stats.decode_path,
             "native_profile": stats.native_profile,
-            "kernel": stats.kernel_path, "cache": stats.cache_format, "dense_mib": stats.dense_bytes / 2**20,
-            "experts_mib": stats.budget_bytes / 2**20}
+            "kernel": stats.kernel_path, "cache": stats.cache_format, "dense_mib": stats.plan.dense_bytes / 2**20,
+            "experts_mib": stats.plan.fast_tier_bytes / 2**20}
 
 
 def child_llama(spec: dict) -> dict:
@@ -258,15 +258,15 @@ def bytes_per_token_hexq(artifact: Path) -> dict:
 
     from hexq.artifact.reader import Artifact
     from hexq.runtime.model import dense_plan_bytes, skeleton
-    from hexq.runtime.source import ArtifactSource
+    from hexq.runtime.source import SlotSizes
 
     opened = Artifact(artifact)
     streamed = skeleton(opened, torch.device("cpu"), torch.bfloat16)
     dense = dense_plan_bytes(streamed, opened)
     embed = streamed.model.model.embed_tokens.weight.numel() * 2
     tied = getattr(streamed.config, "tie_word_embeddings", False)
-    source = ArtifactSource(opened, "packed")
-    slots = [source.slot_bytes[b] for row in opened.allocation for b in row if b]
+    sizes = SlotSizes.of(opened, "packed")
+    slots = [sizes.slot_bytes[b] for row in opened.allocation for b in row if b]
     top_k = opened.top_k
     experts = statistics.mean(slots) * top_k * len(opened.moe_layers)
     return {"dense": dense - (0 if tied else embed), "experts": experts, "total": dense - (0 if tied else embed)

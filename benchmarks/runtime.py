@@ -219,7 +219,7 @@ def child_hexq(spec: dict) -> dict:
     if spec["cold"]:
         drop_page_cache(files)
     started = time.perf_counter()
-    runtime = Runtime(artifact, budget_bytes=spec.get("budget"), prefetch=prefetch and mode == "cache", mode=mode,
+    runtime = Runtime(artifact, fast_tier_bytes=spec.get("budget"), prefetch=prefetch and mode == "cache", mode=mode,
                       memory_bytes=spec.get("memory"), **options)
     if spec["config"] == "resident":
         runtime.fill_all()
@@ -240,8 +240,9 @@ def child_hexq(spec: dict) -> dict:
             "disk_read_mib": (io_after - io_before) / 2**20, "expert_pages_cached_before": cached,
             "prefetch_recall": result["prefetch"]["recall"], "prefetch_precision": result["prefetch"]["precision"],
             "wait_s": cache["wait_seconds"], "peak_rss_mib": vm_hwm() / 2**20, "startup_s": startup,
-            "dense_mib": stats.dense_bytes / 2**20, "scratch_mib": stats.scratch_bytes / 2**20,
-            "budget_mib": stats.budget_bytes / 2**20, "warm_experts": stats.warm_experts, "kernel": stats.kernel_path,
+            "dense_mib": stats.plan.dense_bytes / 2**20, "scratch_mib": stats.plan.scratch_bytes / 2**20,
+            "budget_mib": stats.plan.fast_tier_bytes / 2**20, "warm_experts": stats.warm_experts,
+            "kernel": stats.kernel_path,
             "cache_format": stats.cache_format}
 
 
@@ -403,14 +404,14 @@ def sizes(artifact: Path) -> dict:
     from hexq.artifact.reader import Artifact
     from hexq.base.data import eval_text, tokenize
     from hexq.runtime.model import artifact_tokenizer, skeleton
-    from hexq.runtime.source import ArtifactSource
+    from hexq.runtime.source import SlotSizes
 
     opened = Artifact(artifact)
     streamed = skeleton(opened, torch.device("cpu"), torch.bfloat16)
     experts_path = streamed.experts_path
     dense = sum(t.numel() * 2 for name, t in streamed.model.named_parameters()  # in bf16, as the checkpoint holds it
                 if not (".layers." in name and f".{experts_path}." in name))
-    experts = ArtifactSource(opened, "bf16").largest_slot * len(opened.moe_layers) * opened.num_experts
+    experts = SlotSizes.of(opened, "bf16").largest_slot * len(opened.moe_layers) * opened.num_experts
     tokenizer = artifact_tokenizer(opened)
     austen = tokenize(tokenizer, eval_text("austen"))
     prompt = tokenizer.decode(austen[-PROMPT_TOKENS:])  # held-out text the perplexity windows do not use

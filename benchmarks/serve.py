@@ -170,7 +170,7 @@ def run_load(url: str, texts: dict[str, list[str]], clients: int, requests: int,
 def measure(name: str, policy: str, args, texts) -> dict:
     artifact = artifact_for(name, args.work)
     budget = int(expert_bytes(artifact) * args.budget_share)
-    options = ["--policy", policy, "--budget", str(budget), "--threads", str(args.threads)]
+    options = ["--policy", policy, "--fast-tier", str(budget), "--threads", str(args.threads)]
     process, url = start_server(artifact, options)
     try:
         started = time.perf_counter()

@@ -32,12 +32,12 @@ from hexq_cli.common import (
 )
 from hexq_cli.eval_command import eval_command
 from hexq_cli.runtime_options import (
-    BudgetOpt,
     CacheOpt,
     ContextOpt,
     CostModelOpt,
     DecodeOpt,
     DtypeOpt,
+    FastTierOpt,
     KernelsOpt,
     MemoryOpt,
     ModeOpt,
@@ -215,9 +215,9 @@ def print_run_stats(stats: dict) -> None:
     memory = "" if stats["memory_bytes"] is None else f" of --memory {mb(stats['memory_bytes'])}"
     rows = [("memory plan", f"dense {mb(stats['dense_bytes'])} ({stats['dtype']}) + scratch "
                             f"{mb(stats['scratch_bytes'])} + KV {mb(stats['kv_bytes'])} ({stats['context']} "
-                            f"positions) + experts {mb(stats['budget_bytes'])}{memory}"),
-            ("expert budget", f"{mb(stats['budget_bytes'])} of {mb(stats['expert_bytes'])} ({stats['cache_format']}, "
-                              f"{stats['warm_experts']} warm)"),
+                            f"positions) + fast tier {mb(stats['fast_tier_bytes'])}{memory}"),
+            ("fast tier", f"{mb(stats['fast_tier_bytes'])} of {mb(stats['expert_bytes'])} ({stats['cache_format']}, "
+                          f"{stats['warm_experts']} warm)"),
             ("compute", f"{stats['kernel_path']}, {stats['threads']} thread(s): {stats['gemv_rows']} rows from the "
                         f"codes, {stats['expanded_experts']} experts and {stats['expanded_dense']} dense products "
                         "expanded"),
@@ -258,7 +258,7 @@ def run(
     ppl: Annotated[str | None, typer.Option("--ppl", help="Measure perplexity on this corpus name or text file "
                                             "instead.")] = None,
     memory: MemoryOpt = None,
-    budget: BudgetOpt = None,
+    fast_tier: FastTierOpt = None,
     context: ContextOpt = None,
     dtype: DtypeOpt = "bf16",
     cache: CacheOpt = "packed",
@@ -287,12 +287,12 @@ def run(
     device: DeviceOpt = "auto",
     json_out: JsonOpt = None,
 ) -> None:
-    """Generate text or measure perplexity with the experts served from a budgeted cache."""
+    """Generate text or measure perplexity with the experts served from a mixed-precision cache."""
     if (prompt is None) == (ppl is None):
         raise HexqError("give exactly one of --prompt TEXT or --ppl DATA")
-    config = runtime_config(memory=memory, budget=budget, context=context, dtype=dtype, cache=cache, threads=threads,
-                            kernels=kernels, decode=decode, warm=warm, cost_model=cost_model, policy=policy,
-                            prefetch=prefetch, prefetch_top=prefetch_top, mode=mode, device=device)
+    config = runtime_config(memory=memory, fast_tier=fast_tier, context=context, dtype=dtype, cache=cache,
+                            threads=threads, kernels=kernels, decode=decode, warm=warm, cost_model=cost_model,
+                            policy=policy, prefetch=prefetch, prefetch_top=prefetch_top, mode=mode, device=device)
     from hexq.base.data import eval_text, tokenize
     from hexq.base.io import write_json_atomic
     from hexq.eval.run import runtime_divergence, runtime_perplexity

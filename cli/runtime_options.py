@@ -10,8 +10,8 @@ import typer
 
 MemoryOpt = Annotated[str | None, typer.Option("--memory", help="One budget for the whole process: dense part + "
                                                "load scratch + KV cache + expert cache, e.g. 6GB.")]
-BudgetOpt = Annotated[str | None, typer.Option("--budget", help="Memory for the expert cache alone, e.g. 200MB or "
-                                               "1.5GiB (default: all experts).")]
+FastTierOpt = Annotated[str | None, typer.Option("--fast-tier", help="Memory for the expert cache alone, e.g. 200MB "
+                                                 "or 1.5GiB (default: all experts).")]
 ContextOpt = Annotated[int | None, typer.Option("--context", "-c", help="Positions of one sequence (prompt + new "
                                                 "tokens) the KV cache is planned for (default: the model's, at "
                                                 "most 4096).", min=2)]
@@ -41,7 +41,7 @@ ModeOpt = Annotated[str, typer.Option("--mode", help="cache, or ondemand (no cac
                                       "use).")]
 
 
-def runtime_config(*, memory: str | None, budget: str | None, context: int | None, dtype: str, cache: str,
+def runtime_config(*, memory: str | None, fast_tier: str | None, context: int | None, dtype: str, cache: str,
                    threads: int | None, kernels: str, decode: str, warm: str, cost_model: bool, policy: str,
                    prefetch: bool, prefetch_top: int, mode: str, device: str):
     """The RuntimeConfig of the options above (sizes parsed, the device checked before anything loads)."""
@@ -59,7 +59,7 @@ def runtime_config(*, memory: str | None, budget: str | None, context: int | Non
 
     resolve_device(device)
     return RuntimeConfig(memory_bytes=parse_bytes(memory) if memory is not None else None,
-                         budget_bytes=parse_bytes(budget) if budget is not None else None, policy=policy,
+                         fast_tier_bytes=parse_bytes(fast_tier) if fast_tier is not None else None, policy=policy,
                          prefetch=prefetch, prefetch_top_t=prefetch_top, mode=mode, device=device, dtype=dtype,
                          cache=cache, warm=warm, admission=cost_model, kernels=kernels, threads=threads,
                          decode=decode, context=context)

@@ -10,12 +10,12 @@ import typer
 from hexq.base.errors import HexqError
 from hexq_cli.common import DeviceOpt, console, err_console, handle_errors
 from hexq_cli.runtime_options import (
-    BudgetOpt,
     CacheOpt,
     ContextOpt,
     CostModelOpt,
     DecodeOpt,
     DtypeOpt,
+    FastTierOpt,
     KernelsOpt,
     MemoryOpt,
     ModeOpt,
@@ -48,7 +48,7 @@ def serve(
                                            "more are answered 503.", min=0)] = 64,
     max_body: Annotated[str, typer.Option("--max-body", help="Largest request body, e.g. 1MB.")] = "1MiB",
     memory: MemoryOpt = None,
-    budget: BudgetOpt = None,
+    fast_tier: FastTierOpt = None,
     context: ContextOpt = None,
     dtype: DtypeOpt = "bf16",
     cache: CacheOpt = "packed",
@@ -65,9 +65,9 @@ def serve(
 ) -> None:
     """Serve the artifact over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
     /health, /metrics), one sequence at a time, within --memory."""
-    config = runtime_config(memory=memory, budget=budget, context=context, dtype=dtype, cache=cache, threads=threads,
-                            kernels=kernels, decode=decode, warm=warm, cost_model=cost_model, policy=policy,
-                            prefetch=prefetch, prefetch_top=prefetch_top, mode=mode, device=device)
+    config = runtime_config(memory=memory, fast_tier=fast_tier, context=context, dtype=dtype, cache=cache,
+                            threads=threads, kernels=kernels, decode=decode, warm=warm, cost_model=cost_model,
+                            policy=policy, prefetch=prefetch, prefetch_top=prefetch_top, mode=mode, device=device)
     from hexq.base.devices import peak_rss_bytes
     from hexq.base.units import parse_bytes
     from hexq.runtime.engine import Runtime
@@ -82,9 +82,10 @@ def serve(
     startup_rss = peak_rss_bytes()  # the interpreter and libraries, before anything of the artifact
     name = model_name or Path(artifact).resolve().name
     with Runtime(artifact, config) as runtime:
-        plan = (f"dense {runtime.dense_bytes / 2**20:.1f} MiB + scratch {runtime.scratch_bytes / 2**20:.1f} MiB + KV "
-                f"{runtime.kv_bytes / 2**20:.1f} MiB ({runtime.context} positions) + experts "
-                f"{runtime.budget_bytes / 2**20:.1f} MiB")
+        memory = runtime.plan
+        plan = (f"dense {memory.dense_bytes / 2**20:.1f} MiB + scratch {memory.scratch_bytes / 2**20:.1f} MiB + KV "
+                f"{memory.kv_bytes / 2**20:.1f} MiB ({memory.context} positions) + fast tier "
+                f"{memory.fast_tier_bytes / 2**20:.1f} MiB")
         console.print(f"serving {name} at http://{_url_host(host)}:{port}/v1 ({runtime.decode_path}; {plan}); "
                       "Ctrl-C stops", highlight=False, soft_wrap=True)
         if host not in LOOPBACK and api_key is None:

@@ -45,7 +45,7 @@ def test_calibrate_pack_eval_run_create_every_tensor_on_its_data_s_device(tiny_q
             (row,) = evaluate_model(target, ["austen"], 32, 2, 2, device="cpu")
             assert row.result.perplexity > 1
         for policy in ("static", "context", "online", "depth"):
-            with Runtime(artifact, budget_bytes=20_000, policy=policy, device="cpu") as runtime:
+            with Runtime(artifact, fast_tier_bytes=20_000, policy=policy, device="cpu") as runtime:
                 ids = tokenize(runtime.tokenizer, eval_text("austen"))
                 assert runtime_perplexity(runtime, ids, 32, 2)[0] > 1
                 runtime.generate("It is a truth", 3)

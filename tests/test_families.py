@@ -183,8 +183,8 @@ def test_runtime_bookkeeping_skips_dense_layers(family_run):
     with Runtime(family_run.artifact, prefetch=False) as runtime:
         resident = torch.cat([runtime.forward(window[None]).logits for window in windows])
     with Runtime(family_run.artifact) as probe:
-        one = probe.expert_bytes // (len(family_run.moe_layers) * probe.artifact.num_experts)
-    with Runtime(family_run.artifact, budget_bytes=3 * one) as runtime:
+        one = probe.plan.expert_bytes // (len(family_run.moe_layers) * probe.artifact.num_experts)
+    with Runtime(family_run.artifact, fast_tier_bytes=3 * one) as runtime:
         cached = torch.cat([runtime.forward(window[None]).logits for window in windows])
         stats = runtime.stats()
     assert torch.equal(cached, resident)
@@ -257,7 +257,7 @@ def test_dense_layers_are_smoothed_at_the_dense_setting_in_a_mixed_precision_mod
     windows = heldout_windows()[:2]
     with Runtime(artifact.path, prefetch=False) as runtime:
         resident = runtime.forward(windows).logits
-    with Runtime(artifact.path, budget_bytes=runtime.expert_bytes // 8) as runtime:
+    with Runtime(artifact.path, fast_tier_bytes=runtime.plan.expert_bytes // 8) as runtime:
         assert torch.equal(runtime.forward(windows).logits, resident)
     summary = export_artifact(artifact.path, mixed_deepseek / "ct", windows=2, seqlen=32)
     assert summary.check.passed and summary.check.vs_served.rel_l2 <= 1e-2

@@ -274,15 +274,15 @@ def test_native_step_under_a_small_fast_tier_loads_its_misses(packed_artifact):
     want, _ = native_run(packed_artifact, steps)
     with Runtime(packed_artifact, dtype="fp32") as probe:
         budget = top_k_bytes(probe)  # the least the native step takes: the most churn
-        assert budget < probe.expert_bytes
+        assert budget < probe.plan.expert_bytes
         top_k, moe_layers = probe.model.config.num_experts_per_tok, len(probe.artifact.moe_layers)
-    got, runtime = native_run(packed_artifact, steps, budget_bytes=budget)
+    got, runtime = native_run(packed_artifact, steps, fast_tier_bytes=budget)
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
     stats = runtime.cache.stats
     assert stats.misses > 0 and stats.evictions > 0 and stats.hits > 0
     assert stats.hits + stats.misses == steps * top_k * moe_layers  # no 0-bit expert in this artifact
-    assert runtime.cache.budget.peak <= budget
+    assert runtime.cache.fast_tier.peak <= budget
 
 
 def cached_share(path, ranges) -> float:
@@ -342,7 +342,7 @@ def test_native_step_reads_its_misses_ahead(packed_artifact, monkeypatch):
 
     with Runtime(packed_artifact, dtype="fp32") as full:
         logits, past = full._next_logits(PROMPT, None)
-    with Runtime(packed_artifact, dtype="fp32", budget_bytes=budget) as runtime:
+    with Runtime(packed_artifact, dtype="fp32", fast_tier_bytes=budget) as runtime:
         runtime.native.start(past, PROMPT.shape[1], PROMPT.shape[1] + steps)
         runtime.native.profile()  # counted from here
         runtime.cache.reset_stats()
@@ -378,4 +378,4 @@ def test_generate_uses_the_native_step_and_says_why_not(packed_artifact):
     with Runtime(packed_artifact, cache="bf16") as runtime:
         assert runtime.decode_path.startswith("transformers (--cache bf16")
     with pytest.raises(HexqError, match="--decode native: the fast tier holds fewer than"):
-        Runtime(packed_artifact, budget_bytes=below, decode="native")
+        Runtime(packed_artifact, fast_tier_bytes=below, decode="native")

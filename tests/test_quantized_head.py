@@ -154,7 +154,7 @@ def test_memory_plan_counts_the_head_as_codes(head_artifact):
     _model, _cal, path = head_artifact
     artifact = Artifact(path)
     with Runtime(path, dtype="bf16", warm="none") as runtime:
-        assert runtime.dense_bytes == dense_bytes(runtime.model)
+        assert runtime.plan.dense_bytes == dense_bytes(runtime.model)
         head = sum(b.numel() * b.element_size() for b in runtime.model.lm_head.buffers())
         assert head == artifact.packed_param_nbytes(HEAD_WEIGHT)  # the head's whole share: its codes, scale, zero
         assert runtime.model.lm_head.codes.data_ptr() != runtime.model.model.embed_tokens.weight.data_ptr()

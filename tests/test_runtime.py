@@ -42,9 +42,9 @@ BF16 = {"cache": "bf16"}  # fixed-size slots: one expert's bytes do not depend o
 def test_static_policy_logits_do_not_depend_on_the_budget(mixed_artifact, reference_logits, fraction, prefetch):
     """fp32 mode: the streamed eval's logits under every budget, warm start and cost model included."""
     probe = Runtime(mixed_artifact, **FP32)
-    budget = max(int(fraction * probe.expert_bytes), probe.cache.capacity_bytes // 16)
+    budget = max(int(fraction * probe.plan.expert_bytes), probe.cache.fast_tier.capacity // 16)
     probe.close()
-    with Runtime(mixed_artifact, budget_bytes=budget, prefetch=prefetch, **FP32) as runtime:
+    with Runtime(mixed_artifact, fast_tier_bytes=budget, prefetch=prefetch, **FP32) as runtime:
         logits = runtime.forward(IDS[None]).logits
         stats = runtime.stats()
     assert (logits - reference_logits).abs().max() <= 1e-5
@@ -58,7 +58,7 @@ def default_logits(mixed_artifact):
     """(all-resident logits of the default runtime: packed cache, kernels, bf16; bytes of every expert; of the
     largest slot)."""
     with Runtime(mixed_artifact, warm="none") as runtime:
-        return runtime.forward(IDS[None]).logits, runtime.expert_bytes, runtime.source.largest_slot
+        return runtime.forward(IDS[None]).logits, runtime.plan.expert_bytes, runtime.source.sizes.largest_slot
 
 
 @pytest.mark.parametrize("options", [{"warm": "3"}, {"warm": "1", "prefetch": False}, {"warm": "2", "admission": False},
@@ -68,7 +68,7 @@ def test_default_logits_are_bit_identical_across_budgets(mixed_artifact, default
     """The default runtime: the same bits under every budget, warm start, cost model and mode (hits, fills and
     transient loads all compute the same way)."""
     logits, total, one = default_logits
-    with Runtime(mixed_artifact, budget_bytes=max(int(fraction * total), one), **options) as runtime:
+    with Runtime(mixed_artifact, fast_tier_bytes=max(int(fraction * total), one), **options) as runtime:
         assert torch.equal(runtime.forward(IDS[None]).logits, logits)
 
 
@@ -81,7 +81,7 @@ def test_load_on_demand_computes_the_same(mixed_artifact, reference_logits):
 
 def test_generate_streams_and_reports(mixed_artifact):
     pieces = []
-    with Runtime(mixed_artifact, budget_bytes=None) as runtime:
+    with Runtime(mixed_artifact, fast_tier_bytes=None) as runtime:
         text, stats = runtime.generate("It is a truth universally", 8, pieces.append)
     assert "".join(pieces) == text and stats.generated_tokens == 8
     assert stats.ttft_seconds > 0 and stats.tpot_seconds > 0 and stats.tokens_per_second > 0
@@ -101,7 +101,7 @@ def test_perplexity_matches_the_streamed_eval(mixed_artifact):
 
 def test_errors(mixed_artifact):
     with pytest.raises(HexqError, match="minimum is"):
-        Runtime(mixed_artifact, budget_bytes=1000)
+        Runtime(mixed_artifact, fast_tier_bytes=1000)
     with pytest.raises(ValueError, match="static"):
         Runtime(mixed_artifact, policy="fastest")
     with Runtime(mixed_artifact) as runtime, pytest.raises(HexqError, match="context"):
@@ -110,12 +110,12 @@ def test_errors(mixed_artifact):
 
 def test_cli_run(mixed_artifact, tmp_path):
     out = tmp_path / "run.json"
-    result = runner.invoke(app, ["run", str(mixed_artifact), "--prompt", "The cat", "-m", "4", "--budget", "100KB",
+    result = runner.invoke(app, ["run", str(mixed_artifact), "--prompt", "The cat", "-m", "4", "--fast-tier", "100KB",
                                  "--stats", "--json", str(out)])
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
     assert report["stats"]["generated_tokens"] == 4 and report["stats"]["peak_bytes"] <= 100_000
-    assert runner.invoke(app, ["run", str(mixed_artifact), "--prompt", "x", "--budget", "ten"]).exit_code == 1
+    assert runner.invoke(app, ["run", str(mixed_artifact), "--prompt", "x", "--fast-tier", "ten"]).exit_code == 1
     bad = runner.invoke(app, ["run", str(mixed_artifact)])
     assert bad.exit_code == 1 and "exactly one of" in bad.output
     ppl = runner.invoke(app, ["run", str(mixed_artifact), "--ppl", "austen", "-n", "2", "-L", "32"])
@@ -141,9 +141,9 @@ def test_cli_run_bad_inputs_and_interrupt(mixed_artifact, tmp_path, monkeypatch)
 def test_prefill_admits_only_the_layer_share(mixed_artifact):
     """A prompt that touches every expert fills at most the cache's share per layer; the rest bypass the cache."""
     probe = Runtime(mixed_artifact, **BF16)
-    one_expert = probe.source.largest_slot
+    one_expert = probe.source.sizes.largest_slot
     probe.close()
-    with Runtime(mixed_artifact, budget_bytes=4 * one_expert, prefetch=False, warm="none", **BF16) as runtime:
+    with Runtime(mixed_artifact, fast_tier_bytes=4 * one_expert, prefetch=False, warm="none", **BF16) as runtime:
         runtime.forward(IDS[None])
         resident = runtime.cache.resident()
         stats = runtime.stats()
@@ -187,22 +187,22 @@ def test_memory_is_one_budget_for_dense_scratch_and_experts(mixed_artifact):
     from hexq.runtime.model import dense_bytes
 
     with Runtime(mixed_artifact, warm="none", **BF16) as probe:
-        dense, scratch, one = probe.dense_bytes, probe.scratch_bytes, probe.source.largest_slot
+        dense, scratch, one = probe.plan.dense_bytes, probe.plan.scratch_bytes, probe.source.sizes.largest_slot
         assert dense == dense_bytes(probe.model)  # planned before materializing, exactly what was materialized
-        kv = probe.kv_bytes
-        assert kv == probe.context * kv_position_bytes(probe.model.config, torch.bfloat16) > 0
+        kv = probe.plan.kv_bytes
+        assert kv == probe.plan.context * kv_position_bytes(probe.model.config, torch.bfloat16) > 0
     minimum = dense + scratch + kv + one
     with pytest.raises(HexqError, match=f"below the minimum of .* \\({minimum} bytes\\)"):
         Runtime(mixed_artifact, memory_bytes=minimum - 1, **BF16)
     memory = minimum + 3 * one + one // 2
     with Runtime(mixed_artifact, memory_bytes=memory, **BF16) as runtime:
-        assert runtime.budget_bytes == memory - dense - scratch - kv and runtime.slots == 4
+        assert runtime.plan.fast_tier_bytes == memory - dense - scratch - kv and runtime.slots == 4
         runtime.generate("It is a truth universally", 4)
         stats = runtime.stats().as_dict()
-    assert stats["dense_bytes"] + stats["scratch_bytes"] + stats["kv_bytes"] + stats["budget_bytes"] == memory
-    assert stats["peak_bytes"] <= stats["budget_bytes"] and stats["memory_bytes"] == memory
+    assert stats["dense_bytes"] + stats["scratch_bytes"] + stats["kv_bytes"] + stats["fast_tier_bytes"] == memory
+    assert stats["peak_bytes"] <= stats["fast_tier_bytes"] and stats["memory_bytes"] == memory
     with pytest.raises(HexqError, match="not both"):
-        Runtime(mixed_artifact, budget_bytes=10**6, memory_bytes=10**7)
+        Runtime(mixed_artifact, fast_tier_bytes=10**6, memory_bytes=10**7)
 
 
 @pytest.mark.parametrize("scheme", ["1", "2", "3"])
@@ -218,8 +218,8 @@ def test_warm_start_loads_the_placement(mixed_artifact, scheme):
     mask = {"1": path_placement(topk, E, 3), "2": frequency_placement(counts, 3),
             "3": two_stage_placement(topk, E, 3)}[scheme]
     with Runtime(mixed_artifact, warm="none", **BF16) as probe:
-        one = probe.source.largest_slot
-    with Runtime(mixed_artifact, budget_bytes=6 * one, warm=scheme, **BF16) as runtime:  # 3 per layer
+        one = probe.source.sizes.largest_slot
+    with Runtime(mixed_artifact, fast_tier_bytes=6 * one, warm=scheme, **BF16) as runtime:  # 3 per layer
         resident = runtime.cache.resident()
         stats = runtime.stats()
     want = {(row, e) for row in range(mask.shape[0]) for e in range(E)
@@ -237,8 +237,8 @@ def test_warm_start_3_uses_the_placement_pack_stored(mixed_artifact):
     placement = artifact.placement
     K, L = placement["hot_per_layer"], len(placement["hot"])
     with Runtime(mixed_artifact, warm="none", **BF16) as probe:
-        one = probe.source.largest_slot
-    with Runtime(mixed_artifact, budget_bytes=K * L * one, warm="3", **BF16) as runtime:
+        one = probe.source.sizes.largest_slot
+    with Runtime(mixed_artifact, fast_tier_bytes=K * L * one, warm="3", **BF16) as runtime:
         resident = set(runtime.cache.resident())
     want = {(row, e) for row, hot in enumerate(placement["hot"]) for e in hot if artifact.allocation[row][e]}
     assert placement["scheme"] == "two_stage" and want and resident == want

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hexq.runtime.cache import ExpertCache
-from hexq.runtime.residency import BudgetTracker, ExpertWeights
+from hexq.runtime.residency import ExpertWeights, FastTier
 
 
 def expected_value(layer: int, expert: int, bits: int) -> float:
@@ -61,7 +61,7 @@ def make_cache():
     caches = []
 
     def make(capacity: int, source: FakeSource | None = None) -> ExpertCache:
-        cache = ExpertCache(source or FakeSource(), capacity)
+        cache = ExpertCache(source or FakeSource(), FastTier(capacity))
         caches.append(cache)
         return cache
 
@@ -73,8 +73,8 @@ def make_cache():
 # ---------------------------------------------------------------- budget tracker
 
 
-def test_budget_tracker_admission_and_peak():
-    b = BudgetTracker(100)
+def test_fast_tier_admission_and_peak():
+    b = FastTier(100)
     assert b.reserve(60) and b.used == 60
     assert not b.reserve(41)  # a failed reservation changes nothing
     assert b.used == 60 and b.peak == 60
@@ -84,11 +84,12 @@ def test_budget_tracker_admission_and_peak():
     with pytest.raises(ValueError, match="exceeds"):
         b.release(31)
     with pytest.raises(ValueError):
-        BudgetTracker(0)
+        FastTier(-1)
+    assert not FastTier(0).reserve(1)  # no cache: every reservation refused
 
 
-def test_budget_tracker_threads_never_exceed_capacity():
-    b = BudgetTracker(1000)
+def test_fast_tier_threads_never_exceed_capacity():
+    b = FastTier(1000)
 
     def worker(seed: int) -> None:
         rng = random.Random(seed)
@@ -125,7 +126,7 @@ def test_hit_miss_promotion_and_conservative_reuse(make_cache):
     assert src.loads == [(0, 1, 2), (0, 1, 4)]
     # One copy per expert: the 2-bit version was released after the 4-bit one was published.
     assert cache.resident() == {(0, 1): 4}
-    assert cache.budget.used == N
+    assert cache.fast_tier.used == N
 
 
 def test_handle_is_stable_and_eviction_unpublishes(make_cache):
@@ -149,7 +150,7 @@ def test_lru_eviction_order(make_cache):
     cache.get(0, 4, 4)  # evicts 2
     assert list(cache.resident()) == [(0, 0), (0, 3), (0, 4)]
     assert cache.stats.evictions == 2
-    assert cache.budget.peak <= cache.capacity_bytes
+    assert cache.fast_tier.peak <= cache.fast_tier.capacity
 
 
 def test_watchers_hear_of_every_eviction_and_promotion_and_touch_counts_hits(make_cache):
@@ -175,7 +176,7 @@ def test_watchers_hear_of_every_eviction_and_promotion_and_touch_counts_hits(mak
 
 def test_a_fill_without_admission_never_asks_the_cost_model():
     asked = []
-    cache = ExpertCache(FakeSource(), 2 * N, lambda *args: asked.append(args) or False)
+    cache = ExpertCache(FakeSource(), FastTier(2 * N), lambda *args: asked.append(args) or False)
     try:
         cache.get(0, 0, 4)
         cache.get(0, 1, 4)
@@ -255,12 +256,12 @@ def test_promotion_counts_both_versions_and_keeps_old_readable(make_cache):
     assert src.started.wait(5)
     # During the load the 2-bit version stays published: readers of <= 2 bits hit without waiting.
     assert cache.get(0, 0, 2).bits == 2
-    assert cache.budget.used == 2 * N  # both versions counted
+    assert cache.fast_tier.used == 2 * N  # both versions counted
     src.gate.set()
     cache.wait_idle()
     assert cache.resident() == {(0, 0): 8}
-    assert cache.budget.used == N
-    assert cache.budget.peak == 2 * N <= cache.capacity_bytes
+    assert cache.fast_tier.used == N
+    assert cache.fast_tier.peak == 2 * N <= cache.fast_tier.capacity
     assert cache.stats.promotions == 1
 
 
@@ -273,7 +274,7 @@ def test_promotion_makes_room_for_a_second_copy_by_evicting_others(make_cache):
     cache.wait_idle()
     assert cache.resident() == {(0, 0): 8}
     assert (cache.stats.promotions, cache.stats.evictions) == (1, 1)
-    assert cache.budget.used == N and cache.budget.peak == 2 * N
+    assert cache.fast_tier.used == N and cache.fast_tier.peak == 2 * N
 
 
 def test_promotion_next_to_a_pinned_expert_frees_first_or_drops(make_cache):
@@ -288,7 +289,7 @@ def test_promotion_next_to_a_pinned_expert_frees_first_or_drops(make_cache):
         assert cache.get(0, 0, 8).bits == 8  # a blocking get retires the 2-bit copy first
     assert cache.resident() == {(0, 1): 4, (0, 0): 8}
     assert (cache.stats.promotions, cache.stats.evictions) == (1, 0)
-    assert cache.budget.used == cache.budget.peak == 2 * N
+    assert cache.fast_tier.used == cache.fast_tier.peak == 2 * N
 
 
 def test_promotion_frees_first_when_both_cannot_fit(make_cache):
@@ -300,7 +301,7 @@ def test_promotion_frees_first_when_both_cannot_fit(make_cache):
     assert cache.resident() == {(0, 0): 2} and cache.stats.prefetch_dropped == 1
     assert cache.get(0, 0, 8).bits == 8  # a blocking get retires the 2-bit copy first
     assert cache.resident() == {(0, 0): 8}
-    assert cache.budget.peak == N
+    assert cache.fast_tier.peak == N
     assert cache.stats.promotions == 1 and cache.stats.evictions == 0
 
 
@@ -350,7 +351,7 @@ def test_failed_load_releases_its_reservation(make_cache):
     with pytest.raises(OSError, match="bad shard"):  # the worker's failure reaches the caller, once
         cache.wait_idle()
     cache.wait_idle()
-    assert cache.budget.used == 0 and cache.stats.prefetch_dropped == 1
+    assert cache.fast_tier.used == 0 and cache.stats.prefetch_dropped == 1
     assert_weights(cache.get(0, 1, 4), 0, 1, 4)  # the worker survived and the cache still works
     cache.prefetch(0, 2, 4)  # but loads nothing more in the background after a failure
     cache.wait_idle()
@@ -365,14 +366,14 @@ def test_source_size_mismatch_is_reported(make_cache):
     cache = make_cache(1000, Liar())
     with pytest.raises(ValueError, match="nbytes"):
         cache.get(0, 0, 4)
-    assert cache.budget.used == 0
+    assert cache.fast_tier.used == 0
 
 
 def test_close_stops_worker_and_frees_everything():
-    cache = ExpertCache(FakeSource(), 1000)
+    cache = ExpertCache(FakeSource(), FastTier(1000))
     cache.get(0, 0, 4)
     cache.close()
-    assert cache.budget.used == 0 and not cache._worker.is_alive()
+    assert cache.fast_tier.used == 0 and not cache._worker.is_alive()
     with pytest.raises(RuntimeError, match="closed"):
         cache.get(0, 0, 4)
     with pytest.raises(RuntimeError, match="closed"):
@@ -390,7 +391,7 @@ def test_capacity_smaller_than_one_expert_raises_with_minimum(make_cache):
     assert_weights(cache.get(0, 0, 8, fill=False), 0, 0, 8)  # the bypass path still computes
     cache.prefetch(0, 0, 8)
     cache.wait_idle()
-    assert cache.stats.prefetch_dropped == 1 and cache.budget.peak == 0
+    assert cache.stats.prefetch_dropped == 1 and cache.fast_tier.peak == 0
 
 
 # ---------------------------------------------------------------- concurrency
@@ -463,7 +464,7 @@ def test_slow_loader_never_exposes_a_partial_version(make_cache):
     assert seen == sorted(seen)  # a handle's versions only move forward
     assert {bits for _, bits in seen} == {2, 8} and len(seen) >= 4
     assert cache.stats.promotions >= 1
-    assert cache.budget.peak <= cache.capacity_bytes
+    assert cache.fast_tier.peak <= cache.fast_tier.capacity
 
 
 def test_stress_random_requests_with_concurrent_prefetch(make_cache):
@@ -477,7 +478,7 @@ def test_stress_random_requests_with_concurrent_prefetch(make_cache):
 
     def watch_budget() -> None:
         while not stop.is_set():
-            if cache.budget.used > capacity:
+            if cache.fast_tier.used > capacity:
                 over_budget.set()
             time.sleep(0.0005)
 
@@ -512,9 +513,9 @@ def test_stress_random_requests_with_concurrent_prefetch(make_cache):
     cache.wait_idle()
     assert not errors, errors[:3]
     assert not over_budget.is_set()
-    assert cache.budget.peak <= capacity
+    assert cache.fast_tier.peak <= capacity
     # Accounting closes: what is reserved is exactly what is published, and every load was counted once.
-    assert cache.budget.used == N * len(cache.resident())
+    assert cache.fast_tier.used == N * len(cache.resident())
     s = cache.stats
     assert s.bytes_moved == sum(NB(*k) for k in src.loads)
     assert s.prefetch_issued == 2 * 1200
@@ -548,7 +549,7 @@ def test_admission_sees_the_victims_and_a_declined_fill_is_a_transient_load():
         return key[1] != 7  # expert 7 is never worth an eviction
 
     source = RecyclingSource()
-    cache = ExpertCache(source, 2 * N, admission)
+    cache = ExpertCache(source, FastTier(2 * N), admission)
     try:
         cache.get(0, 0, 4)
         cache.get(0, 1, 2)
@@ -571,15 +572,15 @@ def test_admission_sees_the_victims_and_a_declined_fill_is_a_transient_load():
 
 def test_a_version_replaced_while_pinned_is_freed_at_the_last_unpin():
     source = RecyclingSource()
-    cache = ExpertCache(source, 3 * N)
+    cache = ExpertCache(source, FastTier(3 * N))
     try:
         with cache.pinned(0, [5]):
             low = cache.get(0, 5, 2)
             cache.prefetch(0, 5, 4)  # promoted in the background while the 2-bit copy is in use
             cache.wait_idle()
             assert cache.resident() == {(0, 5): 4}
-            assert source.recycled == [] and cache.budget.used == 2 * N  # still counted, memory untouched
+            assert source.recycled == [] and cache.fast_tier.used == 2 * N  # still counted, memory untouched
             assert_weights(low, 0, 5, 2)
-        assert [w.bits for w in source.recycled] == [2] and cache.budget.used == N
+        assert [w.bits for w in source.recycled] == [2] and cache.fast_tier.used == N
     finally:
         cache.close()

@@ -138,12 +138,12 @@ def test_decode_from_the_codes_tracks_the_exact_model(packed_artifact):
 def test_packed_cache_holds_the_stored_bytes(packed_artifact):
     """The fast tier counts packed bytes: every expert at its allocation in ~bits/16 of its bf16 bytes."""
     with Runtime(packed_artifact, warm="none") as packed, Runtime(packed_artifact, warm="none", cache="bf16") as bf16:
-        ratio = packed.expert_bytes / bf16.expert_bytes
+        ratio = packed.plan.expert_bytes / bf16.plan.expert_bytes
         average = packed.artifact.average_bits
         # codes at the average width plus a float16 scale and zero per 32 weights (1 bit each), slots rounded to 64 B
         assert average / 16 < ratio < (average + 1) / 16 * 1.1
-        sizes = [packed.source.slot_bytes[b] for b in sorted(packed.source.slot_bytes)]
-        assert sizes == sorted(set(sizes)) and sizes[-1] < bf16.source.largest_slot
+        sizes = [packed.source.sizes.slot_bytes[b] for b in sorted(packed.source.sizes.slot_bytes)]
+        assert sizes == sorted(set(sizes)) and sizes[-1] < bf16.source.sizes.largest_slot
 
 
 def test_self_check_refuses_wrong_numbers(packed_artifact, monkeypatch):
@@ -203,6 +203,6 @@ def test_cost_model_latencies_are_measured_once_and_kept(packed_artifact, tmp_pa
         profiles = first.compute.profiles
     kept = sorted((tmp_path / "profiles").glob("*.json")) if KERNELS is not None else []
     assert len(kept) == (2 if KERNELS is not None else 0)
-    with Runtime(packed_artifact, budget_bytes=first.source.largest_slot * 3) as second:
+    with Runtime(packed_artifact, fast_tier_bytes=first.source.sizes.largest_slot * 3) as second:
         assert second.compute.profiles == profiles
         assert torch.equal(second.forward(ids).logits, logits)

@@ -326,7 +326,7 @@ def test_load(plain, artifacts):
     assert metrics[answered] - before == 128
     assert not any(key.startswith("hexq_requests_total") and re.search(r'status="5', key) for key in metrics)
     grown = metrics["hexq_peak_rss_bytes"] - metrics["hexq_startup_rss_bytes"]
-    assert 0 < grown <= parse_bytes(MEMORY) == metrics["hexq_memory_budget_bytes"]
+    assert 0 < grown <= parse_bytes(MEMORY) == metrics["hexq_memory_bytes"]
     assert plain.alive()
 
 

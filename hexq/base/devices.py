@@ -65,7 +65,7 @@ def out_of_memory_message(error: BaseException, command: str) -> str:
     need = f"a step needed {asked.group(1)} more" if asked else "a step needed more memory than was free"
     advice = {"calibrate": "lower --activation-memory or use --device cpu; run the same command again and the "
                            "calibration resumes after its last finished layer",
-              "run": "lower --memory or --budget, or use --device cpu"}.get(command, "use --device cpu")
+              "run": "lower --memory or --fast-tier, or use --device cpu"}.get(command, "use --device cpu")
     return f"out of memory on {device}{free}: {need}; {advice}"
 
 

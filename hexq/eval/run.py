@@ -141,7 +141,7 @@ def runtime_divergence(runtime, text: str, ids: torch.Tensor, seqlen: int, max_w
     """Per-token divergence of the runtime's next-token distributions (one window per forward pass, as
     runtime_perplexity scores them) from the model at `reference_path` (streamed layer by layer) on the same
     windows of `text` (hexq.eval.divergence)."""
-    check_window_length(seqlen, runtime.context)
+    check_window_length(seqlen, runtime.plan.context)
     windows = make_windows(ids, seqlen, max_windows)
     reference, prepare = open_reference(Path(reference_path), runtime.device, {"the text": text}, {"the text": ids},
                                         runtime.model.config.vocab_size)
@@ -164,7 +164,7 @@ def runtime_perplexity(runtime, ids: torch.Tensor, seqlen: int, max_windows: int
                        progress: Callable[[int, int], None] | None = None) -> tuple[float, int, float]:
     """(perplexity, tokens scored, seconds) of a hexq.runtime.engine.Runtime with the GPTQ protocol (the windows of
     `make_windows`), one window per forward pass so that the precision policy sees each as a sequence."""
-    check_window_length(seqlen, runtime.context)
+    check_window_length(seqlen, runtime.plan.context)
     windows = make_windows(ids, seqlen, max_windows)
     nll, started = 0.0, time.perf_counter()
     for index, window in enumerate(windows):

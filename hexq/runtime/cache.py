@@ -55,12 +55,12 @@ from hexq.base.errors import HexqError
 from hexq.runtime.cache_prefetch import PrefetchWorker
 from hexq.runtime.residency import (
     Admission,
-    BudgetTracker,
     CacheStats,
     ExpertHandle,
     ExpertSource,
     ExpertVersion,
     ExpertWeights,
+    FastTier,
     Key,
 )
 
@@ -74,7 +74,7 @@ class ExpertCache(PrefetchWorker):
     and frees everything. All public methods are thread-safe. See the module docstring for the rules.
     """
 
-    def __init__(self, source: ExpertSource, capacity_bytes: int, admission: Admission | None = None):
+    def __init__(self, source: ExpertSource, fast_tier: FastTier, admission: Admission | None = None):
         self._source = source
         self._admission = admission
         self._recycle = getattr(source, "recycle", None)
@@ -82,7 +82,7 @@ class ExpertCache(PrefetchWorker):
         self._deferred: dict[Key, list[ExpertVersion]] = {}  # replaced while pinned: freed at the last unpin
         self._error: BaseException | None = None  # the prefetch worker's first failure, raised once by the caller
         self._error_raised = False
-        self._budget = BudgetTracker(capacity_bytes)
+        self._fast_tier = fast_tier
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # notified on every publish, failed load, unpin and close
         self._handles: dict[Key, ExpertHandle] = {}
@@ -101,12 +101,8 @@ class ExpertCache(PrefetchWorker):
     # ---------------------------------------------------------------- inspection
 
     @property
-    def capacity_bytes(self) -> int:
-        return self._budget.capacity
-
-    @property
-    def budget(self) -> BudgetTracker:
-        return self._budget
+    def fast_tier(self) -> FastTier:
+        return self._fast_tier
 
     @property
     def stats(self) -> CacheStats:
@@ -309,9 +305,9 @@ class ExpertCache(PrefetchWorker):
             raise self._error
 
     def _check_fits(self, key: Key, bits: int, need: int) -> None:
-        if need > self._budget.capacity:
+        if need > self._fast_tier.capacity:
             raise HexqError(
-                f"expert cache capacity {self._budget.capacity} bytes cannot hold expert (layer {key[0]}, expert "
+                f"expert cache capacity {self._fast_tier.capacity} bytes cannot hold expert (layer {key[0]}, expert "
                 f"{key[1]}) at {bits} bits, which needs {need} bytes; the minimum budget is {need} bytes "
                 f"({need / 2**20:.2f} MiB). Raise the budget, lower the precision, or compute it from a transient "
                 "bypass buffer with get(..., fill=False)")
@@ -331,17 +327,17 @@ class ExpertCache(PrefetchWorker):
         may retire it first when both cannot fit. Returns True (reserved), False (no room can be made) or None (room
         could be made, but the admission callback declined the evictions it takes).
         """
-        if self._budget.reserve(need):
+        if self._fast_tier.reserve(need):
             return True
         old = self._lru.get(key)
         old_version = old.resolve() if old is not None else None
-        evicted, freed = self._victims(key, need, self._budget.available)
+        evicted, freed = self._victims(key, need, self._fast_tier.available)
         free_first = False
         if freed < need:  # evicting every unpinned entry would not make room
             if background or old_version is None or freed + old_version.nbytes < need:
                 return False
             free_first = True
-            evicted, freed = self._victims(key, need, self._budget.available + old_version.nbytes)
+            evicted, freed = self._victims(key, need, self._fast_tier.available + old_version.nbytes)
         if self._admission is not None and admit and evicted:
             chosen = [(k, self._lru[k]._active.bits) for k in evicted]
             if not self._admission(key, bits, chosen, background):
@@ -352,7 +348,7 @@ class ExpertCache(PrefetchWorker):
         for victim in evicted:
             self._retire(victim)
             self._stats.evictions += 1
-        if self._budget.reserve(need):
+        if self._fast_tier.reserve(need):
             return True
         raise RuntimeError("admission arithmetic disagrees with the budget tracker")
 
@@ -383,10 +379,11 @@ class ExpertCache(PrefetchWorker):
             gone(key)
 
     def _free(self, version: ExpertVersion) -> None:
-        """Return a version no longer published to the budget, and its memory to the source."""
-        self._budget.release(version.nbytes)
+        """Return a version no longer published: its memory to the source, then its bytes to the fast tier (in this
+        order, so that the source never sees bytes released whose slot it does not hold yet)."""
         if self._recycle is not None:
             self._recycle(version.weights)
+        self._fast_tier.release(version.nbytes)
 
     def _start_fill(self, key: Key, bits: int, promoting: bool) -> None:
         self._inflight[key] = bits
@@ -416,7 +413,7 @@ class ExpertCache(PrefetchWorker):
             weights = self._load(key, bits, need)
         except BaseException:
             with self._lock:
-                self._budget.release(need)
+                self._fast_tier.release(need)
                 del self._inflight[key]
                 self._changed.notify_all()
             raise
@@ -424,7 +421,7 @@ class ExpertCache(PrefetchWorker):
             del self._inflight[key]
             self._changed.notify_all()
             if self._closed:  # closed during the load: hand the weights to this caller but do not keep them
-                self._budget.release(need)
+                self._fast_tier.release(need)
                 return weights
             handle = self._handle(key)
             old = handle.resolve()  # a lower-precision copy being promoted, still published and counted

@@ -74,7 +74,7 @@ class PrefetchWorker:
                 return
             need = self._source.nbytes(key[0], key[1], bits)
             promoting = key in self._lru
-            if need > self._budget.capacity or not self._admit(key, bits, need, background=True):
+            if need > self._fast_tier.capacity or not self._admit(key, bits, need, background=True):
                 self._stats.prefetch_dropped += 1
                 logger.debug("prefetch of expert %s at %d bits dropped: no unpinned room", key, bits)
                 return

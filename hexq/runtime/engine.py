@@ -3,9 +3,10 @@
 Memory. `--memory` is one budget for everything hexq allocates: the dense part (attention, norms, routers, shared
 experts, embeddings, head; quantized linears kept as their packed codes, the rest in `--dtype`), the scratch (the
 load buffers of hexq.runtime.source and the compute's expansion matrices of hexq.runtime.compute), the KV cache of
-one sequence of `--context` positions (kv_position_bytes), and the fast tier, which gets the rest. `--budget` is
-the fast tier alone. Nothing of the artifact is memory-mapped while serving: experts are read with pread, so the
-page cache holds the artifact, not the process. The fast tier holds experts as their stored packed bytes by default
+one sequence of `--context` positions (kv_position_bytes), and the fast tier, which gets the rest. `--fast-tier` is
+the fast tier alone. The plan is made once (hexq.runtime.memory.MemoryPlan, `Runtime.plan`). Nothing of the
+artifact is memory-mapped while serving: experts are read with pread, so the page cache holds the artifact, not the
+process. The fast tier holds experts as their stored packed bytes by default
 (`--cache packed`: a 3-bit expert takes ~0.25x its bf16 bytes), or expanded into bf16 / fp32 matrices
 (`--cache bf16|fp32`).
 
@@ -53,12 +54,14 @@ from hexq.runtime.cache import ExpertCache
 from hexq.runtime.compute import EXPAND_ROWS, Compute, compute_backend, weight_rows
 from hexq.runtime.cost import admit_fill, calibration_usage, usage_update
 from hexq.runtime.experts import USAGE_HORIZON, CachedExperts, RunState
+from hexq.runtime.memory import plan_memory
 from hexq.runtime.model import build_model, dense_plan_bytes, expert_quantizers, skeleton
 from hexq.runtime.native import NativeDecoder, NotNative
 from hexq.runtime.policy import check_policy_widths, make_policy, policy_context
+from hexq.runtime.residency import FastTier
 from hexq.runtime.sampling import Sampling, TextStream, next_token
 from hexq.runtime.self_check import self_check
-from hexq.runtime.source import CACHE_FORMATS, ArtifactSource
+from hexq.runtime.source import CACHE_FORMATS, ArtifactSource, SlotSizes
 from hexq.runtime.stats import RunStats
 from hexq.runtime.warm import warm_order
 
@@ -79,9 +82,9 @@ DEFAULT_CONTEXT = 4096
 class RuntimeConfig:
     """How an artifact is served (every `hexq run` option that shapes the runtime).
 
-    memory_bytes: the whole budget (dense part + scratch + KV cache + fast tier); budget_bytes: the fast tier alone
-    (give at most one; neither: room for every expert). dtype: "bf16" or "fp32" for the dense part and expanded
-    matrices.
+    memory_bytes: the whole budget (dense part + scratch + KV cache + fast tier); fast_tier_bytes: the fast tier
+    alone (give at most one; neither: room for every expert; hexq.runtime.memory). dtype: "bf16" or "fp32" for the
+    dense part and expanded matrices.
     cache: what the fast tier holds, "packed", "bf16" or "fp32". warm: "none" or a placement scheme "1", "2", "3".
     admission: the per-miss cost model (False: every miss fills, plain LRU). decode: how a generated token is
     computed (DECODE). context: the positions one sequence may take, prompt and generated tokens together, which
@@ -92,7 +95,7 @@ class RuntimeConfig:
     """
 
     memory_bytes: int | None = None
-    budget_bytes: int | None = None
+    fast_tier_bytes: int | None = None
     policy: str = "static"
     policy_options: dict = field(default_factory=dict)
     hot_fraction: float | None = None
@@ -118,8 +121,6 @@ class RuntimeConfig:
             raise HexqError(f"--dtype {self.dtype}: choose one of {', '.join(DTYPES)}")
         if self.cache not in CACHE_FORMATS:
             raise HexqError(f"--cache {self.cache}: choose one of {', '.join(CACHE_FORMATS)}")
-        if self.memory_bytes is not None and self.budget_bytes is not None:
-            raise HexqError("give --memory (the whole process) or --budget (the experts alone), not both")
         if self.kernels not in KERNELS:
             raise HexqError(f"--kernels {self.kernels}: choose one of {', '.join(KERNELS)}")
         if self.decode not in DECODE:
@@ -128,10 +129,6 @@ class RuntimeConfig:
             raise HexqError(f"--threads {self.threads}: give at least 1")
         if self.context is not None and self.context < 2:
             raise HexqError(f"--context {self.context}: give at least 2 positions")
-
-
-def mib(nbytes: int) -> str:
-    return f"{nbytes / 2**20:.1f} MiB"
 
 
 class Runtime:
@@ -164,45 +161,30 @@ class Runtime:
         kernels, triton = compute_backend(config.kernels, device, config.threads)
         self.compute = Compute(device, self.dtype, kernels, triton)
         streamed = skeleton(artifact, device, self.dtype)
-        source = ArtifactSource(artifact, config.cache, device, kernels)
-        self.dense_bytes = dense_plan_bytes(streamed, artifact)
         maximum = context_length(streamed.config)
         if config.context is not None and maximum and config.context > maximum:
             raise HexqError(f"--context {config.context} is past the model's maximum of {maximum} positions")
-        self.context = config.context or min(maximum or DEFAULT_CONTEXT, DEFAULT_CONTEXT)
-        self.kv_bytes = self.context * kv_position_bytes(streamed.config, self.dtype)
-        self.scratch_bytes = source.scratch_nbytes() + compute_scratch_nbytes(artifact, streamed, self.dtype,
-                                                                                 kernels is None)
-        allocated = [source.slot_bytes[b] for row in artifact.allocation for b in row if b]
-        self.expert_bytes = sum(allocated)  # every expert at its allocated width, as the fast tier holds it
-        one = source.largest_slot
-        if config.memory_bytes is not None:
-            budget = config.memory_bytes - self.dense_bytes - self.scratch_bytes - self.kv_bytes
-            minimum = self.dense_bytes + self.scratch_bytes + self.kv_bytes + one
-            if budget < one:
-                raise HexqError(f"--memory {mib(config.memory_bytes)} is below the minimum of {mib(minimum)} "
-                                f"({minimum} bytes): the dense part takes {mib(self.dense_bytes)}, one expert "
-                                f"{mib(one)} ({config.cache}), the scratch {mib(self.scratch_bytes)} and the KV "
-                                f"cache of {self.context} positions {mib(self.kv_bytes)} (--context)")
-        else:
-            budget = self.expert_bytes if config.budget_bytes is None else config.budget_bytes
-            if budget < one:
-                raise HexqError(f"budget {budget} bytes cannot hold one expert; the minimum is {one} bytes "
-                                f"({one / 2**20:.2f} MiB, {config.cache}); all experts take {self.expert_bytes}")
-        budget = min(budget, self.expert_bytes) if config.mode == "cache" else 0
-        # every expert on the device in one arena per layer, computed without the cache (hexq.runtime.resident)
-        resident = triton and config.policy == "static" and config.mode == "cache" and budget >= self.expert_bytes
-        if resident:
-            budget = 0
-        source.capacity = budget
-        self.source = source
+        context = config.context or min(maximum or DEFAULT_CONTEXT, DEFAULT_CONTEXT)
+        sizes = SlotSizes.of(artifact, config.cache, device, kernels is not None)
+        allocated = [sizes.slot_bytes[b] for row in artifact.allocation for b in row if b]
+        self.plan = plan_memory(
+            memory_bytes=config.memory_bytes, fast_tier_bytes=config.fast_tier_bytes,
+            dense_bytes=dense_plan_bytes(streamed, artifact),
+            scratch_bytes=sizes.scratch_nbytes + compute_scratch_nbytes(artifact, streamed, self.dtype,
+                                                                         kernels is None),
+            kv_bytes=context * kv_position_bytes(streamed.config, self.dtype), context=context,
+            expert_bytes=sum(allocated), largest_slot=sizes.largest_slot, cache_format=config.cache,
+            cached=config.mode == "cache",
+            # every expert on the device in one arena per layer, computed without the cache (hexq.runtime.resident)
+            resident_possible=triton and config.policy == "static")
+        fast_tier = FastTier(self.plan.cache_bytes)
+        self.source = source = ArtifactSource(artifact, sizes, fast_tier, kernels)
         counts = artifact.tensor(STATS_SHARD, "router.counts")
         self.state.usage = calibration_usage(counts.to("cpu"), artifact.top_k)
         artifact.release()
-        self.cache = ExpertCache(source, max(budget, 1), self._admit if config.admission else None)
-        self.budget_bytes = budget
+        self.cache = ExpertCache(source, fast_tier, self._admit if config.admission else None)
         mean_slot = sum(allocated) / max(1, len(allocated))
-        self.slots = int(budget // mean_slot) if mean_slot else 0  # experts the fast tier holds at the allocation
+        self.slots = int(self.plan.cache_bytes // mean_slot) if mean_slot else 0  # experts the fast tier holds
         self.state.layer_share = max(1, self.slots // num_layers)
         adapter = adapter_for(artifact.model_type)
         modules: dict[int, CachedExperts] = {}
@@ -217,13 +199,12 @@ class Runtime:
         layers = [self.model.model.layers[index] for index in artifact.moe_layers]
         routers = [getattr(getattr(layer, adapter.moe), adapter.router) for layer in layers]
         norms = [getattr(layer, adapter.post_attention_norm).weight.detach() for layer in layers]
-        if resident:
+        if self.plan.resident:
             from hexq.runtime.resident import ResidentExperts  # it imports triton (~1 s), used on CUDA only
 
-            buffer = torch.empty(source.read_nbytes, dtype=torch.uint8, device="cpu")
+            buffer = torch.empty(sizes.read_nbytes, dtype=torch.uint8, device="cpu")
             for layer, module in modules.items():
                 module.resident = ResidentExperts(artifact, layer, device, buffer)
-            self.budget_bytes = sum(module.resident.nbytes for module in modules.values())
             self.state.prefetch = False
         self.resident = [module.resident for module in modules.values() if module.resident is not None]
         for layer, module in modules.items():  # look-ahead: layer l holds layer l+1's router
@@ -233,7 +214,7 @@ class Runtime:
                 module.default_bits_next = artifact.allocation[layer + 1]
         self.device = device
         self_check(self, modules[0])
-        self.warm_experts = self.warm(config.warm) if config.mode == "cache" and not resident else 0
+        self.warm_experts = self.warm(config.warm) if config.mode == "cache" and not self.plan.resident else 0
         self.native, self.decode_path = self._decoder(config.decode)
 
     def _decoder(self, decode: str) -> tuple[NativeDecoder | None, str]:
@@ -298,10 +279,8 @@ class Runtime:
     def stats(self, **timing) -> RunStats:
         counters = self.compute.counters
         kernels = self.compute.kernels
-        return RunStats(self.budget_bytes, self.expert_bytes, self.cache.budget.peak, self.cache.stats,
-                        self.state.prefetch_stats, self.skipped_slots(), dense_bytes=self.dense_bytes,
-                        scratch_bytes=self.scratch_bytes, kv_bytes=self.kv_bytes, context=self.context,
-                        memory_bytes=self.config.memory_bytes,
+        return RunStats(self.plan, self.cache.fast_tier.peak, self.cache.stats,
+                        self.state.prefetch_stats, self.skipped_slots(),
                         bytes_read=self.artifact.bytes_read, warm_experts=self.warm_experts,
                         dtype=self.config.dtype, cache_format=self.config.cache, kernel_path=self.compute.path,
                         threads=kernels.threads if kernels is not None else torch.get_num_threads(),
@@ -352,9 +331,9 @@ class Runtime:
         """A HexqError unless a prompt of `prompt_tokens` and `max_new_tokens` more fit the planned context."""
         if prompt_tokens == 0:
             raise HexqError("the prompt is empty")
-        if prompt_tokens + max_new_tokens > self.context:
+        if prompt_tokens + max_new_tokens > self.plan.context:
             raise HexqError(f"prompt ({prompt_tokens} tokens) + {max_new_tokens} new tokens exceed the context of "
-                            f"{self.context} positions (--context)")
+                            f"{self.plan.context} positions (--context)")
 
     @torch.no_grad()
     def tokens(self, ids: list[int], max_new_tokens: int, sampling: Sampling = GREEDY,

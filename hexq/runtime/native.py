@@ -17,7 +17,7 @@ SiLU experts and a RoPE whose frequencies do not depend on the sequence length, 
 packed cache at the static allocation (`hexq run --policy static`), with a fast tier that holds at least one layer's
 top-k experts. Everything else - the dynamic policies, deepseek's MLA, phimoe, Triton - keeps the transformers path.
 
-Under a fast tier smaller than the experts (`--memory`, `--budget`) the step cannot hold every expert: each layer's
+Under a fast tier smaller than the experts (`--memory`, `--fast-tier`) the step cannot hold every expert: each layer's
 table starts with its experts absent, and a token routed to an absent one stops the step after that layer's routing
 (decode.c hexq_resume). Python then loads the layer's absent experts through the cache - the layer's kept experts
 pinned, LRU eviction - re-lays them, writes them into the table, and the step resumes from that layer's expert
@@ -124,7 +124,7 @@ class NativeDecoder:
         self.library.hexq_decode_scratch.argtypes = [ctypes.c_void_p]
         self._keep: list = []  # every tensor and ctypes array the C structs point into
         # A fast tier smaller than the experts: the tables start empty and follow the cache (see `_load_absent`)
-        self.loads = runtime.budget_bytes < runtime.expert_bytes
+        self.loads = not runtime.plan.holds_every_expert
         self._tables: dict[int, tuple] = {}  # MoE row -> (its Expert table, the experts' input and mid quantizers)
         self._held: dict[tuple[int, int], ExpertWeights] = {}  # (row, expert) -> the weights its table entry reads
         self._rows = {layer: row for row, layer in enumerate(runtime.artifact.moe_layers)}
@@ -424,7 +424,7 @@ def unsupported(runtime) -> None:
         raise NotNative(f"the {config.policy} policy chooses widths per token in Python")
     if config.mode != "cache" or config.cache != "packed":
         raise NotNative(f"--cache {config.cache} / mode {config.mode}: the step reads packed resident experts")
-    if runtime.budget_bytes < runtime.expert_bytes and runtime.budget_bytes < top_k_bytes(runtime):
+    if not runtime.plan.holds_every_expert and runtime.plan.fast_tier_bytes < top_k_bytes(runtime):
         raise NotNative(f"the fast tier holds fewer than {model_config.num_experts_per_tok} of the largest experts "
                         "(a layer's top-k must fit while the step loads its misses)")
     if adapter_for(model_type).routing.kind != SOFTMAX_TOPK:
@@ -442,4 +442,4 @@ def unsupported(runtime) -> None:
 def top_k_bytes(runtime) -> int:
     """Bytes of a layer's top-k experts at the largest slot: what the fast tier must hold for the native step to load
     one layer's misses while the layer's other kept experts stay pinned."""
-    return runtime.model.config.num_experts_per_tok * runtime.source.largest_slot
+    return runtime.model.config.num_experts_per_tok * runtime.source.sizes.largest_slot

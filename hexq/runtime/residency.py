@@ -1,13 +1,14 @@
 """What the expert cache keeps and counts (hexq.runtime.cache has the rules): the weights of one expert at one
-precision, the slow tier they come from, the byte budget, versioned handles (001 §3.2) and the counters.
+precision, the slow tier they come from, the fast tier's byte count, versioned handles (001 §3.2) and the counters.
 
 Tiers. The slow tier is an `ExpertSource` (the packed artifact): `load` reads one expert at one precision into
 `ExpertWeights` (its packed codes, or matrices expanded from them). The fast tier is the cache: at most
-`capacity_bytes` of ExpertWeights, accounted by a `BudgetTracker`. Every fill reserves its bytes *before* it loads,
-so the accounted bytes never exceed the capacity, not even while a load is in flight. The budget is one pool
-shared by all precisions, because 004's LRU ranks experts of every precision against each other. A source may own
-the memory its weights live in (hexq.runtime.source.ArtifactSource: slots allocated once and reused): the cache then
-hands every version it stops counting back through `source.recycle(weights)`, and transient loads go through
+the memory plan's fast_tier_bytes of ExpertWeights (hexq.runtime.memory), counted by one `FastTier`. Every fill
+reserves its bytes *before* it loads, so the counted bytes never exceed the capacity, not even while a load is in
+flight. The fast tier is one pool shared by all precisions, because 004's LRU ranks experts of every precision
+against each other. A source may own the memory its weights live in (hexq.runtime.source.ArtifactSource: slots
+allocated once and reused, sized against the same FastTier): the cache then hands every version it stops counting
+back through `source.recycle(weights)` before it releases the bytes, and transient loads go through
 `source.load_transient` (a buffer the source reuses, valid until the same thread's next transient load).
 
 Versioned residency (001 §3.2). Each (layer, expert) has one stable `ExpertHandle` that points to its published
@@ -71,17 +72,20 @@ class ExpertSource(Protocol):
 Admission = Callable[[tuple[int, int], int, list[tuple[tuple[int, int], int]], bool], bool]
 
 
-class BudgetTracker:
-    """Byte budget with admission control (001 §3.3): reserve before allocating, release after freeing.
+class FastTier:
+    """The fast tier's byte count with admission control (001 §3.3's budget tracker): reserve before allocating,
+    release after freeing. The one count of the expert bytes: the cache reserves and releases, the source sizes its
+    slot pools against it.
 
     `reserve` never lets the reserved bytes exceed the capacity; a failed reservation changes nothing. `peak` is the
-    high-water mark of reserved bytes. All methods are thread-safe.
+    high-water mark of reserved bytes. A capacity of 0 (no cache: every expert resident on the device, or served
+    without caching) refuses every reservation. All methods are thread-safe.
     """
 
-    def __init__(self, capacity_bytes: int):
-        if capacity_bytes <= 0:
-            raise HexqError(f"capacity_bytes must be positive, got {capacity_bytes}")
-        self._capacity = int(capacity_bytes)
+    def __init__(self, capacity: int):
+        if capacity < 0:
+            raise HexqError(f"a fast tier of {capacity} bytes: give 0 or more")
+        self._capacity = int(capacity)
         self._used = 0
         self._peak = 0
         self._lock = threading.Lock()

@@ -27,13 +27,13 @@ def self_check(runtime, experts: CachedExperts) -> None:
     act_fn, quantizers = experts.act_fn, experts.quantizers
     generator = torch.Generator(device="cpu").manual_seed(0)
     expert = next((e for e, b in enumerate(runtime.artifact.allocation[0]) if b), None)
-    buffer = torch.empty(runtime.source.read_nbytes, dtype=torch.uint8, device="cpu")
+    buffer = torch.empty(runtime.source.sizes.read_nbytes, dtype=torch.uint8, device="cpu")
     probe = None
     if expert is not None:
         allocated = runtime.artifact.allocation[0][expert]
         widths = [allocated] if experts.resident else runtime.artifact.stored_bits(0, expert)
         for bits in widths:
-            x = torch.randn(3, runtime.source.shapes[0][1], generator=generator, device="cpu")
+            x = torch.randn(3, runtime.source.sizes.shapes[0][1], generator=generator, device="cpu")
             if experts.resident is not None:
                 index = torch.full((3, 1), expert, dtype=torch.long, device=runtime.device)
                 got = experts.resident(x.to(runtime.device, runtime.dtype), index,

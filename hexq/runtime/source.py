@@ -10,9 +10,11 @@ What a slot holds (`--cache`):
 
 Slots are pooled by size (one pool per width in packed mode, one size in the expanded modes): a slot given back by
 the cache (`recycle`) is reused by the next load of that size, so serving allocates nothing and faults no page in
-after the warm-up. Pools share one byte count: a new slot is allocated only while the pools' total stays within
-`capacity`; beyond it, free slots of other sizes are released first (the cache's own accounting, one budget for all
-widths, guarantees that enough of them are free).
+after the warm-up. The pools are sized against the cache's own count, the memory plan's `FastTier`: the slots in
+use are the bytes it holds (each fill reserves its slot's bytes before the load asks for the slot, and the cache
+hands a slot back before it releases its bytes), so a new slot is allocated only once the free slots of other sizes
+are released down to what the count leaves (`used + free <= capacity`). Slot sizes and the loaders' scratch are known
+before anything is allocated (`SlotSizes`), for the memory plan.
 
 On CUDA the slots live in device memory: the pread goes to a pinned host buffer, then one copy to the slot (packed)
 or to a device read buffer that is dequantized into the slot (expanded).
@@ -31,6 +33,7 @@ from hexq.artifact.spans import read_buffer_nbytes
 from hexq.packed.bitpack import DequantScratch
 from hexq.packed.weight import PackedWeight, dequantize_packed_into, packed_weight_nbytes
 from hexq.runtime.cache import ExpertWeights
+from hexq.runtime.residency import FastTier
 
 LOADERS = 2  # threads that load experts: the forward pass and the prefetch worker
 CACHE_FORMATS = ("packed", "bf16", "fp32")
@@ -46,6 +49,55 @@ def _replica_nbytes(artifact: Artifact, bits: int) -> int:
     return read_buffer_nbytes(sum(tensors), 3 * len(tensors))  # codes, scale and zero of each matrix
 
 
+@dataclass(frozen=True)
+class SlotSizes:
+    """What the fast tier's slots take for one artifact, cache format and device, known before anything is allocated
+    (the memory plan needs it). slot_bytes: width -> bytes of one expert's slot; read_nbytes: one stored replica as
+    read (the pread buffer); scratch_nbytes: the load scratch the runtime reserves (`of`)."""
+
+    cache_format: str
+    device: torch.device
+    slot_bytes: dict[int, int]
+    read_nbytes: int
+    scratch_nbytes: int
+    shapes: tuple[tuple[int, int], ...]
+
+    @property
+    def largest_slot(self) -> int:
+        return max(self.slot_bytes.values(), default=0)
+
+    @property
+    def numels(self) -> list[int]:
+        return [rows * cols for rows, cols in self.shapes]
+
+    @classmethod
+    def of(cls, artifact: Artifact, cache_format: str = "packed", device: torch.device | None = None,
+           kernels: bool = False) -> SlotSizes:
+        """Sizes for `cache_format` on `device`; kernels: the CPU kernels dequantize (no torch code buffer needed).
+        The load scratch: per loading thread a pread buffer (expanded modes; twice on CUDA for its device copy) and
+        the torch path's code buffer without the kernels, plus the forward pass's transient slot."""
+        device = device or torch.device("cpu")
+        shapes = tuple(tuple(shape) for shape in artifact.expert_shapes)
+        numels = [rows * cols for rows, cols in shapes]
+        widths = sorted({b for row in artifact.allocation for b in row if b} | set(artifact.bank_bits))
+        replica_bytes = {b: _replica_nbytes(artifact, b) for b in widths}
+        read_nbytes = max(replica_bytes.values(), default=0)
+        packed = cache_format == "packed"
+        if packed:
+            slot_bytes = {b: -(-n // ALIGN) * ALIGN for b, n in replica_bytes.items()}
+        else:
+            slot_bytes = dict.fromkeys(widths, sum(numels) * EXPANDED[cache_format].itemsize)
+        per_thread = 0
+        if not packed:
+            per_thread = read_nbytes * (2 if device.type == "cuda" else 1)
+            if not (kernels and device.type == "cpu"):
+                per_thread += DequantScratch.nbytes_for(max(numels))
+        elif device.type == "cuda":
+            per_thread = read_nbytes  # the pinned host buffer of the copy
+        scratch = LOADERS * per_thread + max(slot_bytes.values(), default=0)
+        return cls(cache_format, device, slot_bytes, read_nbytes, scratch, shapes)
+
+
 @dataclass
 class _ThreadScratch:
     """One loading thread's buffers: the pread buffer (expanded modes; pinned on CUDA), its device copy (CUDA), the
@@ -59,52 +111,21 @@ class _ThreadScratch:
 
 class ArtifactSource:
     """The cache's ExpertSource: `load` fills a slot, `recycle` takes it back, `load_transient` fills the calling
-    thread's bypass slot (valid until that thread's next bypass load). Layers are MoE rows."""
+    thread's bypass slot (valid until that thread's next bypass load). Layers are MoE rows. `fast_tier` is the
+    cache's count (the same object), which the slot pools stay within."""
 
-    def __init__(self, artifact: Artifact, cache_format: str = "packed", device: torch.device | None = None,
-                 kernels=None) -> None:
-        if cache_format not in CACHE_FORMATS:
-            raise ValueError(f"--cache {cache_format}: choose one of {', '.join(CACHE_FORMATS)}")
-        self.artifact, self.format, self.device = artifact, cache_format, device or torch.device("cpu")
+    def __init__(self, artifact: Artifact, sizes: SlotSizes, fast_tier: FastTier, kernels=None) -> None:
+        self.artifact, self.sizes, self.fast_tier = artifact, sizes, fast_tier
+        self.format, self.device = sizes.cache_format, sizes.device
         self.kernels = kernels if self.device.type == "cpu" else None
-        self.packed = cache_format == "packed"
-        self.shapes = artifact.expert_shapes
-        self.numels = [rows * cols for rows, cols in self.shapes]
-        widths = sorted({b for row in artifact.allocation for b in row if b} | set(artifact.bank_bits))
-        self.replica_bytes = {b: _replica_nbytes(artifact, b) for b in widths}
-        self.read_nbytes = max(self.replica_bytes.values(), default=0)
-        if self.packed:
-            self.slot_bytes = {b: -(-n // ALIGN) * ALIGN for b, n in self.replica_bytes.items()}
-        else:
-            size = sum(self.numels) * EXPANDED[cache_format].itemsize
-            self.slot_bytes = {b: size for b in widths}
-        self.capacity = 0  # bytes the pools may hold together (set by the runtime once the budget is known)
+        self.packed = self.format == "packed"
         self._pools: dict[int, list[torch.Tensor]] = {}  # slot size -> free slots
-        self._held = 0  # bytes of every slot allocated (free or in use)
         self._lock = threading.Lock()
         self._local = threading.local()
         self.load_seconds: dict[int, list[float]] = {}  # width -> [total seconds, loads]
 
-    # --- sizes
-
     def nbytes(self, layer: int, expert: int, bits: int) -> int:
-        return self.slot_bytes[bits]
-
-    @property
-    def largest_slot(self) -> int:
-        return max(self.slot_bytes.values(), default=0)
-
-    def scratch_nbytes(self) -> int:
-        """Load scratch the runtime reserves: per loading thread a pread buffer (expanded modes; twice on CUDA for its
-        device copy) and the torch path's code buffer without the kernels, plus the forward pass's transient slot."""
-        per_thread = 0
-        if not self.packed:
-            per_thread = self.read_nbytes * (2 if self.device.type == "cuda" else 1)
-            if self.kernels is None:
-                per_thread += DequantScratch.nbytes_for(max(self.numels))
-        elif self.device.type == "cuda":
-            per_thread = self.read_nbytes  # the pinned host buffer of the copy
-        return LOADERS * per_thread + self.largest_slot
+        return self.sizes.slot_bytes[bits]
 
     # --- slots
 
@@ -118,21 +139,20 @@ class ArtifactSource:
             free = self._pools.get(size)
             if free:
                 return free.pop()
-            for other, slots in self._pools.items():  # make room: release free slots of other sizes
-                while slots and self._held + size > self.capacity:
+            # The count holds every slot in use and this one (reserved before the load): release free slots of
+            # other sizes until what is allocated, in use and free, stays within the capacity.
+            free_bytes = sum(other * len(slots) for other, slots in self._pools.items())
+            for other, slots in self._pools.items():
+                while slots and self.fast_tier.used + free_bytes > self.fast_tier.capacity:
                     slots.pop()
-                    self._held -= other
-            if self._held + size > self.capacity:
-                raise RuntimeError(f"no memory for a {size}-byte expert slot: {self._held} of {self.capacity} "
-                                   "bytes held; the cache's byte accounting and the slot pools disagree")
-            self._held += size
+                    free_bytes -= other
         return self._new_slot(size)
 
     def recycle(self, weights: ExpertWeights) -> None:
         """Take a slot back (the cache calls this once the version in it is unpublished and unpinned)."""
         if weights.slot is not None and not weights.transient:
             with self._lock:
-                self._pools.setdefault(self.slot_bytes[weights.bits], []).append(weights.slot)
+                self._pools.setdefault(self.sizes.slot_bytes[weights.bits], []).append(weights.slot)
 
     def _scratch(self) -> _ThreadScratch:
         scratch = getattr(self._local, "scratch", None)
@@ -140,29 +160,29 @@ class ArtifactSource:
             scratch = self._local.scratch = _ThreadScratch()
             cuda = self.device.type == "cuda"
             if not self.packed or cuda:
-                scratch.read = torch.empty(self.read_nbytes, dtype=torch.uint8, device="cpu", pin_memory=cuda)
+                scratch.read = torch.empty(self.sizes.read_nbytes, dtype=torch.uint8, device="cpu", pin_memory=cuda)
             if not self.packed and cuda:
-                scratch.staging = torch.empty(self.read_nbytes, dtype=torch.uint8, device=self.device)
+                scratch.staging = torch.empty(self.sizes.read_nbytes, dtype=torch.uint8, device=self.device)
             if not self.packed and self.kernels is None:
-                scratch.codes = DequantScratch(max(self.numels), self.device)
+                scratch.codes = DequantScratch(max(self.sizes.numels), self.device)
         return scratch
 
     # --- loads
 
     def load(self, layer: int, expert: int, bits: int) -> ExpertWeights:
-        slot = self._take(self.slot_bytes[bits])
+        slot = self._take(self.sizes.slot_bytes[bits])
         try:
             return self._load_into(slot, layer, expert, bits, transient=False)
         except BaseException:
             with self._lock:
-                self._pools.setdefault(self.slot_bytes[bits], []).append(slot)
+                self._pools.setdefault(self.sizes.slot_bytes[bits], []).append(slot)
             raise
 
     def load_transient(self, layer: int, expert: int, bits: int) -> ExpertWeights:
         """Load into the calling thread's bypass slot (valid until this thread's next transient load)."""
         scratch = self._scratch()
         if scratch.transient is None:
-            scratch.transient = self._new_slot(self.largest_slot)
+            scratch.transient = self._new_slot(self.sizes.largest_slot)
         return self._load_into(scratch.transient, layer, expert, bits, transient=True)
 
     def _load_into(self, slot: torch.Tensor, layer: int, expert: int, bits: int, transient: bool) -> ExpertWeights:
@@ -192,7 +212,8 @@ class ArtifactSource:
         packed = self.artifact.read_expert(layer, expert, bits, scratch.read)
         if scratch.staging is not None:
             packed = tuple(_to_device(weight, scratch.staging) for weight in packed)
-        gate_up, down = (part.view(shape) for part, shape in zip(slot.split(self.numels), self.shapes, strict=True))
+        parts = zip(slot.split(self.sizes.numels), self.sizes.shapes, strict=True)
+        gate_up, down = (part.view(shape) for part, shape in parts)
         for out, weight in zip((gate_up, down), packed, strict=True):
             if self.kernels is None or not self.kernels.dequantize(out, weight):
                 dequantize_packed_into(out, weight, scratch.codes)

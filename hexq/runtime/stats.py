@@ -6,30 +6,25 @@ from dataclasses import asdict, dataclass, field
 
 from hexq.runtime.cache import CacheStats
 from hexq.runtime.experts import PrefetchStats
+from hexq.runtime.memory import MemoryPlan
 
 
 @dataclass
 class RunStats:
-    """What `hexq run --stats` reports (tpot_seconds: the median decode step). Bytes: memory_bytes the whole budget
-    (None without --memory), dense_bytes the materialized dense part, scratch_bytes the load and compute scratch,
-    kv_bytes the KV cache planned for one sequence of `context` positions, budget_bytes the fast tier, peak_bytes its
-    high-water mark; bytes_read what was read from the artifact's expert shards; peak_rss_bytes the process's VmHWM
+    """What `hexq run --stats` reports (tpot_seconds: the median decode step). Bytes: the memory plan (its fields,
+    hexq.runtime.memory.MemoryPlan, are reported at the top level: memory_bytes, dense_bytes, scratch_bytes,
+    kv_bytes, context, expert_bytes, fast_tier_bytes, resident), peak_bytes the fast tier's high-water mark;
+    bytes_read what was read from the artifact's expert shards; peak_rss_bytes the process's VmHWM
     (None where /proc is missing). How it computed: cache_format (what the fast tier holds: packed codes, or bf16 /
     fp32 matrices), kernel_path (the CPU kernels' instruction-set path, or torch), decode_path (the native step, or
     the transformers model and why: hexq.runtime.native), threads, and the compute counters (rows computed from the
     codes, experts and dense products expanded)."""
 
-    budget_bytes: int
-    expert_bytes: int
+    plan: MemoryPlan
     peak_bytes: int
     cache: CacheStats
     prefetch: PrefetchStats
     skipped_slots: int
-    dense_bytes: int = 0
-    scratch_bytes: int = 0
-    kv_bytes: int = 0
-    context: int = 0
-    memory_bytes: int | None = None
     bytes_read: int = 0
     warm_experts: int = 0
     dtype: str = "bf16"
@@ -55,6 +50,6 @@ class RunStats:
         cache["layer_hit_rate"] = {str(layer): self.cache.layer_hits.get(layer, 0)
                                    / max(1, self.cache.layer_hits.get(layer, 0) + self.cache.layer_misses.get(layer, 0))
                                    for layer in layers}
-        out = {key: value for key, value in asdict(self).items() if key not in ("cache", "prefetch")}
-        return out | {"cache": cache, "prefetch": {**asdict(self.prefetch), "precision": self.prefetch.precision,
-                                                   "recall": self.prefetch.recall}}
+        out = {key: value for key, value in asdict(self).items() if key not in ("plan", "cache", "prefetch")}
+        prefetch = {**asdict(self.prefetch), "precision": self.prefetch.precision, "recall": self.prefetch.recall}
+        return asdict(self.plan) | out | {"cache": cache, "prefetch": prefetch}

@@ -283,7 +283,7 @@ def create_app(runtime, *, model_name: str, api_key: str | None = None, max_queu
             raise ApiError(400, f"the chat template refused the messages: {str(exc).splitlines()[0][:200]}",
                            "invalid_value", "messages") from None
         ids = encode(text, chat=True)
-        max_tokens = body.max_completion_tokens or body.max_tokens or max(1, runtime.context - len(ids))
+        max_tokens = body.max_completion_tokens or body.max_tokens or max(1, runtime.plan.context - len(ids))
         job = start(body, ids, max_tokens)
         request_id, created = new_id("chatcmpl"), now()
 
@@ -305,7 +305,7 @@ def create_app(runtime, *, model_name: str, api_key: str | None = None, max_queu
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "hexq",
-                                            "max_model_len": runtime.context}]}
+                                            "max_model_len": runtime.plan.context}]}
 
     @app.get("/health")
     async def health():

@@ -40,7 +40,7 @@ class RuntimeCollector:
         yield CounterMetricFamily("hexq_artifact_bytes_read", "Bytes read from the artifact's expert shards.",
                                   self.runtime.artifact.bytes_read)
         if self.runtime.config.memory_bytes is not None:
-            yield GaugeMetricFamily("hexq_memory_budget_bytes", "--memory: the budget for what hexq allocates.",
+            yield GaugeMetricFamily("hexq_memory_bytes", "--memory: the budget for what hexq allocates.",
                                     self.runtime.config.memory_bytes)
         peak = peak_rss_bytes()
         if peak is not None:

@@ -1,0 +1,74 @@
+"""The memory plan of `hexq run`: what each part of the process may take, decided once, before anything is allocated.
+
+`--memory` is one budget for everything hexq allocates:
+
+    memory_bytes = dense_bytes + scratch_bytes + kv_bytes + fast_tier_bytes
+
+the dense part (attention, norms, routers, shared experts, head), the load and compute scratch, the KV cache of one
+sequence of `context` positions, and the fast tier (the expert cache), which gets the rest. `--fast-tier` gives the
+fast tier alone (the rest is then whatever it takes); neither: room for every expert at its allocated width. The
+plan is frozen: the runtime, its cache (whose FastTier counts the bytes against fast_tier_bytes), the native step and
+`--stats` all read this one object.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hexq.base.errors import HexqError
+
+
+def mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB"
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes per part (see the module docstring). expert_bytes: every expert at its allocated width as the fast tier
+    holds it; memory_bytes: --memory (None without it); resident: the experts live in the device's resident arena
+    (hexq.runtime.resident), outside the cache, whose fast tier is then empty."""
+
+    dense_bytes: int
+    scratch_bytes: int
+    kv_bytes: int
+    context: int
+    expert_bytes: int
+    fast_tier_bytes: int
+    memory_bytes: int | None = None
+    resident: bool = False
+
+    @property
+    def cache_bytes(self) -> int:
+        """What the expert cache may hold: the fast tier, unless the experts are in the resident arena."""
+        return 0 if self.resident else self.fast_tier_bytes
+
+    @property
+    def holds_every_expert(self) -> bool:
+        return self.fast_tier_bytes >= self.expert_bytes
+
+
+def plan_memory(*, memory_bytes: int | None, fast_tier_bytes: int | None, dense_bytes: int, scratch_bytes: int,
+                kv_bytes: int, context: int, expert_bytes: int, largest_slot: int, cache_format: str,
+                cached: bool = True, resident_possible: bool = False) -> MemoryPlan:
+    """The plan for --memory or --fast-tier (at most one). `largest_slot`: the bytes of the largest expert the fast
+    tier may hold (the least it must take); `cached`: the experts are served from the cache (mode "cache"), else
+    the fast tier is empty; `resident_possible`: a device that keeps every expert in one resident arena when the
+    fast tier holds them all."""
+    if memory_bytes is not None and fast_tier_bytes is not None:
+        raise HexqError("give --memory (the whole process) or --fast-tier (the experts alone), not both")
+    if memory_bytes is not None:
+        fast_tier = memory_bytes - dense_bytes - scratch_bytes - kv_bytes
+        if fast_tier < largest_slot:
+            minimum = dense_bytes + scratch_bytes + kv_bytes + largest_slot
+            raise HexqError(f"--memory {mib(memory_bytes)} is below the minimum of {mib(minimum)} ({minimum} bytes): "
+                            f"the dense part takes {mib(dense_bytes)}, one expert {mib(largest_slot)} "
+                            f"({cache_format}), the scratch {mib(scratch_bytes)} and the KV cache of {context} "
+                            f"positions {mib(kv_bytes)} (--context)")
+    else:
+        fast_tier = expert_bytes if fast_tier_bytes is None else fast_tier_bytes
+        if fast_tier < largest_slot:
+            raise HexqError(f"--fast-tier {fast_tier} bytes cannot hold one expert; the minimum is {largest_slot} "
+                            f"bytes ({largest_slot / 2**20:.2f} MiB, {cache_format}); all experts take {expert_bytes}")
+    fast_tier = min(fast_tier, expert_bytes) if cached else 0
+    return MemoryPlan(dense_bytes, scratch_bytes, kv_bytes, context, expert_bytes, fast_tier, memory_bytes,
+                      resident=resident_possible and cached and fast_tier >= expert_bytes)
