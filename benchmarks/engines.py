@@ -66,7 +66,7 @@ MIXED = "hexq mixed 2.5-bit"  # the allocation's 2, 3, 4 and 8-bit experts side 
 NATIVE_ONLY = (DENSE4, MIXED)  # rows measured on the native step alone
 CGROUP_HEXQ = "hexq 3-bit --memory, packed cache"
 RTN_RECIPE = """name: experts-rtn
-version: 1
+version: 2
 smoothing: {method: none}
 weights: {bits: 8, group_size: null, symmetric: false, method: rtn}
 activations: {bits: 8, dynamic: true, symmetric: false}
@@ -77,14 +77,14 @@ experts:
   weights: {group_size: 32, symmetric: false, method: rtn}
   activations: {bits: null}
 calibration: {num_samples: 16, seqlen: 256, seed: 0}
-pack: {bits: [2, 3, 4, 8]}
+pack: {widths: [2, 3, 4, 8]}
 """
 # The same experts at 3 bits with the dense linears (attention) at 4 bits in groups of 32 and activations in full
 # precision, the width llama.cpp's Q4_0 gives attention, and the head at 8 bits per channel (Q4_0's is Q6_K, 6.6
 # bits): what a decode step reads then differs from Q4_0's mainly by the experts' 3 bits against 4.5. Speed only: 4
 # windows are enough.
 DENSE4_RECIPE = """name: experts-rtn-dense4-head8
-version: 1
+version: 2
 smoothing: {method: none}
 weights: {bits: 4, group_size: 32, symmetric: false, method: rtn}
 activations: {bits: null}
@@ -96,7 +96,7 @@ experts:
   activations: {bits: null}
 head: {bits: 8}
 calibration: {num_samples: 4, seqlen: 256, seed: 0}
-pack: {bits: [3]}
+pack: {widths: [3]}
 """
 
 

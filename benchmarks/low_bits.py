@@ -74,9 +74,9 @@ SETTINGS = {
 }
 # How `hexq pack` allocates (its pack section); "main" is the allocator before 0-bit experts and routing mass.
 ALLOCATORS = {
-    "main": Pack(bits=(1, 2, 3, 4)),
-    "free": Pack(bits=(1, 2, 3, 4, 8), loss="layer", order="free"),
-    "free+0": Pack(bits=(0, 1, 2, 3, 4, 8), loss="layer", order="free"),
+    "main": Pack(widths=(1, 2, 3, 4)),
+    "free": Pack(widths=(1, 2, 3, 4, 8), loss="layer", order="free"),
+    "free+0": Pack(widths=(0, 1, 2, 3, 4, 8), loss="layer", order="free"),
 }
 RECOMMENDED = "free+0"
 PEER_WIDTHS = (2, 3)

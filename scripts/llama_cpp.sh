@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Build llama.cpp's llama-perplexity and llama-tokenize from the source llama-cpp-python 0.3.36 vendors (a pinned
-# sdist from PyPI), once, into .cache/llama.cpp/0.3.36; print the folder holding the tools. tests/test_llama_cpp.py
-# runs them on hexq's GGUF exports (HEXQ_LLAMA_CPP_BIN); .ci/run calls this first. About 4 minutes on 2 cores.
+# sdist from PyPI), once, into .cache/llama.cpp/0.3.36; install that sdist's Python binding without a library of its
+# own (-DLLAMA_BUILD=OFF: seconds), to load the libllama.so built here (LLAMA_CPP_LIB_PATH=the folder); print the
+# folder. tests/test_llama_cpp.py runs the tools on hexq's GGUF exports (HEXQ_LLAMA_CPP_BIN), the export's own check
+# (hexq.export.gguf.check) runs llama.cpp through the binding; .ci/run calls this first. About 4 minutes on 2 cores.
 set -euo pipefail
 VERSION=0.3.36
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -10,7 +12,14 @@ SRC="$DEST/llama_cpp_python-$VERSION/vendor/llama.cpp"
 BIN="$SRC/build/bin"
 PYTHON="${PYTHON:-$ROOT/.venv/bin/python}"
 [ -x "$PYTHON" ] || PYTHON=python3
-if [ -x "$BIN/llama-perplexity" ] && [ -x "$BIN/llama-tokenize" ]; then
+binding() {
+    if ! LLAMA_CPP_LIB_PATH="$BIN" "$PYTHON" -c "import llama_cpp" 2>/dev/null; then
+        CMAKE_ARGS="-DLLAMA_BUILD=OFF" "$PYTHON" -m pip install --quiet "$DEST/llama_cpp_python-$VERSION.tar.gz" >&2
+        LLAMA_CPP_LIB_PATH="$BIN" "$PYTHON" -c "import llama_cpp" >&2
+    fi
+}
+if [ -x "$BIN/llama-perplexity" ] && [ -x "$BIN/llama-tokenize" ] && [ -f "$BIN/libllama.so" ]; then
+    binding
     echo "$BIN"
     exit 0
 fi
@@ -25,5 +34,6 @@ FLAGS=""
 if grep -q "amx" /proc/cpuinfo 2>/dev/null; then FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"; fi
 cmake -S "$SRC" -B "$SRC/build" -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF \
       -DCMAKE_BUILD_TYPE=Release -DCMAKE_C_FLAGS="$FLAGS" -DCMAKE_CXX_FLAGS="$FLAGS" >&2
-cmake --build "$SRC/build" -j"$(nproc)" --target llama-perplexity llama-tokenize >&2
+cmake --build "$SRC/build" -j"$(nproc)" --target llama-perplexity llama-tokenize llama >&2
+binding
 echo "$BIN"

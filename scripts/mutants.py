@@ -275,7 +275,7 @@ MUTANTS = [
            "            if (row + 1) % max(1, MAPPED_BYTES // expert_bytes) == 0:",
            "            if False:",
            ("tests/test_streaming.py::test_experts_assembled_from_per_expert_tensors_hold_one_copy",)),
-    Mutant("resident-skips-not-counted", "hexq/runtime/resident.py",
+    Mutant("resident-skips-not-counted", "hexq/runtime/arena.py",
            "        self.skipped += ((bits == 0) & valid).sum()", "        pass",
            ("tests/test_runtime_packed.py::test_gpu_path_serves_skipped_experts_as_eval",)),
     # ------------------------------------------------------------------ pack's guard

@@ -156,7 +156,7 @@ def eight_bit_artifact(mixed_calibration, tmp_path_factory):
     from hexq.pack.stage import Budget, pack
 
     out = tmp_path_factory.mktemp("pack8") / "art.hexq"
-    pack(mixed_calibration[0], out, replace(Pack(), bits=(1, 2, 4, 8), export_replicas=True),
+    pack(mixed_calibration[0], out, replace(Pack(), widths=(1, 2, 4, 8), export_replicas=True),
          budget=Budget(avg_bits=4.5))
     return out
 
@@ -192,7 +192,7 @@ def test_without_replicas_auto_keeps_eight_bit_layers_exact(mixed_calibration, t
     from hexq.config.recipe import Pack
     from hexq.pack.stage import Budget, pack
 
-    pack(mixed_calibration[0], tmp_path / "a.hexq", replace(Pack(), bits=(1, 2, 8)), budget=Budget(avg_bits=4.0))
+    pack(mixed_calibration[0], tmp_path / "a.hexq", replace(Pack(), widths=(1, 2, 8)), budget=Budget(avg_bits=4.0))
     plans = plan_export(Artifact(tmp_path / "a.hexq"), "auto")
     eight = [layer for layer in plans if any(c.allocated == 8 for c in layer.choices)]
     assert eight and all(layer.scheme.bits == 8 and not layer.projected for layer in eight)
@@ -333,9 +333,10 @@ def test_an_artifact_that_skips_experts_is_refused(mixed_calibration, tmp_path):
     cannot express: the export names the skipped experts and what to pack instead, and writes nothing."""
     from hexq.pack.stage import Budget, pack
 
-    pack(mixed_calibration[0], tmp_path / "skips.hexq", Pack(bits=(0, 1, 2, 3, 4), avg_bits=1.0), Budget(avg_bits=1.0))
+    pack(mixed_calibration[0], tmp_path / "skips.hexq", Pack(widths=(0, 1, 2, 3, 4), avg_bits=1.0),
+         Budget(avg_bits=1.0))
     skipped = sum(b == 0 for row in Artifact(tmp_path / "skips.hexq").allocation for b in row)
     assert skipped
-    with pytest.raises(HexqError, match=f"skips {skipped} routed expert.*pack.bits without 0"):
+    with pytest.raises(HexqError, match=f"skips {skipped} routed expert.*pack.widths without 0"):
         exported(tmp_path / "skips.hexq", tmp_path / "ct")
     assert not (tmp_path / "ct").exists()

@@ -236,7 +236,7 @@ def mixed_deepseek(tmp_path_factory) -> Path:
     model = write_checkpoint(root / "model", "deepseek_v3", layers=layers, **overrides)
     recipe = mixed_recipe()
     calibrate(model, recipe, "bundled", root / "cal")
-    exportable = replace(recipe.pack, bits=tuple(b for b in recipe.pack.bits if b))
+    exportable = replace(recipe.pack, widths=tuple(b for b in recipe.pack.widths if b))
     pack(root / "cal", root / "art.hexq", exportable, Budget(avg_bits=2.5))
     return root
 

@@ -46,7 +46,7 @@ def test_a_rarely_routed_expert_pays_for_a_hot_one(mixed_calibration, tmp_path):
     the least routed expert of a layer fewer bits than the most routed one (the prefix split by importance would
     too; here nothing but the weighted losses decides), skips nothing it cannot afford, and meets the budget."""
     out = tmp_path / "free.hexq"
-    pack(mixed_calibration[0], out, Pack(bits=(0, 1, 2, 3, 4, 8), loss="layer", order="free"), Budget(avg_bits=2.0))
+    pack(mixed_calibration[0], out, Pack(widths=(0, 1, 2, 3, 4, 8), loss="layer", order="free"), Budget(avg_bits=2.0))
     artifact = Artifact(out)
     mass = artifact.tensor(STATS_SHARD, "loss_table.mass")
     for layer, row in enumerate(artifact.allocation):
@@ -59,8 +59,8 @@ def test_layer_loss_needs_the_routing_mass(mixed_calibration):
     with the layer loss, naming what to do."""
     stats = read_stats(mixed_calibration[0], [0, 1], None)
     assert "loss_table.mass" in stats
-    layer = table_losses(stats, [1, 2, 3, 4, 8], Pack(bits=(0, 1, 2), avg_bits=1.5, loss="layer"))
-    expert = table_losses(stats, [1, 2, 3, 4, 8], Pack(bits=(0, 1, 2), avg_bits=1.5))
+    layer = table_losses(stats, [1, 2, 3, 4, 8], Pack(widths=(0, 1, 2), avg_bits=1.5, loss="layer"))
+    expert = table_losses(stats, [1, 2, 3, 4, 8], Pack(widths=(0, 1, 2), avg_bits=1.5))
     assert torch.allclose(layer[1], expert[1] * stats["loss_table.mass"][1].double()[:, None])
     del stats["loss_table.mass"]
     assert len(table_losses(stats, [1, 2, 3, 4, 8], Pack())) == 2

@@ -19,6 +19,7 @@ from hexq.export.gguf.check import llama_available
 from hexq.packed import ggml as B
 from hexq.packed.ggml import packed_blocks
 from hexq.packed.weight import dequantize_packed, pack_weight
+from tests.conftest import IN_CI
 
 GEN = torch.Generator().manual_seed(0)
 
@@ -228,13 +229,13 @@ def test_one_line_errors_name_what_to_use(gguf_calibration, tmp_path):
     from hexq.pack.stage import pack
 
     plain = tmp_path / "plain.hexq"  # no export replicas: no K-quant blocks for a 3-bit layer
-    pack(gguf_calibration, plain, settings=Pack(bits=(2, 3, 4), avg_bits=3.0))
+    pack(gguf_calibration, plain, settings=Pack(widths=(2, 3, 4), avg_bits=3.0))
     with pytest.raises(HexqError, match="--export-target gguf and pack with --bank export"):
         export_gguf(plain, tmp_path / "m.gguf", experts="q3_k")  # a type named: refused, saying what to do
     assert not (tmp_path / "m.gguf").exists()
     skips = tmp_path / "skips.hexq"  # llama.cpp would run a skipped expert as zeros, its routing weight lost
-    pack(gguf_calibration, skips, settings=Pack(bits=(0, 2, 3, 4), avg_bits=1.5))
-    with pytest.raises(HexqError, match=r"skips \d+ routed expert.*GGUF has no way to say so.*pack.bits without 0"):
+    pack(gguf_calibration, skips, settings=Pack(widths=(0, 2, 3, 4), avg_bits=1.5))
+    with pytest.raises(HexqError, match=r"skips \d+ routed expert.*GGUF has no way to say so.*pack.widths without 0"):
         export_gguf(skips, tmp_path / "m.gguf")
     assert not (tmp_path / "m.gguf").exists()
     with pytest.raises(HexqError, match="deepseek_v2 is not among them"):
@@ -258,7 +259,9 @@ def test_cli_gguf_export_refuses_to_overwrite_and_writes_a_report(k_artifact, tm
     assert again.exit_code == 1 and "--force" in again.output
 
 
-LLAMA = pytest.mark.skipif(not llama_available(), reason="llama-cpp-python is not installed (pip install 'hexq[gguf]')")
+# .ci/run installs the binding against the llama.cpp it builds (scripts/llama_cpp.sh): there these tests must run.
+LLAMA = pytest.mark.skipif(not llama_available() and not IN_CI,
+                           reason="llama-cpp-python is not installed (pip install 'hexq[gguf]')")
 
 
 def test_auto_writes_a_wider_type_where_a_source_is_missing(tmp_path):
@@ -278,7 +281,8 @@ def test_auto_writes_a_wider_type_where_a_source_is_missing(tmp_path):
     for name, widths, average, wanted, written in (("three", (2, 3, 4), 3.0, "Q3_K", {"Q4_0", "Q4_1"}),
                                                    ("eights", (2, 4, 8), 5.0, "Q4_", {"Q8_0"})):
         artifact = tmp_path / f"{name}.hexq"
-        pack(gguf_calibration, artifact, settings=Pack(bits=widths, avg_bits=average), budget=Budget(avg_bits=average))
+        pack(gguf_calibration, artifact, settings=Pack(widths=widths, avg_bits=average),
+             budget=Budget(avg_bits=average))
         summary = export_gguf(artifact, tmp_path / f"{name}.gguf", windows=2, seqlen=32)
         fallen = [layer for layer in summary.plan.layers if layer.instead_of]
         assert fallen and all(layer.kind.name in written and layer.instead_of.startswith(wanted) for layer in fallen)

@@ -18,7 +18,7 @@ PARTS = {"dense_bytes": 1000, "scratch_bytes": 300, "kv_bytes": 200, "context": 
 def test_memory_is_split_once_and_the_fast_tier_gets_the_rest():
     plan = plan_memory(memory_bytes=3000, fast_tier_bytes=None, **PARTS)
     assert plan.fast_tier_bytes == 3000 - 1000 - 300 - 200 and plan.memory_bytes == 3000
-    assert plan.cache_bytes == plan.fast_tier_bytes and not plan.holds_every_expert and not plan.resident
+    assert plan.cache_bytes == plan.fast_tier_bytes and not plan.holds_every_expert and not plan.arena
     # more than every expert needs: the fast tier is capped at the experts' bytes
     assert plan_memory(memory_bytes=10**6, fast_tier_bytes=None, **PARTS).fast_tier_bytes == 5000
     assert plan_memory(memory_bytes=None, fast_tier_bytes=None, **PARTS).fast_tier_bytes == 5000
@@ -28,10 +28,10 @@ def test_memory_is_split_once_and_the_fast_tier_gets_the_rest():
 
 
 def test_the_resident_arena_takes_the_experts_out_of_the_cache_only_when_all_fit():
-    whole = plan_memory(memory_bytes=None, fast_tier_bytes=None, resident_possible=True, **PARTS)
-    assert whole.resident and whole.cache_bytes == 0 and whole.fast_tier_bytes == 5000
-    part = plan_memory(memory_bytes=None, fast_tier_bytes=4999, resident_possible=True, **PARTS)
-    assert not part.resident and part.cache_bytes == 4999
+    whole = plan_memory(memory_bytes=None, fast_tier_bytes=None, arena_possible=True, **PARTS)
+    assert whole.arena and whole.cache_bytes == 0 and whole.fast_tier_bytes == 5000
+    part = plan_memory(memory_bytes=None, fast_tier_bytes=4999, arena_possible=True, **PARTS)
+    assert not part.arena and part.cache_bytes == 4999
 
 
 def test_a_plan_below_one_expert_names_its_minimum_and_both_flags_are_refused():

@@ -141,7 +141,7 @@ def symmetric_g128_artifact(tmp_path_factory):
     model = save_tiny_model(folder / "model", "qwen3_moe", hidden_size=128, moe_intermediate_size=128,
                             intermediate_size=128, head_dim=32)
     recipe = small_recipe("experts-mixed", weights=WeightQuant(group_size=128, symmetric=True))
-    recipe = replace(recipe, pack=Pack(bits=(1, 2, 3, 4, 8), avg_bits=2.5, order="free"))
+    recipe = replace(recipe, pack=Pack(widths=(1, 2, 3, 4, 8), avg_bits=2.5, order="free"))
     calibrate(model, recipe, "bundled", folder / "cal")
     pack(folder / "cal", folder / "model.hexq", budget=Budget(avg_bits=2.5))
     return folder / "model.hexq"
@@ -170,7 +170,7 @@ def planes_artifact(tmp_path_factory):
                             intermediate_size=256, head_dim=32)
     widths = (1, 2, 3, 4, 5, 6, 7, 8)
     recipe = replace(small_recipe("experts-mixed", replica_bits=widths), smoothing=Smoothing(method="none"),
-                     activations=ActivationQuant(bits=None), pack=Pack(bits=widths, avg_bits=4.0, order="free"))
+                     activations=ActivationQuant(bits=None), pack=Pack(widths=widths, avg_bits=4.0, order="free"))
     calibrate(model, recipe, "bundled", folder / "cal")
     pack(folder / "cal", folder / "model.hexq", budget=Budget(avg_bits=4.0))
     return folder / "model.hexq"

@@ -83,7 +83,7 @@ def test_replica_bytes_are_dense_bit_packing_plus_scales(artifact_25):
 def test_resident_model_matches_the_calibrated_model(mixed_calibration, tmp_path):
     """A uniform 4-bit artifact computes what the calibration's 4-bit replicas compute (up to float16 scales)."""
     out = tmp_path / "u4.hexq"
-    pack(mixed_calibration[0], out, Pack(bits=(4,), avg_bits=4.0))
+    pack(mixed_calibration[0], out, Pack(widths=(4,), avg_bits=4.0))
     ids = torch.randint(0, 8192, (2, 24), generator=torch.Generator().manual_seed(0))
     got = target_logits(artifact_model(out, torch.device("cpu")), ids)
     want = target_logits(calibrated_model(mixed_calibration[0], torch.device("cpu"), 4), ids)
@@ -248,7 +248,7 @@ def test_cli_pack_and_inspect(mixed_calibration, tmp_path):
 
 def test_pack_settings_must_match_the_replicas(mixed_calibration, tmp_path):
     with pytest.raises(HexqError, match=r"need replicas at \[5\] bits"):
-        pack(mixed_calibration[0], tmp_path / "x.hexq", replace(Pack(), bits=(2, 5), avg_bits=3.0))
+        pack(mixed_calibration[0], tmp_path / "x.hexq", replace(Pack(), widths=(2, 5), avg_bits=3.0))
 
 
 def test_bank_export_keeps_only_the_replicas_export_projects(mixed_calibration, tmp_path):
@@ -256,7 +256,7 @@ def test_bank_export_keeps_only_the_replicas_export_projects(mixed_calibration, 
     and hexq export writes those replicas in their place."""
     from hexq.artifact.format import export_shard
 
-    settings = replace(Pack(), bits=(1, 2, 4, 8))
+    settings = replace(Pack(), widths=(1, 2, 4, 8))
     pack(mixed_calibration[0], tmp_path / "x.hexq", settings, budget=Budget(avg_bits=4.5), bank=("export",))
     artifact = Artifact(tmp_path / "x.hexq")
     kept = artifact.export_section["replicas"]
@@ -296,7 +296,7 @@ def test_pack_says_at_once_what_a_gguf_export_will_need(mixed_calibration, tmp_p
     from hexq.config.recipe import recipe_to_dict
 
     recipe = tmp_path / "recipe.json"  # YAML's superset: a JSON recipe file is read as YAML
-    recipe.write_text(json.dumps(recipe_to_dict(replace(mixed_recipe(), pack=replace(Pack(), bits=(1, 2, 4, 8))))))
+    recipe.write_text(json.dumps(recipe_to_dict(replace(mixed_recipe(), pack=replace(Pack(), widths=(1, 2, 4, 8))))))
     args = ["pack", str(mixed_calibration[0]), "-r", str(recipe), "--bits", "4.5"]
     plain = runner.invoke(app, [*args, "-o", str(tmp_path / "plain")])
     assert plain.exit_code == 0, plain.output

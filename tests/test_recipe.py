@@ -4,11 +4,11 @@ import pytest
 import yaml
 
 from hexq.base.errors import HexqError
+from hexq.config.fingerprint import calibration_hash
 from hexq.config.recipe import (
     Experts,
     Recipe,
     WeightQuant,
-    calibration_hash,
     recipe_from_dict,
     recipe_to_dict,
     validate_for_model,
@@ -167,7 +167,19 @@ def test_missing_name_and_wrong_version_fail():
     data = base()
     del data["name"]
     fails(data, "missing key 'name' in recipe")
-    fails(base() | {"version": 2}, "version 2 is not supported")
+    fails(base() | {"version": 3}, "version 3 is not supported")
+
+
+def test_a_version_1_recipe_is_read_in_version_2_spelling_with_its_fingerprint():
+    """Version 1 named the allocation's widths pack.bits: a calibration or artifact written then reads as the same
+    recipe, and its calibration fingerprint is unchanged (pack is not hashed, nor is the spelling's version)."""
+    current = base() | {"pack": base()["pack"] | {"widths": [2, 4]}}
+    old = current | {"version": 1, "pack": {("bits" if key == "widths" else key): value
+                                            for key, value in current["pack"].items()}}
+    assert recipe_from_dict(old) == recipe_from_dict(current)
+    assert recipe_from_dict(old).pack.widths == (2, 4)
+    assert calibration_hash(recipe_from_dict(old)) == calibration_hash(recipe_from_dict(current))
+    fails(current | {"pack": old["pack"]}, "bits")  # version 2 spells it widths
 
 
 def test_integers_are_accepted_as_numbers_and_hash_the_same():
@@ -281,13 +293,14 @@ def test_calibrations_made_before_later_switches_keep_their_fingerprint():
     import hashlib
     import json
 
-    from hexq.config.recipe import calibration_hash
+    from hexq.config.fingerprint import calibration_hash
 
     recipe = load_recipe("haq-w8a8")
     data = {key: value for key, value in recipe_to_dict(recipe).items() if key not in ("pack", "head")}
     for key in ("export_target", "round_bits", "round_steps", "round_tokens", "round_scope"):
         del data["experts"][key]
     del data["weights"]["fit_bits"], data["weights"]["one_bit"]
+    data["version"] = 1  # what those manifests hold (version 2 only renamed a key of pack, which is not hashed)
     before = hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
     assert calibration_hash(recipe) == before
     changed = recipe_to_dict(recipe)

@@ -167,7 +167,7 @@ def test_gpu_path_serves_the_same_model(packed_artifact, eval_perplexity):
     through the same kernel - on CUDA where there is one, else in Triton's CPU interpreter: the same perplexity."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with Runtime(packed_artifact, device=device, kernels="triton", dtype="fp32") as runtime:
-        assert all(m.resident is not None for m in runtime.model.modules() if hasattr(m, "resident"))
+        assert all(m.arena is not None for m in runtime.model.modules() if hasattr(m, "arena"))
         got, _, _ = runtime_perplexity(runtime, IDS, 52, 1)
         stats = runtime.stats()
         text, _ = runtime.generate("It is a truth", 2)
@@ -186,7 +186,7 @@ def test_gpu_path_serves_skipped_experts_as_eval(skipping_artifact, skipping_eva
     device = "cuda" if torch.cuda.is_available() else "cpu"
     windows = make_windows(IDS, 52, 1)
     with Runtime(skipping_artifact, device=device, kernels="triton", dtype="fp32") as runtime:
-        assert all(m.resident is not None for m in runtime.model.modules() if hasattr(m, "resident"))
+        assert all(m.arena is not None for m in runtime.model.modules() if hasattr(m, "arena"))
         logits = runtime.forward(windows.to(runtime.device)).logits.float().cpu()
         assert runtime.stats().skipped_slots > 0  # counted on the device, read once here
     want = skipping_eval[1][:1]

@@ -75,7 +75,8 @@ from hexq.calib.store import (
     tensor_fingerprint,
     write_progress,
 )
-from hexq.config.recipe import Recipe, calibration_hash, recipe_to_dict, validate_for_model
+from hexq.config.fingerprint import calibration_hash
+from hexq.config.recipe import Recipe, recipe_to_dict, validate_for_model
 from hexq.model.adapters import MoEAdapter
 from hexq.model.folder import context_length, model_fingerprint
 from hexq.model.layer_pass import run_layer

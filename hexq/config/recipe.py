@@ -25,9 +25,6 @@ canonical JSON).
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -48,7 +45,7 @@ from hexq.config.typed_config import (
     to_plain,
 )
 
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2  # 2: pack.bits (the widths an allocation may use) renamed pack.widths; version 1 is still read
 
 WEIGHT_METHODS = ("gptq", "rtn")
 SMOOTHING_METHODS = ("haq", "smoothquant", "none")
@@ -279,7 +276,7 @@ class Pack:
     """How `hexq pack` turns a calibration into an artifact; not part of the calibration's fingerprint.
 
     Importance S = alpha*norm(P) + (1 - alpha)*norm(W) from the calibration's router counts P and score sums W
-    (002 §4.1). The allocation gives each expert one of `bits` (a subset of the calibration's replica widths; 0 skips
+    (002 §4.1). The allocation gives each expert one of `widths` (a subset of the calibration's replica widths; 0 skips
     the expert, 004's "4/0") minimising the loss table's summed MSE, with widths non-increasing in importance order
     (002 §4.2 prefix-split), under avg_bits per layer unless the command line gives a byte budget; a byte budget is
     split across layers by `schedule` (cosine: r(l) = (1-cosine_lambda)(cos(pi l/(L-1))+1)/2 + cosine_lambda).
@@ -294,7 +291,7 @@ class Pack:
     """
 
     alpha: float = 0.5
-    bits: tuple[int, ...] = (1, 2, 3, 4)
+    widths: tuple[int, ...] = (1, 2, 3, 4)
     avg_bits: float = 3.0
     schedule: str = "uniform"
     cosine_lambda: float = 0.5
@@ -307,15 +304,15 @@ class Pack:
     def __post_init__(self) -> None:
         check_types(self)
         check_unit("alpha", self.alpha)
-        if not self.bits:
-            raise RecipeError("bits", "is empty; list the widths the allocation may use, e.g. [1, 2, 3, 4]")
-        for b in self.bits:
+        if not self.widths:
+            raise RecipeError("widths", "is empty; list the widths the allocation may use, e.g. [1, 2, 3, 4]")
+        for b in self.widths:
             if not 0 <= b <= 8:
-                raise RecipeError("bits", f"must be in 0..8 (0 skips the expert), got {b}")
-        if list(self.bits) != sorted(set(self.bits)):
-            raise RecipeError("bits", f"must be increasing without duplicates, got {list(self.bits)}")
-        if not min(self.bits) <= self.avg_bits <= max(self.bits):
-            raise RecipeError("avg_bits", f"must be within bits [{min(self.bits)}, {max(self.bits)}], "
+                raise RecipeError("widths", f"must be in 0..8 (0 skips the expert), got {b}")
+        if list(self.widths) != sorted(set(self.widths)):
+            raise RecipeError("widths", f"must be increasing without duplicates, got {list(self.widths)}")
+        if not min(self.widths) <= self.avg_bits <= max(self.widths):
+            raise RecipeError("avg_bits", f"must be within widths [{min(self.widths)}, {max(self.widths)}], "
                                           f"got {self.avg_bits}")
         check_choice("schedule", self.schedule, BUDGET_SCHEDULES)
         check_unit("cosine_lambda", self.cosine_lambda)
@@ -406,36 +403,23 @@ def validate_for_model(recipe: Recipe, hidden_size: int,
 
 
 def recipe_from_dict(data: Mapping[str, Any]) -> Recipe:
-    """A Recipe from its dict form (a parsed YAML file or `recipe_to_dict` output), with every check applied."""
-    return build(Recipe, dict(data) if isinstance(data, Mapping) else data, "")
+    """A Recipe from its dict form (a parsed YAML file or `recipe_to_dict` output), with every check applied; a
+    dict of an earlier recipe version is read as that version spelled it (_upgrade)."""
+    return build(Recipe, _upgrade(data) if isinstance(data, Mapping) else data, "")
+
+
+def _upgrade(data: Mapping[str, Any]) -> dict[str, Any]:
+    """Version 1 named the allocation's widths pack.bits (beside pack.avg_bits, an average): the same recipe in
+    version 2's spelling. Calibrations and artifacts written before keep their recipes readable."""
+    data = dict(data)
+    if data.get("version") == 1:
+        data["version"] = RECIPE_VERSION
+        pack = data.get("pack")
+        if isinstance(pack, Mapping) and "bits" in pack:
+            data["pack"] = {("widths" if key == "bits" else key): value for key, value in pack.items()}
+    return data
 
 
 def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
     """Every field, JSON/YAML-ready (tuples as lists); recipe_from_dict(recipe_to_dict(r)) == r."""
     return to_plain(recipe)
-
-
-def _hash_dict(data: dict[str, Any]) -> str:
-    canonical = json.dumps(data, sort_keys=True, separators=(",", ":"), allow_nan=False)
-    return hashlib.sha256(canonical.encode()).hexdigest()
-
-
-# Settings added after calibrations were first written, with the value that reproduces what came before: left out of
-# the calibration hash at that value, so older calibrations keep their fingerprint.
-_LATER_SETTINGS = {("experts", "export_target"): None, ("weights", "fit_bits"): [],
-                   ("experts", "weights", "fit_bits"): [], ("experts", "round_bits"): [],
-                   ("experts", "round_steps"): 100, ("experts", "round_tokens"): 512,
-                   ("experts", "round_scope"): "expert", ("weights", "one_bit"): "minmax",
-                   ("experts", "weights", "one_bit"): "minmax", ("head",): None}
-
-
-def calibration_hash(recipe: Recipe) -> str:
-    """sha256 of the recipe's canonical JSON (sorted keys, no whitespace) without the pack section: changing how a
-    calibration is packed does not invalidate it. Settings added later (_LATER_SETTINGS) are left out at their
-    earlier behaviour, so calibrations made before they existed keep their fingerprint."""
-    data = {key: value for key, value in recipe_to_dict(recipe).items() if key != "pack"}
-    for *path, key in _LATER_SETTINGS:
-        section = functools.reduce(lambda d, k: d.get(k) if isinstance(d, dict) else None, path, data)
-        if isinstance(section, dict) and section.get(key) == _LATER_SETTINGS[(*path, key)]:
-            del section[key]
-    return _hash_dict(data)

@@ -126,7 +126,7 @@ def refuse_skipped_experts(artifact: Artifact, format_name: str, engine: str) ->
         raise HexqError(f"{artifact.path} skips {skipped} routed expert(s) (0 bits), which hexq serves by "
                         f"renormalising their routing weight onto each token's kept experts; {format_name} has no "
                         f"way to say so ({engine} would run them as zero experts, their weight lost); pack with widths "
-                        "from 1 bit up (pack.bits without 0) to export")
+                        "from 1 bit up (pack.widths without 0) to export")
 
 
 def plan_export(artifact: Artifact, experts: str = "auto") -> list[LayerExport]:

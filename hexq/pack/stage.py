@@ -117,7 +117,7 @@ def expert_costs(shapes: dict[str, tuple[int, int]], bits: tuple[int, ...], grou
 def allocate_layers(losses: list[torch.Tensor], orders: list[list[int]], settings: Pack, budget: Budget,
                     costs: list[int]) -> list[list[int]]:
     """Widths [L][E] by expert id: avg_bits per layer, or the byte total split by the recipe's schedule."""
-    bits = settings.bits
+    bits = settings.widths
     smallest = min((b for b in bits if b), default=0)
     skipping = ("only skipping experts meets it (a layer may lose every routed expert); pass --allow-skipping to "
                 "pack it anyway")
@@ -161,9 +161,9 @@ def check_calibration(manifest: CalibrationManifest, calib_dir: Path, settings: 
     """The source model folder, after checking the calibration is complete, has replica banks for the requested
     widths, and the source model has not changed since."""
     model_path = calibration_source(calib_dir, manifest)
-    missing = [b for b in settings.bits if b != 0 and b not in manifest.expert_bits]
+    missing = [b for b in settings.widths if b != 0 and b not in manifest.expert_bits]
     if missing:
-        raise HexqError(f"pack bits {list(settings.bits)} need replicas at {missing} bits; {calib_dir} has "
+        raise HexqError(f"pack widths {list(settings.widths)} need replicas at {missing} bits; {calib_dir} has "
                         f"{manifest.expert_bits} (calibrate with a replicas recipe, e.g. experts-mixed)")
     return model_path
 
@@ -206,7 +206,7 @@ def table_losses(stats: dict, table_bits: list[int], settings: Pack) -> list[tor
     allocation minimises it: per expert (pack.loss "expert", 002 §4.2), or each expert's entry times its squared
     routing mass per layer token (pack.loss "layer"): the expert's share of the layer output's MSE, so that
     experts add up as the layer does."""
-    losses = [loss_columns(table, skip, table_bits, settings.bits)
+    losses = [loss_columns(table, skip, table_bits, settings.widths)
               for table, skip in zip(stats["loss_table"], stats["loss_table.skip"], strict=True)]
     if settings.loss == "expert":
         return losses
@@ -222,7 +222,7 @@ def make_plan(stats: dict, table_bits: list[int], settings: Pack, budget: Budget
     scores = importance(stats["router.counts"], stats["router.score_sums"], settings.alpha)
     orders = [importance_order(row) for row in scores]
     losses = table_losses(stats, table_bits, settings)
-    costs = expert_costs(shapes, settings.bits, group_size)
+    costs = expert_costs(shapes, settings.widths, group_size)
     allocation = allocate_layers(losses, orders, settings, budget, costs)
     hot = max(1, round(settings.hot_fraction * scores.shape[1]))
     placement = place(settings.placement, stats["router.topk"].long(), stats["router.counts"], hot)
@@ -287,7 +287,7 @@ def pack(calib_dir: str | Path, out: str | Path, settings: Pack | None = None, b
         else (own_group, own_symmetric, True))
     stats = read_stats(calib_dir, moe_layers, progress)
     plan = make_plan(stats, table_bits, settings, budget, shapes, group_size)
-    bytes_by_bits = dict(zip(settings.bits, plan.costs, strict=True))
+    bytes_by_bits = dict(zip(settings.widths, plan.costs, strict=True))
     used = allocated_bytes(plan.allocation, bytes_by_bits)
     banked = bank_widths(bank, plan.allocation, table_bits)
     bf16_bytes = len(moe_layers) * num_experts * sum(rows * cols for rows, cols in shapes.values()) * 2
@@ -369,7 +369,7 @@ def pack(calib_dir: str | Path, out: str | Path, settings: Pack | None = None, b
                 "bits": plan.allocation, "average_bits": plan.average_bits,
                 "budget": {"avg_bits": budget.avg_bits, "total_bytes": budget.total_bytes,
                            "schedule": settings.schedule},
-                "table_loss": [assignment_loss(loss, settings.bits, row)
+                "table_loss": [assignment_loss(loss, settings.widths, row)
                                for loss, row in zip(plan.losses, plan.allocation, strict=True)],
                 "importance_order": plan.orders},
             "export": {"bits": EXPORT_BITS, "group_size": export_group, "symmetric": export_symmetric,

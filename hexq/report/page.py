@@ -194,7 +194,7 @@ def report_files(artifact_path: Path, results_dir: Path, placement_json: Path) -
     name = benchmark_name(artifact.model_type)
     share = routed_share(stats["router.counts"])
     scheme = artifact.placement["scheme"]
-    with_skip = 0 in artifact.recipe.pack.bits
+    with_skip = 0 in artifact.recipe.pack.widths
 
     images: dict[str, bytes] = {}
     # Matplotlib's defaults, not the user's matplotlibrc: the same artifact must give the same PNG bytes anywhere.

@@ -175,8 +175,8 @@ class Runtime:
             kv_bytes=context * kv_position_bytes(streamed.config, self.dtype), context=context,
             expert_bytes=sum(allocated), largest_slot=sizes.largest_slot, cache_format=config.cache,
             cached=config.mode == "cache",
-            # every expert on the device in one arena per layer, computed without the cache (hexq.runtime.resident)
-            resident_possible=triton and config.policy == "static")
+            # every expert on the device in one arena per layer, computed without the cache (hexq.runtime.arena)
+            arena_possible=triton and config.policy == "static")
         fast_tier = FastTier(self.plan.cache_bytes)
         self.source = source = ArtifactSource(artifact, sizes, fast_tier, kernels)
         counts = artifact.tensor(STATS_SHARD, "router.counts")
@@ -199,14 +199,14 @@ class Runtime:
         layers = [self.model.model.layers[index] for index in artifact.moe_layers]
         routers = [getattr(getattr(layer, adapter.moe), adapter.router) for layer in layers]
         norms = [getattr(layer, adapter.post_attention_norm).weight.detach() for layer in layers]
-        if self.plan.resident:
-            from hexq.runtime.resident import ResidentExperts  # it imports triton (~1 s), used on CUDA only
+        if self.plan.arena:
+            from hexq.runtime.arena import ExpertArena  # it imports triton (~1 s), used on CUDA only
 
             buffer = torch.empty(sizes.read_nbytes, dtype=torch.uint8, device="cpu")
             for layer, module in modules.items():
-                module.resident = ResidentExperts(artifact, layer, device, buffer)
+                module.arena = ExpertArena(artifact, layer, device, buffer)
             self.state.prefetch = False
-        self.resident = [module.resident for module in modules.values() if module.resident is not None]
+        self.arenas = [module.arena for module in modules.values() if module.arena is not None]
         for layer, module in modules.items():  # look-ahead: layer l holds layer l+1's router
             if layer + 1 < num_layers:
                 module.next_router = routers[layer + 1]
@@ -214,7 +214,7 @@ class Runtime:
                 module.default_bits_next = artifact.allocation[layer + 1]
         self.device = device
         self_check(self, modules[0])
-        self.warm_experts = self.warm(config.warm) if config.mode == "cache" and not self.plan.resident else 0
+        self.warm_experts = self.warm(config.warm) if config.mode == "cache" and not self.plan.arena else 0
         self.native, self.decode_path = self._decoder(config.decode)
 
     def _decoder(self, decode: str) -> tuple[NativeDecoder | None, str]:
@@ -274,7 +274,7 @@ class Runtime:
     def skipped_slots(self) -> int:
         """(token, slot) pairs served without their skipped expert: the host's count, or the resident layers' device
         counters (one read here, none in a forward pass)."""
-        return self.state.skipped_slots + sum(int(layer.skipped) for layer in self.resident)
+        return self.state.skipped_slots + sum(int(layer.skipped) for layer in self.arenas)
 
     def stats(self, **timing) -> RunStats:
         counters = self.compute.counters

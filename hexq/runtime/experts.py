@@ -88,7 +88,7 @@ class CachedExperts(torch.nn.Module):
         self.act_fn = act_fn
         self.quantizers = quantizers  # (input, intermediate) activation quantizers of the recipe, or None
         self.compute = compute
-        self.resident = None  # hexq.runtime.resident.ResidentExperts when every expert lives on the GPU
+        self.arena = None  # hexq.runtime.arena.ExpertArena when every expert lives on the GPU
         # look-ahead, set by Runtime once every layer exists (None in the last layer)
         self.next_router: torch.nn.Module | None = None  # layer l+1's router
         self.norm_ratio: torch.Tensor | None = None  # w_{l+1} / w_l of the post-attention norms
@@ -142,9 +142,9 @@ class CachedExperts(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        if self.resident is not None:  # nothing to load, predict or count on the host: one launch per projection
+        if self.arena is not None:  # nothing to load, predict or count on the host: one launch per projection
             self.compute.counters.gemv_rows += top_k_index.numel()
-            return self.resident(hidden_states, top_k_index, top_k_weights, self.act_fn, self.quantizers)
+            return self.arena(hidden_states, top_k_index, top_k_weights, self.act_fn, self.quantizers)
         state = self.state
         if self.layer in state.predicted:  # score the prediction the layer below made for this layer
             used = {e for e in top_k_index.unique().tolist() if 0 <= e < self.num_experts}

@@ -25,8 +25,8 @@ def mib(nbytes: int) -> str:
 @dataclass(frozen=True)
 class MemoryPlan:
     """Bytes per part (see the module docstring). expert_bytes: every expert at its allocated width as the fast tier
-    holds it; memory_bytes: --memory (None without it); resident: the experts live in the device's resident arena
-    (hexq.runtime.resident), outside the cache, whose fast tier is then empty."""
+    holds it; memory_bytes: --memory (None without it); arena: the experts live in the device's expert arena
+    (hexq.runtime.arena), outside the cache, whose fast tier is then empty."""
 
     dense_bytes: int
     scratch_bytes: int
@@ -35,12 +35,12 @@ class MemoryPlan:
     expert_bytes: int
     fast_tier_bytes: int
     memory_bytes: int | None = None
-    resident: bool = False
+    arena: bool = False
 
     @property
     def cache_bytes(self) -> int:
-        """What the expert cache may hold: the fast tier, unless the experts are in the resident arena."""
-        return 0 if self.resident else self.fast_tier_bytes
+        """What the expert cache may hold: the fast tier, unless the experts are in the device's arena."""
+        return 0 if self.arena else self.fast_tier_bytes
 
     @property
     def holds_every_expert(self) -> bool:
@@ -49,10 +49,10 @@ class MemoryPlan:
 
 def plan_memory(*, memory_bytes: int | None, fast_tier_bytes: int | None, dense_bytes: int, scratch_bytes: int,
                 kv_bytes: int, context: int, expert_bytes: int, largest_slot: int, cache_format: str,
-                cached: bool = True, resident_possible: bool = False) -> MemoryPlan:
+                cached: bool = True, arena_possible: bool = False) -> MemoryPlan:
     """The plan for --memory or --fast-tier (at most one). `largest_slot`: the bytes of the largest expert the fast
     tier may hold (the least it must take); `cached`: the experts are served from the cache (mode "cache"), else
-    the fast tier is empty; `resident_possible`: a device that keeps every expert in one resident arena when the
+    the fast tier is empty; `arena_possible`: a device that keeps every expert in one arena when the
     fast tier holds them all."""
     if memory_bytes is not None and fast_tier_bytes is not None:
         raise HexqError("give --memory (the whole process) or --fast-tier (the experts alone), not both")
@@ -71,4 +71,4 @@ def plan_memory(*, memory_bytes: int | None, fast_tier_bytes: int | None, dense_
                             f"bytes ({largest_slot / 2**20:.2f} MiB, {cache_format}); all experts take {expert_bytes}")
     fast_tier = min(fast_tier, expert_bytes) if cached else 0
     return MemoryPlan(dense_bytes, scratch_bytes, kv_bytes, context, expert_bytes, fast_tier, memory_bytes,
-                      resident=resident_possible and cached and fast_tier >= expert_bytes)
+                      arena=arena_possible and cached and fast_tier >= expert_bytes)

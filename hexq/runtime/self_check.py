@@ -31,12 +31,12 @@ def self_check(runtime, experts: CachedExperts) -> None:
     probe = None
     if expert is not None:
         allocated = runtime.artifact.allocation[0][expert]
-        widths = [allocated] if experts.resident else runtime.artifact.stored_bits(0, expert)
+        widths = [allocated] if experts.arena else runtime.artifact.stored_bits(0, expert)
         for bits in widths:
             x = torch.randn(3, runtime.source.sizes.shapes[0][1], generator=generator, device="cpu")
-            if experts.resident is not None:
+            if experts.arena is not None:
                 index = torch.full((3, 1), expert, dtype=torch.long, device=runtime.device)
-                got = experts.resident(x.to(runtime.device, runtime.dtype), index,
+                got = experts.arena(x.to(runtime.device, runtime.dtype), index,
                                        torch.ones(3, 1, device=runtime.device), act_fn, quantizers)
             else:
                 probe = runtime.source.load_transient(0, expert, bits)

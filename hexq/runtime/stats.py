@@ -13,7 +13,7 @@ from hexq.runtime.memory import MemoryPlan
 class RunStats:
     """What `hexq run --stats` reports (tpot_seconds: the median decode step). Bytes: the memory plan (its fields,
     hexq.runtime.memory.MemoryPlan, are reported at the top level: memory_bytes, dense_bytes, scratch_bytes,
-    kv_bytes, context, expert_bytes, fast_tier_bytes, resident), peak_bytes the fast tier's high-water mark;
+    kv_bytes, context, expert_bytes, fast_tier_bytes, arena), peak_bytes the fast tier's high-water mark;
     bytes_read what was read from the artifact's expert shards; peak_rss_bytes the process's VmHWM
     (None where /proc is missing). How it computed: cache_format (what the fast tier holds: packed codes, or bf16 /
     fp32 matrices), kernel_path (the CPU kernels' instruction-set path, or torch), decode_path (the native step, or

@@ -151,9 +151,11 @@ def block_check(artifact: Artifact, plan: GgufPlan, path: Path, progress: Progre
 
 
 def llama_available() -> bool:
+    """Whether llama-cpp-python imports: installed, and its libllama found (a binding installed without a library
+    of its own, as scripts/llama_cpp.sh does, raises OSError unless LLAMA_CPP_LIB_PATH names one)."""
     try:
         import llama_cpp  # noqa: F401
-    except ImportError:
+    except (ImportError, OSError):
         return False
     return True
 

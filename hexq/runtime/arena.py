@@ -1,4 +1,4 @@
-"""Every routed expert of a layer resident on the GPU as packed codes, computed with one launch per projection.
+"""Every routed expert of a layer in one arena on the GPU as packed codes, computed with one launch per projection.
 
 When the device is CUDA, Triton is there, the policy is static and the budget holds every expert at its allocated
 width, the fast tier is one PackedArena per MoE layer (hexq.packed.triton): the stored codes, scales and zeros of all
@@ -18,7 +18,7 @@ from hexq.model.simulate import served_weights
 from hexq.packed import triton as gpu
 
 
-class ResidentExperts:
+class ExpertArena:
     """One MoE layer's experts in one arena on `device` (see the module docstring)."""
 
     def __init__(self, artifact: Artifact, row: int, device: torch.device, read_buffer: torch.Tensor) -> None:
