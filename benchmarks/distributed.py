@@ -9,10 +9,14 @@ Runs, each a fresh `hexq calibrate` (recipe experts-mixed, --samples windows x 2
                 this one bit for bit, since a BLAS with another thread count sums in another order)
   N ranks       torchrun --nproc_per_node N, OMP_NUM_THREADS=1 each (on this machine the ranks share its cores: no
                 speed-up is expected, only no loss)
-Wall time and peak RSS of each run (RUSAGE_CHILDREN: the largest process of the run), each rank's own peak RSS and
-seconds per stage (timings.json), and the scaling model fitted to them: the dense part (smoothing, the quantized
-pass) is replicated on every rank; the routed experts' stages (Hessians and GPTQ in "quantize", the loss table)
-divide by the world size; per layer the experts' two combined outputs (float64) are summed by all_reduce.
+Wall time and peak RSS of each run (RUSAGE_CHILDREN: the largest process of the run), each process's own peak RSS
+and seconds per stage (timings.json), and the scaling model fitted to them. Memory is reported whole and split: a
+process first holds what every rank needs (the interpreter and torch, the layer's dense part, the hidden states, the
+smoothing pass: its high-water mark when smoothing ends), then the routed experts' stages add their weights, Hessians
+and GPTQ working set; that second part ("expert stages") is what ranks divide. The scaling model: the dense part
+(smoothing, the quantized pass) is replicated on every rank; the routed experts' stages (Hessians and GPTQ in
+"quantize", the loss table) divide by the world size; per layer the experts' two combined outputs (float64) are
+summed by all_reduce.
 """
 
 from __future__ import annotations
@@ -74,7 +78,24 @@ def calibrate(checkpoint: Path, out: Path, samples: int, world: int, threads: in
     stages = {layer: timings["stages"][layer] for layer in layers}
     return {"world": world, "threads": threads, "seconds": seconds, "peak_rss_bytes": peak,
             "layer_seconds": sum(timings[layer] for layer in layers) / len(layers), "stages": stages,
-            "ranks": timings.get("ranks")}
+            "stage_peak_rss": timings.get("peak_rss_bytes"), "ranks": timings.get("ranks")}
+
+
+def expert_stage_bytes(peak: int, stage_peaks: dict) -> int:
+    """What the routed experts' stages add to a process: its peak beyond its high-water mark when smoothing ended
+    (everything before is held by every rank alike)."""
+    return peak - stage_peaks["smoothing"]
+
+
+def memory_split(row: dict) -> list[tuple[int, int]]:
+    """(peak RSS, expert-stage bytes) of each process of a run (one entry for one process, one per rank), first
+    layer."""
+    if row["ranks"]:
+        ranks = next(iter(row["ranks"].values()))
+        return [(r["peak_rss_bytes"], expert_stage_bytes(r["peak_rss_bytes"], r["stage_peak_rss"])) for r in ranks]
+    peaks = next(iter(row["stage_peak_rss"].values()))
+    peak = max(peaks.values())
+    return [(peak, expert_stage_bytes(peak, peaks))]
 
 
 def same_bits(a: Path, b: Path) -> bool:
@@ -105,17 +126,20 @@ def projection(row: dict, world_sizes: tuple[int, ...], samples: int) -> list[di
 
 def render(results: dict) -> str:
     lines = [f"One real-shaped layer (Qwen3-30B-A3B shapes), {results['samples']} windows x 256, experts-mixed",
-             "| run | wall s | s per layer | peak RSS MiB (largest process) | per rank: peak RSS MiB, quantize s, "
-             "loss table s |", "|---|---|---|---|---|"]
+             "| run | wall s | s per layer | peak RSS MiB (largest process) | per process: peak RSS MiB, of it the "
+             "expert stages MiB | per rank: quantize s, loss table s |", "|---|---|---|---|---|---|"]
     for row in results["rows"]:
         ranks = ""
         for layer in (row["ranks"] or {}).values():
-            ranks = "; ".join(f"{r['peak_rss_bytes'] / 2**20:.0f}, {r['stages'].get('quantize', 0):.0f}, "
-                              f"{r['stages'].get('loss table', 0):.0f}" for r in layer)
+            ranks = "; ".join(f"{r['stages'].get('quantize', 0):.0f}, {r['stages'].get('loss table', 0):.0f}"
+                              for r in layer)
+        memory = "; ".join(f"{peak / 2**20:.0f}, {experts / 2**20:.0f}" for peak, experts in memory_split(row))
         name = f"{row['world']} ranks x 1 thread" if row["world"] > 1 else f"1 process x {row['threads']} threads"
         lines.append(f"| {name} | {row['seconds']:.0f} | {row['layer_seconds']:.0f} | "
-                     f"{row['peak_rss_bytes'] / 2**20:.0f} | {ranks or '-'} |")
+                     f"{row['peak_rss_bytes'] / 2**20:.0f} | {memory} | {ranks or '-'} |")
     lines += [f"- ranks / one process (every core), wall time: {results['ratio']:.2f}",
+              f"- largest rank / one process with one thread, peak RSS: {results['memory_ratio']:.2f}; the expert "
+              f"stages' part of it: {results['expert_memory_ratio']:.2f}",
               f"- ranks bit for bit equal to one process with one thread: {results['same_bits']}", "",
               "Projection (this CPU's per-stage seconds scaled by shape; GPU rates not measured):",
               "| model | ranks | s per MoE layer | hours (MoE layers) | MB received per rank per layer |",
@@ -141,7 +165,10 @@ def main() -> int:
         row = calibrate(args.checkpoint, args.work / name, args.samples, world, threads)
         rows.append(row)
         print(f"{name}: {row['seconds']:.0f} s, peak RSS {row['peak_rss_bytes'] / 2**20:.0f} MiB", flush=True)
+    (single_peak, single_experts), ranks = memory_split(rows[1])[0], memory_split(rows[2])
     results = {"samples": args.samples, "rows": rows, "ratio": rows[2]["seconds"] / rows[0]["seconds"],
+               "memory_ratio": max(peak for peak, _ in ranks) / single_peak,
+               "expert_memory_ratio": max(experts for _, experts in ranks) / single_experts,
                "same_bits": same_bits(args.work / "one-thread", args.work / "ranks"),
                "projection": projection(rows[0], (8, 64), args.samples)}
     write_results(args.out, results, run_record, complete=True)
