@@ -1,0 +1,110 @@
+"""The front door cannot rot: every `hexq` command written in README.md, docs/ and the Makefile names a command and
+options the CLI has (each is parsed by the CLI itself, with --help so that nothing runs), and README's command block
+runs, in order, on the reference model."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from hexq_cli.main import app
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+FENCE = re.compile(r"^```[a-z]*\n(.*?)^```", re.S | re.M)
+SEPARATORS = {"|", "||", "&&", ";"}
+# Not run by the README test: a server (tests/test_serve.py serves it) and the multi-process launch
+# (tests/test_distributed.py runs it with 2 and 3 ranks).
+NOT_RUN = ("serve", "torchrun")
+
+
+def hexq_commands(line: str) -> list[list[str]]:
+    """The argument lists of every `hexq` invocation on one shell line (after `torchrun ... --no-python`, an env
+    assignment or a Makefile's `$(BIN)/`; Makefile variables stand as a placeholder value)."""
+    line = re.sub(r"\$\((\w+)\)", "x", line.removeprefix("$ ").strip())
+    try:
+        tokens = shlex.split(line, comments=True)
+    except ValueError:
+        return []
+    commands, segment = [], []
+    for token in [*tokens, ";"]:
+        if token not in SEPARATORS:
+            segment.append(token)
+            continue
+        while segment and re.fullmatch(r"\w+=.*", segment[0]):  # VAR=value hexq ...
+            segment.pop(0)
+        if segment[:1] == ["torchrun"] and "--no-python" in segment:
+            segment = segment[segment.index("--no-python") + 1:]
+        if segment and (segment[0] == "hexq" or segment[0].endswith("/hexq")):
+            commands.append(segment[1:])
+        segment = []
+    return commands
+
+
+def documented(path: Path) -> list[tuple[str, list[str]]]:
+    """(the line as written, its arguments) of every hexq command in the file's code blocks (a Makefile: its
+    recipe lines)."""
+    text = path.read_text()
+    blocks = FENCE.findall(text) if path.suffix == ".md" else [text]
+    found = []
+    for block in blocks:
+        for line in block.replace("\\\n", " ").splitlines():
+            found += [(line.strip(), args) for args in hexq_commands(line)]
+    return found
+
+
+@pytest.mark.parametrize("path", [*DOCS, ROOT / "Makefile"], ids=lambda p: p.name)
+def test_every_documented_command_is_one_the_cli_has(path):
+    commands = documented(path)
+    least = {"README.md": 10, "Makefile": 4}.get(path.name, 0)  # none found at the front door: a broken scan
+    assert len(commands) >= least, commands
+    runner = CliRunner()
+    wrong = []
+    for line, args in commands:
+        result = runner.invoke(app, [*args, "--help"])
+        if result.exit_code != 0:
+            wrong.append(f"{line!r}: {' '.join(re.sub(r'[│╭╮╰╯─]', ' ', result.output).split())[-200:]}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_scan_sees_a_renamed_option():
+    """The check above fails on a flag the CLI does not have (as `--budget` was before it became `--fast-tier`)."""
+    (args,) = hexq_commands("hexq run model.hexq --ppl austen --budget 1MB   # the old name")
+    assert args == ["run", "model.hexq", "--ppl", "austen", "--budget", "1MB"]
+    assert CliRunner().invoke(app, [*args, "--help"]).exit_code == 2
+    assert hexq_commands("torchrun --nproc_per_node 8 --no-python hexq calibrate MODEL -o cal")[0][:2] == [
+        "calibrate", "MODEL"]
+    assert hexq_commands("\t$(BIN)/hexq run $(DEMO)/model.hexq --fast-tier $(FAST_TIER) --stats") == [
+        ["run", "x/model.hexq", "--fast-tier", "x", "--stats"]]
+
+
+def readme_block() -> list[tuple[str, list[str]]]:
+    """README's "The commands" block: what a newcomer types first."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## The commands"):]
+    (block, *_) = FENCE.findall(section)
+    return [(line.strip(), args) for line in block.replace("\\\n", " ").splitlines()
+            for args in hexq_commands(line)]
+
+
+def test_the_readme_commands_run_on_the_reference_model(tmp_path):
+    """Every command of README's block, in its order, in a fresh folder beside the reference model: each exits 0
+    (the server and the torchrun launch aside, tested where they are named in NOT_RUN)."""
+    (tmp_path / "models").symlink_to(ROOT / "models")
+    env = dict(os.environ, KEY="doc-test-key", PYTHONPATH=str(ROOT))
+    ran = []
+    for line, args in readme_block():
+        if args[0] in NOT_RUN or line.startswith(NOT_RUN) or "MODEL" in args:
+            continue
+        done = subprocess.run([sys.executable, "-m", "hexq_cli.main", *args], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, f"{line}\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
+        ran.append(args[0])
+    assert {"calibrate", "pack", "run", "eval", "export", "report"} <= set(ran), ran
