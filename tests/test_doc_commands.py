@@ -56,12 +56,25 @@ def documented(path: Path) -> list[tuple[str, list[str]]]:
     """(the line as written, its arguments) of every hexq command in the file's code blocks (a Makefile: its
     recipe lines)."""
     text = path.read_text()
-    blocks = FENCE.findall(text) if path.suffix == ".md" else [text]
-    found = []
-    for block in blocks:
-        for line in block.replace("\\\n", " ").splitlines():
-            found += [(line.strip(), args) for args in hexq_commands(line)]
-    return found
+    return [found for block in (FENCE.findall(text) if path.suffix == ".md" else [text])
+            for found in block_commands(block)]
+
+
+def block_commands(block: str) -> list[tuple[str, list[str]]]:
+    """(the line, its arguments) of every hexq command of one code block, continued lines joined."""
+    return [(line.strip(), args) for line in block.replace("\\\n", " ").splitlines() for args in hexq_commands(line)]
+
+
+def runnable(line: str, args: list[str]) -> bool:
+    return args[0] not in NOT_RUN and not line.startswith(NOT_RUN)
+
+
+def run_hexq(args: list[str], cwd: Path, what: str) -> None:
+    """One documented command, as typed, in `cwd`: it must exit 0."""
+    env = dict(os.environ, KEY="doc-test-key", PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-m", "hexq_cli.main", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=1800)
+    assert done.returncode == 0, f"{what}\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
 
 
 @pytest.mark.parametrize("path", [*DOCS, ROOT / "Makefile"], ids=lambda p: p.name)
@@ -94,23 +107,18 @@ def readme_block() -> list[tuple[str, list[str]]]:
     text = (ROOT / "README.md").read_text()
     section = text[text.index("## The commands"):]
     (block, *_) = FENCE.findall(section)
-    return [(line.strip(), args) for line in block.replace("\\\n", " ").splitlines()
-            for args in hexq_commands(line)]
+    return block_commands(block)
 
 
 def test_the_readme_commands_run_on_the_reference_model(tmp_path):
     """Every command of README's block, in its order, in a fresh folder beside the reference model: each exits 0
     (the server and the torchrun launch aside, tested where they are named in NOT_RUN)."""
     (tmp_path / "models").symlink_to(ROOT / "models")
-    env = dict(os.environ, KEY="doc-test-key", PYTHONPATH=str(ROOT))
     ran = []
     for line, args in readme_block():
-        if args[0] in NOT_RUN or line.startswith(NOT_RUN) or "MODEL" in args:
-            continue
-        done = subprocess.run([sys.executable, "-m", "hexq_cli.main", *args], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=900)
-        assert done.returncode == 0, f"{line}\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
-        ran.append(args[0])
+        if runnable(line, args):
+            run_hexq(args, tmp_path, line)
+            ran.append(args[0])
     assert {"calibrate", "pack", "run", "eval", "export", "report"} <= set(ran), ran
 
 
@@ -131,8 +139,7 @@ OUTPUTS = ("-o", "--out")
 def doc_commands(path: Path) -> list[list[str]]:
     commands = []
     for line, args in documented(path):
-        if (args[0] in NOT_RUN or line.startswith(NOT_RUN) or any(t in line for t in NOT_RUN_IN_DOCS)
-                or "(hexq." in line):
+        if not runnable(line, args) or any(t in line for t in NOT_RUN_IN_DOCS) or "(hexq." in line:
             continue
         commands.append([STAND_INS.get(token, token) for token in args])
     return commands
@@ -155,20 +162,13 @@ def test_the_docs_commands_run_on_the_reference_model(path, tmp_path):
     (tmp_path / "my_text.txt").write_text(text)
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"text": text[i:i + 6000]}) + "\n"
                                                  for i in range(0, len(text), 6000)))
-    env = dict(os.environ, KEY="doc-test-key", PYTHONPATH=str(ROOT))
-
-    def run(args: list[str], line: str) -> None:
-        done = subprocess.run([sys.executable, "-m", "hexq_cli.main", *args], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=1800)
-        assert done.returncode == 0, f"{path.name}: {line}\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
-
     made = {args[args.index(flag) + 1] for args in commands for flag in OUTPUTS if flag in args[:-1]}
     assumed = {name for name in ASSUMED if name not in made and any(name in args for args in commands)}
     if "model.hexq" in assumed:
         assumed.add("cal-mixed")  # the artifact is packed from it
     for name in ("cal-mixed", "model.hexq"):
         if name in assumed:
-            run(ASSUMED[name], f"(assumed) {name}")
+            run_hexq(ASSUMED[name], tmp_path, f"{path.name}: (assumed) {name}")
     for args in commands:
         for flag in OUTPUTS:
             if flag in args[:-1] and "--force" not in args:
@@ -177,4 +177,4 @@ def test_the_docs_commands_run_on_the_reference_model(path, tmp_path):
                     shutil.rmtree(target)
                 elif target.exists():
                     target.unlink()
-        run(args, " ".join(args))
+        run_hexq(args, tmp_path, f"{path.name}: {' '.join(args)}")

@@ -54,7 +54,7 @@ from hexq.runtime.cache import ExpertCache
 from hexq.runtime.compute import EXPAND_ROWS, Compute, compute_backend, weight_rows
 from hexq.runtime.cost import admit_fill, calibration_usage, usage_update
 from hexq.runtime.experts import USAGE_HORIZON, CachedExperts, RunState
-from hexq.runtime.memory import plan_memory
+from hexq.runtime.memory import check_memory_flags, plan_memory
 from hexq.runtime.model import build_model, dense_plan_bytes, expert_quantizers, skeleton
 from hexq.runtime.native import NativeDecoder, NotNative
 from hexq.runtime.policy import check_policy_widths, make_policy, policy_context
@@ -121,6 +121,7 @@ class RuntimeConfig:
             raise HexqError(f"--dtype {self.dtype}: choose one of {', '.join(DTYPES)}")
         if self.cache not in CACHE_FORMATS:
             raise HexqError(f"--cache {self.cache}: choose one of {', '.join(CACHE_FORMATS)}")
+        check_memory_flags(self.memory_bytes, self.fast_tier_bytes)  # before anything is loaded or compiled
         if self.kernels not in KERNELS:
             raise HexqError(f"--kernels {self.kernels}: choose one of {', '.join(KERNELS)}")
         if self.decode not in DECODE:

@@ -47,6 +47,12 @@ class MemoryPlan:
         return self.fast_tier_bytes >= self.expert_bytes
 
 
+def check_memory_flags(memory_bytes: int | None, fast_tier_bytes: int | None) -> None:
+    """--memory sizes the whole process, --fast-tier the experts alone: at most one of them."""
+    if memory_bytes is not None and fast_tier_bytes is not None:
+        raise HexqError("give --memory (the whole process) or --fast-tier (the experts alone), not both")
+
+
 def plan_memory(*, memory_bytes: int | None, fast_tier_bytes: int | None, dense_bytes: int, scratch_bytes: int,
                 kv_bytes: int, context: int, expert_bytes: int, largest_slot: int, cache_format: str,
                 cached: bool = True, arena_possible: bool = False) -> MemoryPlan:
@@ -54,8 +60,7 @@ def plan_memory(*, memory_bytes: int | None, fast_tier_bytes: int | None, dense_
     tier may hold (the least it must take); `cached`: the experts are served from the cache (mode "cache"), else
     the fast tier is empty; `arena_possible`: a device that keeps every expert in one arena when the
     fast tier holds them all."""
-    if memory_bytes is not None and fast_tier_bytes is not None:
-        raise HexqError("give --memory (the whole process) or --fast-tier (the experts alone), not both")
+    check_memory_flags(memory_bytes, fast_tier_bytes)
     if memory_bytes is not None:
         fast_tier = memory_bytes - dense_bytes - scratch_bytes - kv_bytes
         if fast_tier < largest_slot:

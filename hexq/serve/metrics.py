@@ -39,9 +39,9 @@ class RuntimeCollector:
         yield CounterMetricFamily("hexq_cache_bytes_moved", "Bytes loaded into the expert cache.", stats.bytes_moved)
         yield CounterMetricFamily("hexq_artifact_bytes_read", "Bytes read from the artifact's expert shards.",
                                   self.runtime.artifact.bytes_read)
-        if self.runtime.config.memory_bytes is not None:
+        if self.runtime.plan.memory_bytes is not None:
             yield GaugeMetricFamily("hexq_memory_bytes", "--memory: the budget for what hexq allocates.",
-                                    self.runtime.config.memory_bytes)
+                                    self.runtime.plan.memory_bytes)
         peak = peak_rss_bytes()
         if peak is not None:
             yield GaugeMetricFamily("hexq_peak_rss_bytes", "The process's peak resident set (VmHWM).", peak)
