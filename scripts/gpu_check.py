@@ -90,10 +90,10 @@ class Check:
                   "--dtype", dtype, "--json", str(out))
         return json.loads(out.read_text())
 
-    def generate(self, artifact: Path, device: str, tokens: int) -> dict:
-        out = self.work / f"gen-{artifact.name}-{device}.json"
+    def generate(self, artifact: Path, device: str, tokens: int, decode: str = "auto") -> dict:
+        out = self.work / f"gen-{artifact.name}-{device}-{decode}.json"
         self.hexq("run", str(artifact), "--prompt", "It is a truth universally acknowledged", "-m", str(tokens),
-                  "--device", device, "--json", str(out))
+                  "--device", device, "--decode", decode, "--json", str(out))
         return json.loads(out.read_text())
 
 
@@ -145,8 +145,12 @@ def check_model(check: Check, name: str, model: Path, windows: int, seqlen: int,
                       served["perplexity"], cpu_eval, 1e-3)
     generated = check.generate(artifact, device, decode_tokens)
     stats = generated["stats"]
-    check.compare(name, f"run decode on {device}: ms per token ({stats['kernel_path']})",
+    check.compare(name, f"run decode on {device}: ms per token ({stats['kernel_path']}, {stats['decode_path']})",
                   1000 * stats["tpot_seconds"], None, None, " ms")
+    if device != "cpu":  # the transformers decoder the CUDA graph step replaces, on the same artifact
+        reference_path = check.generate(artifact, device, decode_tokens, decode="transformers")["stats"]
+        check.compare(name, f"run decode on {device}: ms per token (--decode transformers)",
+                      1000 * reference_path["tpot_seconds"], None, None, " ms")
     if device != "cpu" and export:  # a trained model: its greedy text means something
         reference = check.generate(artifact, "cpu", decode_tokens)
         same = common_prefix(generated["text"], reference["text"])

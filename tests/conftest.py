@@ -245,3 +245,24 @@ def _hexq_caller() -> str | None:
             return None
         frame = frame.f_back
     return None
+
+
+# The families the native and CUDA graph decode steps cover beside qwen3_moe (packed_artifact), tiny, mixed 2.5 bits.
+DECODE_FAMILIES = {
+    "qwen2_moe": dict(hidden_size=64, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+                      intermediate_size=128, head_dim=16, mlp_only_layers=[0]),
+    "olmoe": dict(hidden_size=64, intermediate_size=64),
+    "mixtral": dict(hidden_size=64, intermediate_size=64),
+}
+
+
+@pytest.fixture(scope="session", params=sorted(DECODE_FAMILIES))
+def family_artifact(request, tmp_path_factory):
+    from hexq.calib.pipeline import calibrate
+    from hexq.pack.stage import Budget, pack
+
+    folder = tmp_path_factory.mktemp(request.param)
+    model = save_tiny_model(folder / "model", request.param, **DECODE_FAMILIES[request.param])
+    calibrate(model, small_recipe("experts-mixed"), "bundled", folder / "cal")
+    pack(folder / "cal", folder / "model.hexq", budget=Budget(avg_bits=2.5))
+    return folder / "model.hexq"

@@ -212,26 +212,6 @@ def test_native_step_on_relaid_codes_is_the_stream_transformers_path(planes_arti
 
 # Families at widths the kernels take (multiples of 32): qwen2_moe with a dense first layer, a shared expert and its
 # gate, q/k/v biases; olmoe with q/k norms over the whole projection; mixtral.
-FAMILIES = {
-    "qwen2_moe": dict(hidden_size=64, moe_intermediate_size=64, shared_expert_intermediate_size=64,
-                      intermediate_size=128, head_dim=16, mlp_only_layers=[0]),
-    "olmoe": dict(hidden_size=64, intermediate_size=64),
-    "mixtral": dict(hidden_size=64, intermediate_size=64),
-}
-
-
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
-def family_artifact(request, tmp_path_factory):
-    from hexq.calib.pipeline import calibrate
-    from hexq.pack.stage import Budget, pack
-
-    folder = tmp_path_factory.mktemp(request.param)
-    model = save_tiny_model(folder / "model", request.param, **FAMILIES[request.param])
-    calibrate(model, small_recipe("experts-mixed"), "bundled", folder / "cal")
-    pack(folder / "cal", folder / "model.hexq", budget=Budget(avg_bits=2.5))
-    return folder / "model.hexq"
-
-
 def test_every_family(family_artifact):
     assert agrees(compare(family_artifact))
 

@@ -54,7 +54,10 @@ class ActQuantizer:
         if self.dynamic:
             return fake_quantize_activations(x, self.bits, per_token=True, symmetric=self.symmetric)
         spec = QuantSpec(bits=self.bits, symmetric=self.symmetric)
-        scale, zero = grid_params(torch.tensor([[self.low, self.high]], dtype=torch.float32, device=x.device), spec)
+        # the range made by fill kernels, not copied from host memory: a CUDA graph can capture it (hexq.runtime.graph)
+        bounds = torch.full((1, 2), self.low, dtype=torch.float32, device=x.device)
+        bounds[:, 1:].fill_(self.high)
+        scale, zero = grid_params(bounds, spec)
         return ((quantize_to_grid(x.float(), scale, zero, spec.qmax) - zero) * scale).to(x.dtype)
 
 

@@ -53,10 +53,12 @@ from hexq.model.streaming import blocked_nll
 from hexq.runtime.cache import ExpertCache
 from hexq.runtime.compute import EXPAND_ROWS, Compute, compute_backend, weight_rows
 from hexq.runtime.cost import admit_fill, calibration_usage, usage_update
+from hexq.runtime.coverage import NotNative
 from hexq.runtime.experts import USAGE_HORIZON, CachedExperts, RunState
+from hexq.runtime.graph import GraphDecoder
 from hexq.runtime.memory import check_memory_flags, plan_memory
 from hexq.runtime.model import build_model, dense_plan_bytes, expert_quantizers, skeleton
-from hexq.runtime.native import NativeDecoder, NotNative
+from hexq.runtime.native import NativeDecoder
 from hexq.runtime.policy import check_policy_widths, make_policy, policy_context
 from hexq.runtime.residency import FastTier
 from hexq.runtime.sampling import Sampling, TextStream, next_token
@@ -218,18 +220,18 @@ class Runtime:
         self.warm_experts = self.warm(config.warm) if config.mode == "cache" and not self.plan.arena else 0
         self.native, self.decode_path = self._decoder(config.decode)
 
-    def _decoder(self, decode: str) -> tuple[NativeDecoder | None, str]:
+    def _decoder(self, decode: str) -> tuple[NativeDecoder | GraphDecoder | None, str]:
         """(the native step or None, the decode path as --stats names it) for --decode (see DECODE)."""
         if decode == "transformers":
             return None, "transformers (--decode transformers)"
-        try:
-            native = NativeDecoder.of(self)
+        try:  # every expert in the device arena: the CUDA graph step, else the native CPU step
+            native = GraphDecoder.of(self) if self.plan.arena else NativeDecoder.of(self)
         except NotNative as reason:
             if decode == "native":
                 raise HexqError(f"--decode native: {reason}; use --decode auto") from None
             return None, f"transformers ({reason})"
         self.cache.reset_stats()  # the native step took every expert from the cache once
-        return native, "native"
+        return native, native.path
 
     def _admit(self, key: tuple[int, int], bits: int, victims: list[tuple[tuple[int, int], int]],
                prefetch: bool) -> bool:

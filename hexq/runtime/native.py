@@ -42,14 +42,13 @@ import ctypes
 
 import torch
 
-from hexq.model.adapters import SOFTMAX_TOPK, adapter_for
+from hexq.model.adapters import adapter_for
 from hexq.packed.cpu import gemv_takes
 from hexq.packed.weight import LAYOUTS
 from hexq.runtime.compute import PackedLinear
+from hexq.runtime.coverage import NotNative, routing_normalized, unsupported_model
 from hexq.runtime.residency import ExpertWeights
 
-FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral")
-STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # inv_freq fixed at load (not "dynamic": it grows with length)
 MAT_NONE, MAT_PACKED, MAT_F32, MAT_BF16, MAT_ABSENT = 0, 1, 2, 3, 4
 QK_NONE, QK_HEAD, QK_WHOLE = 0, 1, 2
 MAX_TOP_K, MAX_EXPERTS = 64, 1024  # decode.c's fixed arrays
@@ -98,10 +97,6 @@ class Resume(ctypes.Structure):
                 ("weights", ctypes.c_float * MAX_TOP_K), ("log", ctypes.c_void_p), ("logged", ctypes.c_int32)]
 
 
-class NotNative(Exception):
-    """Why a runtime keeps the transformers path (the message is what --stats shows)."""
-
-
 def _act(quantizer) -> Act:
     if quantizer is None:
         return Act(0, 0, 0, 0.0, 0.0)
@@ -114,6 +109,7 @@ class NativeDecoder:
 
     def __init__(self, runtime) -> None:
         self.runtime = runtime
+        self.path = "native"  # what --stats names
         self.kernels = runtime.compute.kernels
         self.library = self.kernels.library
         self.library.hexq_decode.restype = ctypes.c_int
@@ -290,8 +286,7 @@ class NativeDecoder:
         head_dim = first.head_dim
         layers = (Layer * len(base.layers))()
         inter = mlp_inter = 0
-        normalize = {"always": True, "never": False}.get(adapter.routing.normalize,
-                                                         bool(getattr(config, "norm_topk_prob", False)))
+        normalize = routing_normalized(config)
         for index, layer in enumerate(base.layers):
             attn = getattr(layer, adapter.attention)
             entry = layers[index]
@@ -412,11 +407,9 @@ def _absent() -> Expert:
 def unsupported(runtime) -> None:
     """Raise NotNative naming the first reason `runtime` is served by the transformers path instead (see the module
     docstring); return when the native step covers it."""
-    config, artifact = runtime.config, runtime.artifact
+    config = runtime.config
     model_config = runtime.model.config
-    model_type = model_config.model_type
-    if model_type not in FAMILIES:
-        raise NotNative(f"{model_type} is not a family the native step covers ({', '.join(FAMILIES)})")
+    unsupported_model(runtime)
     if runtime.compute.kernels is None:
         raise NotNative("no CPU kernels (" + ("--kernels torch" if config.kernels == "torch" else
                                               "triton" if runtime.compute.triton else "the build failed") + ")")
@@ -427,15 +420,8 @@ def unsupported(runtime) -> None:
     if not runtime.plan.holds_every_expert and runtime.plan.fast_tier_bytes < top_k_bytes(runtime):
         raise NotNative(f"the fast tier holds fewer than {model_config.num_experts_per_tok} of the largest experts "
                         "(a layer's top-k must fit while the step loads its misses)")
-    if adapter_for(model_type).routing.kind != SOFTMAX_TOPK:
-        raise NotNative("the router is not softmax top-k")
-    if getattr(model_config, "hidden_act", "silu") != "silu":
-        raise NotNative(f"{model_config.hidden_act} experts (the step computes SiLU)")
-    rope = (getattr(model_config, "rope_parameters", None) or {}).get("rope_type", "default")
-    if rope not in STATIC_ROPE:
-        raise NotNative(f"{rope} RoPE")
-    if model_config.num_experts_per_tok > MAX_TOP_K or artifact.num_experts > MAX_EXPERTS:
-        raise NotNative(f"top-{model_config.num_experts_per_tok} of {artifact.num_experts} experts")
+    if model_config.num_experts_per_tok > MAX_TOP_K or runtime.artifact.num_experts > MAX_EXPERTS:
+        raise NotNative(f"top-{model_config.num_experts_per_tok} of {runtime.artifact.num_experts} experts")
     # a matrix of another dtype or off the kernels' grid is named while the model is described (NativeDecoder._matrix)
 
 
