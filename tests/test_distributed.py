@@ -31,11 +31,11 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def recipe_file(folder: Path, **experts) -> Path:
-    """experts-mixed on 6 windows of 32 tokens (conftest.small_recipe), written where the CLI reads it."""
+def recipe_file(folder: Path, name: str = "experts-mixed", **experts) -> Path:
+    """A bundled recipe on 6 windows of 32 tokens (conftest.small_recipe), written where the CLI reads it."""
     from hexq.config.recipe import WeightQuant, recipe_to_dict
 
-    recipe = small_recipe("experts-mixed", weights=WeightQuant(group_size=16, symmetric=False), **experts)
+    recipe = small_recipe(name, weights=WeightQuant(group_size=16, symmetric=False), **experts)
     path = folder / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe_to_dict(recipe)))
     return path
@@ -102,11 +102,16 @@ def compare(single: Path, split: Path) -> int:
 
 
 def perplexity_of(calibration: Path, tmp: Path) -> float:
+    from hexq.calib.store import read_manifest
     from hexq.eval.run import evaluate_model
     from hexq.pack.stage import Budget, pack
 
     artifact = tmp / f"{calibration.name}.hexq"
-    pack(calibration, artifact, budget=Budget(avg_bits=2.5), overwrite=True)
+    recipe = read_manifest(calibration).recipe
+    if recipe.experts.mode == "replicas":
+        pack(calibration, artifact, budget=Budget(avg_bits=2.5), overwrite=True)
+    else:  # one width per expert (haq-w8a8: 8 bits)
+        pack(calibration, artifact, replace(recipe.pack, widths=(8,), avg_bits=8.0), Budget(avg_bits=8), overwrite=True)
     (row,) = evaluate_model(artifact, ["austen"], 64, 4, 4, "cpu")
     return row.result.perplexity
 
@@ -118,10 +123,14 @@ def deepseek(tmp_path_factory) -> Path:
                            first_k_dense_replace=1)
 
 
-@pytest.mark.parametrize(("name", "world"), [("qwen3moe", 2), ("deepseek", 3)])
-def test_ranks_give_the_single_process_calibration(name, world, deepseek, tmp_path):
+@pytest.mark.parametrize(("name", "world", "recipe_name"), [("qwen3moe", 2, "experts-mixed"),
+                                                            ("deepseek", 3, "experts-mixed"),
+                                                            ("qwen3moe", 2, "haq-w8a8")])
+def test_ranks_give_the_single_process_calibration(name, world, recipe_name, deepseek, tmp_path):
+    """haq-w8a8 smooths the MoE group too: each rank scores its own experts in the routed search (hexq.calib.scales
+    routed_search) and the summed errors choose the same exponents as one process."""
     model = deepseek if name == "deepseek" else REFERENCE_MODELS["qwen3moe"]
-    recipe = recipe_file(tmp_path)
+    recipe = recipe_file(tmp_path, recipe_name)
     single_process(model, recipe, tmp_path / "single")
     torchrun(world, model, recipe, tmp_path / "split")
     print(f"{name}, {world} ranks: {compare(tmp_path / 'single', tmp_path / 'split')} tensors equal")

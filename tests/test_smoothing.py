@@ -370,3 +370,60 @@ def test_fold_keeps_dtypes_and_rejects_bad_scales():
     for bad in (torch.zeros(attn.channels), torch.full((attn.channels,), float("inf")), torch.ones(3)):
         with pytest.raises(ValueError):
             fold_scales(attn, bad)
+
+
+class _TwoRanks:
+    """Ranks of a world of 2 played one after another in one process: `objects` hands back every rank's value that
+    has been given so far (rank 1 runs first, so rank 0 sees both)."""
+
+    def __init__(self, rank: int, gathered: dict) -> None:
+        self.rank, self.world, self.gathered = rank, 2, gathered
+
+    distributed = True
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    def expert_range(self, tokens: list[int]) -> range:
+        from hexq.calib.ranks import expert_ranges
+
+        return expert_ranges(tokens, self.world)[self.rank]
+
+    def objects(self, value) -> list:
+        self.gathered[self.rank] = value
+        return [self.gathered.get(rank, value) for rank in range(self.world)]
+
+
+def test_the_routed_search_split_over_ranks_sums_to_the_single_process_search(tiny_qwen3moe):
+    """Two ranks each read and score their own experts (the router's and shared expert's error on rank 0 alone); the
+    per-exponent sums are one process's errors to float64 rounding, and pick the same exponent and scales."""
+    from hexq.base.hidden import HiddenStore
+    from hexq.calib.fold import MOE_IN
+    from hexq.calib.scales import smooth_layer
+    from hexq.model.streaming import open_model
+    from tests.conftest import small_recipe
+
+    streamed, _tokenizer = open_model(tiny_qwen3moe, torch.device("cpu"))
+    recipe = small_recipe("haq-w8a8")
+    hidden = HiddenStore()
+    ids = torch.randint(0, streamed.config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0))
+    kwargs = streamed.layer_inputs(ids, 4, hidden)
+
+    def smoothed(ranks=None):
+        tensors = {}
+        with streamed.layer(0) as loaded:
+            extra = () if ranks is None else (ranks,)
+            report, _ = smooth_layer(loaded, streamed.adapter, hidden, kwargs, recipe, 0, tensors, *extra)
+            read = loaded.read
+        return report[MOE_IN], tensors[f"smooth.{MOE_IN}"], read
+
+    single, single_scales, _ = smoothed()
+    gathered: dict = {}
+    _, _, read_1 = smoothed(_TwoRanks(1, gathered))
+    split, split_scales, read_0 = smoothed(_TwoRanks(0, gathered))
+    experts = streamed.config.num_experts
+    assert read_0.start == 0 and read_0.stop == read_1.start and read_1.stop == experts  # each its own share
+    assert split["exponent"] == single["exponent"] and torch.equal(split_scales, single_scales)
+    assert split["error"] == pytest.approx(single["error"], rel=1e-9)
+    assert split["error_without_smoothing"] == pytest.approx(single["error_without_smoothing"], rel=1e-9)

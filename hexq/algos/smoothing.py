@@ -302,6 +302,12 @@ def search_exponent_routed(x: torch.Tensor, routing: torch.Tensor, act_max: torc
             error += joint_w8a8_error(dense_weights, x, s, w_spec, a_bits, a_symmetric=a_symmetric,
                                       quantize_weights=dense_flags, targets=dense_targets)
         errors.append(error)
-    best = min(range(len(grid)), key=lambda i: (errors[i], i))  # ties -> smallest index -> smallest e
-    return SmoothingSearch(exponent=grid[best], scales=smoothing_scales(act_max, None, grid[best]), grid=grid,
+    return pick_exponent(grid, errors, act_max)
+
+
+def pick_exponent(grid: Sequence[float], errors: Sequence[float], act_max: torch.Tensor) -> SmoothingSearch:
+    """The HAQ search's choice from its grid's errors (eq. 3): the smallest error, ties to the smallest e. Also
+    used where the errors are summed from several ranks' shares of the experts (hexq.calib.scales)."""
+    best = min(range(len(grid)), key=lambda i: (errors[i], i))
+    return SmoothingSearch(exponent=grid[best], scales=smoothing_scales(act_max, None, grid[best]), grid=tuple(grid),
                            errors=tuple(errors), baseline_error=errors[0])

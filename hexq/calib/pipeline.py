@@ -113,7 +113,7 @@ def calibrate_layer(loaded: LoadedLayer, adapter: MoEAdapter, hidden: HiddenStor
     ranks (hexq.calib.ranks) the routed experts' work is split and every rank returns the same results."""
     tensors: dict[str, torch.Tensor] = {}
     smoothing, expert_scale = smooth_layer(loaded, adapter, hidden, kwargs, recipe, recipe.calibration.seed + index,
-                                           tensors)
+                                           tensors, ranks)
     clock.stage("smoothing")
     weights_of = compute_experts(loaded, expert_scale, device) if loaded.is_moe else None
     report, moe_sample = quantize_layer(loaded, adapter, hidden, kwargs, recipe, weights_of, tensors,

@@ -225,8 +225,8 @@ def quantize_routed_experts(loaded: LoadedLayer, routed: RoutedTokens, weights_o
     extra = export_spec(recipe, shapes)
     ranges = expert_ranges([routed.count(e) for e in range(num_experts)], ranks.world)
     own = ranges[ranks.rank]
-    if ranks.distributed and loaded.read is None:  # nothing before needed every expert: read this rank's alone
-        loaded.read_experts(own)
+    if ranks.distributed and loaded.read != own:  # this rank's experts alone (smoothing read the same share,
+        loaded.read_experts(own)  # unless its routing, before the scales were folded, cut the ranges elsewhere)
 
     def open_bank(attach=None) -> ExpertBank:
         return ExpertBank(bank_file, num_experts, shapes, bits_list, groups,

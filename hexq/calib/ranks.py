@@ -1,9 +1,11 @@
 """Calibration over several processes (torch.distributed): which rank does what, and the few collectives it needs.
 
 Launched by torchrun (or any launcher that sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT: `env://`), every rank
-runs the whole calibration loop over the same windows. The dense part of each layer (smoothing search, the dense
-linears' GPTQ, attention) is computed by every rank, identically (it is a small share of a MoE layer's work, and
-replicating it costs no communication). A MoE layer's routed experts are split: each rank owns one contiguous range
+runs the whole calibration loop over the same windows. The dense part of each layer (the attention groups' smoothing
+search, the dense linears' GPTQ, attention) is computed by every rank, identically (it is a small share of a MoE
+layer's work, and replicating it costs no communication); the MoE group's routed smoothing search is split like the
+experts, each rank scoring its own (hexq.calib.scales.routed_search), its errors summed in rank order. A MoE
+layer's routed experts are split: each rank owns one contiguous range
 of expert ids (`expert_range`, balanced by a cost model of routed tokens), accumulates their Hessians, builds their
 replica banks into its rows of the shared bank file, and measures their loss-table rows and their output at
 `propagate_bits`. What the next layer needs - the experts' combined output - is the sum of every rank's part

@@ -5,13 +5,20 @@ from __future__ import annotations
 
 import torch
 
-from hexq.algos.smoothing import search_exponent, search_exponent_routed, smoothquant_scales
+from hexq.algos.smoothing import (
+    SmoothingSearch,
+    pick_exponent,
+    search_exponent,
+    search_exponent_routed,
+    smoothquant_scales,
+)
 from hexq.base.hidden import HiddenStore
 from hexq.calib.capture import (
     capture_norm_outputs,
 )
 from hexq.calib.fold import MOE_IN, fold_scales, smoothing_groups
 from hexq.calib.quantize import default_expert_bits
+from hexq.calib.ranks import SINGLE, Ranks
 from hexq.config.recipe import Recipe
 from hexq.model.adapters import MoEAdapter
 from hexq.model.layer_pass import run_layer
@@ -23,7 +30,7 @@ from hexq.model.streaming import LoadedLayer
 
 
 def smooth_layer(loaded: LoadedLayer, adapter: MoEAdapter, hidden: HiddenStore, kwargs: list[dict], recipe: Recipe,
-                 seed: int, tensors: dict) -> tuple[dict, torch.Tensor | None]:
+                 seed: int, tensors: dict, ranks: Ranks = SINGLE) -> tuple[dict, torch.Tensor | None]:
     """Choose and fold smoothing factors for the recipe's groups; returns the per-group report (every group of the
     layer: what was chosen, or why it was skipped) and the column scale the routed experts' gate_up must take (None
     when the MoE group is not smoothed or the layer is dense).
@@ -32,7 +39,8 @@ def smooth_layer(loaded: LoadedLayer, adapter: MoEAdapter, hidden: HiddenStore, 
     with `weights`/`activations`, a MoE layer's post-attention group with the experts' settings. The MoE group's HAQ
     objective (003 eq. 1) scores each routed expert on the tokens routed to it (the router's top-k of the same
     sampled tokens), the router and shared expert on all of them (`smoothing.moe_objective: routed`); `all` scores
-    every expert on every token, as if each were routed everything."""
+    every expert on every token, as if each were routed everything. Across ranks each rank scores its own experts
+    (`routed_search`)."""
     layer = loaded.module
     groups = {group.name: group for group in smoothing_groups(layer, adapter)}
     for group in groups.values():
@@ -71,9 +79,8 @@ def smooth_layer(loaded: LoadedLayer, adapter: MoEAdapter, hidden: HiddenStore, 
             bits = default_expert_bits(recipe) if routed_experts else None
             common = dict(w_spec=w_setting.spec(bits), a_bits=a_setting.bits, a_symmetric=a_setting.symmetric)
             if routed_experts and recipe.smoothing.moe_objective == "routed":
-                search = search_exponent_routed(sample, routed.index[picked.to(routed.index.device)], act_max,
-                                                recipe.smoothing.grid_step, experts=loaded.gate_up,
-                                                dense=list(zip(weights, quantized, strict=True)), **common)
+                search = routed_search(loaded, routed, sample, picked, act_max, weights, quantized, recipe, ranks,
+                                       common)
             else:
                 if routed_experts:  # every expert on every token (the objective before routing was considered)
                     weights.insert(1, loaded.gate_up.reshape(-1, loaded.gate_up.shape[-1]))
@@ -90,3 +97,26 @@ def smooth_layer(loaded: LoadedLayer, adapter: MoEAdapter, hidden: HiddenStore, 
         tensors[f"smooth.{name}"] = s.float().cpu()
         report[name] = entry
     return {name: report[name] for name in groups}, expert_scale
+
+
+def routed_search(loaded: LoadedLayer, routed, sample: torch.Tensor, picked: torch.Tensor, act_max: torch.Tensor,
+                  weights: list, quantized: list, recipe: Recipe, ranks: Ranks, common: dict) -> SmoothingSearch:
+    """The routed HAQ search of the MoE group (search_exponent_routed). Across ranks, each rank reads and scores only
+    its own experts (the ranges pass B uses: Ranks.expert_range of the same routing), rank 0 adds the router's and
+    shared expert's error, and every rank sums the ranks' errors per exponent in rank order (the same choice on
+    every rank, whatever their timing): a layer's expert weights are then never all in one process. The sum's
+    grouping differs from one process's, so the chosen e can differ only where two exponents' errors tie within
+    float64 rounding."""
+    num_experts = loaded.shapes[0]
+    own = ranks.expert_range([routed.count(e) for e in range(num_experts)]) if ranks.distributed \
+        else range(num_experts)
+    index = routed.index[picked.to(routed.index.device)]
+    if ranks.distributed:  # other ranks' experts out of range (ignored), this rank's counted from 0
+        index = torch.where((index >= own.start) & (index < own.stop), index - own.start, -1)
+    dense = list(zip(weights, quantized, strict=True)) if ranks.leader else []
+    search = search_exponent_routed(sample, index, act_max, recipe.smoothing.grid_step, experts=loaded.share(own),
+                                    dense=dense, **common)
+    if not ranks.distributed:
+        return search
+    errors = [sum(column) for column in zip(*ranks.objects(search.errors), strict=True)]
+    return pick_exponent(search.grid, errors, act_max)

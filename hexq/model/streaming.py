@@ -104,6 +104,13 @@ class LoadedLayer:
         """Read the routed experts `experts` (consecutive ids) from the source, replacing any read before."""
         self._experts, self.read = self.reader(experts), experts
 
+    def share(self, experts: range) -> torch.Tensor:
+        """gate_up [len(experts), 2I, H] of the consecutive experts `experts` (one rank's share; every expert in one
+        process), read unless they are what was read already."""
+        if self.read != experts:
+            self.read_experts(experts)
+        return self._experts[0]
+
     def _stored(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self._experts is None and self.reader is not None:
             self.read_experts(range(self.shapes[0]))
