@@ -4,14 +4,14 @@ Launched by torchrun (or any launcher that sets RANK, WORLD_SIZE, MASTER_ADDR an
 runs the whole calibration loop over the same windows. The dense part of each layer (the attention groups' smoothing
 search, the dense linears' GPTQ, attention) is computed by every rank, identically (it is a small share of a MoE
 layer's work, and replicating it costs no communication); the MoE group's routed smoothing search is split like the
-experts, each rank scoring its own (hexq.calib.scales.routed_search), its errors summed in rank order. A MoE
-layer's routed experts are split: each rank owns one contiguous range
-of expert ids (`expert_range`, balanced by a cost model of routed tokens), accumulates their Hessians, builds their
-replica banks into its rows of the shared bank file, and measures their loss-table rows and their output at
-`propagate_bits`. What the next layer needs - the experts' combined output - is the sum of every rank's part
-(`sum`, an all_reduce), kept in float64 where a token's few float32 terms add exactly: the result has the same bits
-on every rank, as in one process, whatever the order or timing of the additions. Per-expert tables are summed the
-same way with zeros in the rows a rank does not own, which is exact.
+experts, each rank scoring its own (hexq.calib.scales.routed_search), its errors summed in rank order. A MoE layer's
+routed experts are split: each rank owns one contiguous range of expert ids (`expert_range`, balanced by a cost
+model of routed tokens), accumulates their Hessians, builds their replica banks into its rows of the shared bank
+file, and measures their loss-table rows and their output at `propagate_bits`. What the next layer needs - the
+experts' combined output - is the sum of every rank's part (`sum`, an all_reduce), kept in float64 where a token's
+few float32 terms add exactly: the result has the same bits on every rank, as in one process, whatever the order or
+timing of the additions. Per-expert tables are summed the same way with zeros in the rows a rank does not own, which
+is exact.
 
 Files: rank 0 alone writes the layer files, progress and the manifest; bank rows are written by their owners into
 one file rank 0 created (hexq.base.io.SafetensorsWriter, attached), published by rank 0 after a barrier. The output
