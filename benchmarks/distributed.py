@@ -3,7 +3,7 @@
     python scripts/make_checkpoint.py --family qwen3_moe --size published --layers 1 --vocab 8192 --out CKPT
     python benchmarks/distributed.py --checkpoint CKPT --samples 32
 
-Runs, each a fresh `hexq calibrate` (recipe experts-mixed, --samples windows x 256) into --work:
+Runs, each a fresh `hexq calibrate` (--recipe, default experts-mixed; --samples windows x 256) into --work:
   one process   torch with every core (what a user runs on one machine)
   one thread    one process, OMP_NUM_THREADS=1 (what each rank computes with: the ranks' result is checked against
                 this one bit for bit, since a BLAS with another thread count sums in another order)
@@ -63,9 +63,10 @@ def run(command: list[str], env: dict) -> tuple[float, int]:
     return seconds, int(peak.split()[1]) * 1024
 
 
-def calibrate(checkpoint: Path, out: Path, samples: int, world: int, threads: int) -> dict:
+def calibrate(checkpoint: Path, out: Path, samples: int, world: int, threads: int,
+              recipe: str = "experts-mixed") -> dict:
     shutil.rmtree(out, ignore_errors=True)
-    hexq = ["-m", "hexq_cli.main", "calibrate", str(checkpoint), "-r", "experts-mixed", "--samples", str(samples),
+    hexq = ["-m", "hexq_cli.main", "calibrate", str(checkpoint), "-r", recipe, "--samples", str(samples),
             "-o", str(out)]
     if world == 1:
         command = [sys.executable, *hexq]
@@ -125,7 +126,8 @@ def projection(row: dict, world_sizes: tuple[int, ...], samples: int) -> list[di
 
 
 def render(results: dict) -> str:
-    lines = [f"One real-shaped layer (Qwen3-30B-A3B shapes), {results['samples']} windows x 256, experts-mixed",
+    lines = [f"One real-shaped layer (Qwen3-30B-A3B shapes), {results['samples']} windows x 256, "
+             f"{results.get('recipe', 'experts-mixed')}",
              "| run | wall s | s per layer | peak RSS MiB (largest process) | per process: peak RSS MiB, of it the "
              "expert stages MiB | per rank: quantize s, loss table s |", "|---|---|---|---|---|---|"]
     for row in results["rows"]:
@@ -154,6 +156,7 @@ def main() -> int:
     parser.add_argument("--checkpoint", type=Path, required=True)
     parser.add_argument("--samples", type=int, default=32)
     parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--recipe", default="experts-mixed", help="bundled recipe name or YAML file")
     parser.add_argument("--work", type=Path, default=ROOT / "benchmarks" / "work" / "distributed")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "distributed.json")
     args = parser.parse_args()
@@ -162,11 +165,12 @@ def main() -> int:
     cores = len(os.sched_getaffinity(0))
     rows = []
     for world, threads, name in ((1, cores, "one-process"), (1, 1, "one-thread"), (args.world, 1, "ranks")):
-        row = calibrate(args.checkpoint, args.work / name, args.samples, world, threads)
+        row = calibrate(args.checkpoint, args.work / name, args.samples, world, threads, args.recipe)
         rows.append(row)
         print(f"{name}: {row['seconds']:.0f} s, peak RSS {row['peak_rss_bytes'] / 2**20:.0f} MiB", flush=True)
     (single_peak, single_experts), ranks = memory_split(rows[1])[0], memory_split(rows[2])
-    results = {"samples": args.samples, "rows": rows, "ratio": rows[2]["seconds"] / rows[0]["seconds"],
+    results = {"samples": args.samples, "recipe": args.recipe, "rows": rows,
+               "ratio": rows[2]["seconds"] / rows[0]["seconds"],
                "memory_ratio": max(peak for peak, _ in ranks) / single_peak,
                "expert_memory_ratio": max(experts for _, experts in ranks) / single_experts,
                "same_bits": same_bits(args.work / "one-thread", args.work / "ranks"),
