@@ -125,6 +125,22 @@ def test_generate_takes_the_step_and_gives_the_transformers_text(packed_artifact
     assert text == want
 
 
+def test_a_refused_capture_falls_back_to_the_eager_step(packed_artifact, monkeypatch):
+    """A capture the driver refuses is named in --stats and the same step runs eagerly: the same text."""
+    def refused(self):
+        raise RuntimeError("operation not permitted when stream is capturing\n(details)")
+
+    monkeypatch.setattr(GraphDecoder, "_capture", refused)
+    with Runtime(packed_artifact, device=DEVICE, kernels="triton", dtype="fp32") as runtime:
+        runtime.native.captures = True  # as on CUDA
+        text, stats = runtime.generate("It is a truth", 8)
+    assert stats.decode_path == "static step (the CUDA graph capture failed: operation not permitted when stream is " \
+                                "capturing)"
+    with Runtime(packed_artifact, device=DEVICE, kernels="triton", dtype="fp32", decode="transformers") as runtime:
+        want, _ = runtime.generate("It is a truth", 8)
+    assert text == want
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_replay_is_the_eager_step_and_never_synchronises(packed_artifact):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from hexq.algos.quant import QuantMeta, QuantSpec, dequantize, quantize
+from hexq.model.simulate import ActQuantizer
 from hexq.packed import triton as kernels
 from hexq.packed.bitpack import pack_bits
 
@@ -62,3 +63,29 @@ def test_pair_gemv_one_matrix_for_every_row() -> None:
                           one(8, torch.int32), (rows, cols), 96).cpu()
     want = x.double() @ weights.T
     assert ((y.double() - want).abs() <= float32_bound(weights, x)).all()
+
+
+@pytest.mark.parametrize("quantizer", [ActQuantizer(8, False, True), ActQuantizer(8, True, True),
+                                       ActQuantizer(8, False, False, -1.5, 2.5), ActQuantizer(4, False, True)],
+                         ids=["dynamic", "dynamic-symmetric", "static", "4-bit"])
+def test_the_activation_grid_inside_the_launch_is_the_quantizers(quantizer) -> None:
+    """x put on the recipe's activation grid inside the pair GEMV's launch (hexq.runtime.arena.kernel_grid) gives the
+    bits of quantizer(x) then the GEMV: the same grid values (rounded half to even, as torch.round), summed in the
+    same order. One row is made of exact ties (range [0, 255]: scale 1, so x.5 lands between two codes)."""
+    from hexq.runtime.arena import kernel_grid
+
+    rows, cols = 40, 256
+    codes, scale, zero, _ = packed(rows, cols, 4, 32, False, seed=7)
+    arena = kernels.PackedArena(codes.numel(), scale.numel(), DEVICE)
+    code_at, param_at = arena.add(codes.to(DEVICE), scale.to(DEVICE), zero.to(DEVICE))
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(4, cols, generator=g) * torch.tensor([[1.0], [30.0], [1e-3], [1.0]])
+    x[0, :3] = torch.tensor([-8.0, 40.0, 0.0])  # outliers set the range
+    x[3] = torch.arange(cols) % 256 + 0.5  # ties
+    x[3, 0], x[3, 1] = 0.0, 255.0
+    one = lambda v, dtype: torch.tensor([v], dtype=dtype, device=DEVICE)  # noqa: E731
+    tables = (one(code_at, torch.int64), one(param_at, torch.int64), one(4, torch.int32), (rows, cols), 32)
+    fused = kernels.pair_gemv(x.to(DEVICE), arena, *tables, grid=kernel_grid(quantizer)).cpu()
+    separate = kernels.pair_gemv(quantizer(x).to(DEVICE), arena, *tables).cpu()
+    assert torch.equal(fused, separate)
+    assert not torch.equal(fused, kernels.pair_gemv(x.to(DEVICE), arena, *tables).cpu())  # the grid moved x

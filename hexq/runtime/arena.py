@@ -11,10 +11,13 @@ one launch. A skipped expert's pairs get weight 0 and their routing weight goes 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from hexq.algos.quant import QuantSpec, grid_params
 from hexq.artifact.reader import Artifact
-from hexq.model.simulate import served_weights
+from hexq.model.simulate import ActQuantizer, served_weights
 from hexq.packed import triton as gpu
 
 
@@ -65,15 +68,33 @@ class ExpertArena:
         self.skipped += ((bits == 0) & valid).sum()
         weights = served_weights(top_k_index, top_k_weights, (bits > 0).view(tokens, k), self.num_experts)
         weights = weights.reshape(-1).float()
-        x = hidden_states.float().repeat_interleave(k, dim=0)
-        if input_quant is not None:
-            x = input_quant(x)
+        x, grid = kernel_input(hidden_states.float().repeat_interleave(k, dim=0), input_quant)
         hidden = gpu.pair_gemv(x, self.arena, self.code_offset[0, experts], self.param_offset[0, experts], bits,
-                               self.shapes[0], self.groups[0])
+                               self.shapes[0], self.groups[0], grid)
         gate, up = hidden.chunk(2, dim=-1)
-        mid = act_fn(gate) * up
-        if mid_quant is not None:
-            mid = mid_quant(mid)
+        mid, grid = kernel_input(act_fn(gate) * up, mid_quant)
         y = gpu.pair_gemv(mid, self.arena, self.code_offset[1, experts], self.param_offset[1, experts], bits,
-                          self.shapes[1], self.groups[1])
+                          self.shapes[1], self.groups[1], grid)
         return (y * weights[:, None]).view(tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
+
+
+def kernel_input(x: torch.Tensor, quantizer: ActQuantizer | None) -> tuple[torch.Tensor, tuple | None]:
+    """(x, the pair GEMV's grid argument) for an input the recipe quantizes with `quantizer`: a 2-8 bit grid is put
+    on x inside the GEMV's own launch (kernel_grid), any other is applied here first."""
+    if quantizer is None:
+        return x, None
+    if not 2 <= quantizer.bits <= 8:
+        return quantizer(x), None
+    return x, kernel_grid(quantizer)
+
+
+@functools.cache
+def kernel_grid(quantizer: ActQuantizer) -> tuple[int, int, float, float]:
+    """(GRID mode, qmax, scale, zero) of hexq.packed.triton's pair GEMV for a 2-8 bit ActQuantizer: per token, or a
+    static grid whose scale and zero are computed once on the host by grid_params, as ActQuantizer computes them."""
+    qmax = (1 << quantizer.bits) - 1
+    if quantizer.dynamic:
+        return (gpu.GRID_SYMMETRIC if quantizer.symmetric else gpu.GRID_ASYMMETRIC), qmax, 1.0, 0.0
+    spec = QuantSpec(bits=quantizer.bits, symmetric=quantizer.symmetric)
+    scale, zero = grid_params(torch.tensor([[quantizer.low, quantizer.high]], dtype=torch.float32), spec)
+    return gpu.GRID_STATIC, qmax, float(scale[0]), float(zero[0])

@@ -60,11 +60,11 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(self.weight, PackedWeight):
-            from hexq.packed import triton as gpu  # the arena path has imported it already
+            from hexq.packed import triton as gpu  # imported with hexq.runtime.arena, which built the step's experts
+            from hexq.runtime.arena import kernel_input
 
-            if self.quantizer is not None:
-                x = self.quantizer(x)
-            y = gpu.pair_gemv(x, self.weight, self.table, self.table, self.bits, self.weight.shape, self.group)
+            x, grid = kernel_input(x, self.quantizer)  # the W8A8 grid inside the GEMV's launch
+            y = gpu.pair_gemv(x, self.weight, self.table, self.table, self.bits, self.weight.shape, self.group, grid)
         else:
             y = F.linear(x.to(self.weight.dtype), self.weight).float()
         return y if self.bias is None else y + self.bias
@@ -318,12 +318,19 @@ class GraphDecoder:
             raise ValueError(f"the step's KV cache holds {self.capacity} positions")
         self.token.fill_(token)
         self.position.fill_(self.positions)
-        if not self.captures:
-            self._forward()
-        else:
-            if self.graph is None:
+        if self.captures and self.graph is None:
+            try:
                 self.graph = self._capture()
+            except RuntimeError as exc:  # a driver or library that refuses the capture: the same step, eagerly
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                self.captures = False
+                reason = (str(exc).splitlines() or ["no message"])[0]
+                self.path = self.runtime.decode_path = f"static step (the CUDA graph capture failed: {reason})"
+        if self.captures:
             self.graph.replay()
+        else:
+            self._forward()
         self.positions += 1
         return self.logits.clone()
 
