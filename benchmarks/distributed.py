@@ -142,8 +142,11 @@ def render(results: dict) -> str:
     lines += [f"- ranks / one process (every core), wall time: {results['ratio']:.2f}",
               f"- largest rank / one process with one thread, peak RSS: {results['memory_ratio']:.2f}; the expert "
               f"stages' part of it: {results['expert_memory_ratio']:.2f}",
-              f"- ranks bit for bit equal to one process with one thread: {results['same_bits']}", "",
-              "Projection (this CPU's per-stage seconds scaled by shape; GPU rates not measured):",
+              f"- ranks bit for bit equal to one process with one thread: {results['same_bits']}"]
+    if results.get("recipe", "experts-mixed") != "experts-mixed":  # `projection` counts smoothing as dense
+        return "\n".join(lines + ["", "No projection for this recipe: its smoothing search scores every routed expert "
+                                       "and is split across ranks, which the scaling model counts as dense."])
+    lines += ["", "Projection (this CPU's per-stage seconds scaled by shape; GPU rates not measured):",
               "| model | ranks | s per MoE layer | hours (MoE layers) | MB received per rank per layer |",
               "|---|---|---|---|---|"]
     lines += [f"| {p['model']} | {p['world']} | {p['seconds_per_layer']:.0f} | {p['hours']:.1f} | "

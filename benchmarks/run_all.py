@@ -39,6 +39,7 @@ BENCHMARKS = {
     "engines": ("engines.py", "engines.json"),
     "serve": ("serve.py", "serve.json"),
     "distributed": ("distributed.py", "distributed.json"),
+    "distributed_haq": ("distributed.py", "distributed_haq.json"),
     "scale": ("scale.py", "scale.json"),
     "gguf_quality": ("gguf_quality.py", "gguf_quality.json"),
     "head": ("head.py", "head.json"),
@@ -52,6 +53,8 @@ RUN_BY_HAND = {"scale": "python benchmarks/scale.py --work DIR",
                                 "--settings act+spread --peer-bits 2 -o B.json; B's peer rows merged into A as "
                                 "benchmarks/results/low_bits_full.json",
                "distributed": "python benchmarks/distributed.py --checkpoint CKPT",
+               "distributed_haq": "python benchmarks/distributed.py --checkpoint CKPT --recipe haq-w8a8 "
+                                  "--out benchmarks/results/distributed_haq.json",
                "engines": "python benchmarks/engines.py --checkpoint CKPT --llama-cpp DIR --cgroup",
                "gguf_quality": "python benchmarks/gguf_quality.py --work DIR --llama-cpp SRC",
                "head": "python benchmarks/head.py --checkpoint CKPT --quality",
