@@ -125,6 +125,18 @@ def test_generate_takes_the_step_and_gives_the_transformers_text(packed_artifact
     assert text == want
 
 
+def test_the_kv_cache_grows_by_powers_of_two_within_the_planned_context(packed_artifact):
+    """Each growth reallocates the cache and captures anew: requests of growing length take a few, not one each."""
+    with Runtime(packed_artifact, device=DEVICE, kernels="triton", dtype="fp32", context=120) as runtime:
+        step = runtime.native
+        _, past = runtime._next_logits(PROMPT, None)
+        sizes = []
+        for capacity in (12, 50, 70, 65, 119):
+            step.start(past, PROMPT.shape[1], capacity)
+            sizes.append(step.capacity)
+        assert sizes == [64, 64, 120, 120, 120]
+
+
 def test_a_refused_capture_falls_back_to_the_eager_step(packed_artifact, monkeypatch):
     """A capture the driver refuses is named in --stats and the same step runs eagerly: the same text."""
     def refused(self):

@@ -298,9 +298,11 @@ class GraphDecoder:
 
     def start(self, past, positions: int, capacity: int) -> None:
         """A new sequence whose first `positions` tokens the transformers path prefilled into `past` (its KV cache):
-        room for `capacity` positions (a larger one than before allocates the cache again and captures anew), the
-        prompt's keys and values copied in as float32."""
+        room for `capacity` positions, the prompt's keys and values copied in as float32. A larger capacity than
+        before allocates the cache again and captures anew, rounded up to a power of two (at most the memory plan's
+        context), so a server's growing requests capture a handful of times, not once per length."""
         if capacity > self.capacity:
+            capacity = max(capacity, min(1 << max(6, (capacity - 1).bit_length()), self.runtime.plan.context))
             shape = (len(self.layers), self.kv_heads, capacity, self.head_dim)
             # zeros, not empty: a masked position's value is multiplied by probability 0, which NaN would survive
             self.k_cache = torch.zeros(shape, dtype=torch.float32, device=self.device)
