@@ -40,8 +40,8 @@ WARMUP = 2  # eager steps before the capture: Triton compiles its kernels, the a
 
 
 class Linear:
-    """x [n, in] float32 -> [n, out] float32 in one launch: a packed matrix through the pair GEMV (its input put on
-    its activation grid first), or a full-precision weight through torch's linear."""
+    """x [n, in] float32 -> [n, out] float32 in one launch: a packed matrix through the pair GEMV (which puts its
+    input on the recipe's activation grid in the same launch), or a full-precision weight through torch's linear."""
 
     def __init__(self, weight: PackedWeight | torch.Tensor, quantizer, bias: torch.Tensor | None) -> None:
         self.weight, self.quantizer = weight, quantizer
@@ -60,7 +60,8 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(self.weight, PackedWeight):
-            from hexq.packed import triton as gpu  # imported with hexq.runtime.arena, which built the step's experts
+            # imported here, not with the module: importing triton costs ~1 s and ~100 MB a CPU-only run never uses
+            from hexq.packed import triton as gpu
             from hexq.runtime.arena import kernel_input
 
             x, grid = kernel_input(x, self.quantizer)  # the W8A8 grid inside the GEMV's launch
