@@ -101,6 +101,54 @@ def test_the_step_reads_nothing_on_the_host(packed_artifact, skipping_artifact):
                 runtime.native._forward()
 
 
+VIEWS = {"view", "_unsafe_view", "reshape", "expand", "transpose", "t", "slice", "select", "split", "split_with_sizes",
+         "unsqueeze", "squeeze", "alias", "detach", "as_strided"}
+
+
+class Operators(TorchDispatchMode):
+    """Counts the torch operators a step runs (views apart) and its Triton GEMV launches, each launch as one (the
+    interpreter's own tensor copies inside it not counted)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = self.views = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in VIEWS:
+            self.views += 1
+        else:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_step_is_a_bounded_number_of_operators(packed_artifact, monkeypatch):
+    """What a CUDA graph of the step replays: ~100 operators per layer (202 and 82 views on this 2-layer model; 396
+    and 160 on the 4-layer reference Qwen3-MoE), against ~3,400 operator calls of the transformers decoder on the
+    latter (docs/gpu.md). Held under 130 per layer, so that a loop over experts or heads put into the step fails."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    launch, counter = gpu._pair_gemv, Operators()
+
+    class Counted:
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                counter.count += 1
+                with _disable_current_modes():
+                    return launch[grid](*args, **kwargs)
+            return run
+
+    monkeypatch.setattr(gpu, "_pair_gemv", Counted())
+    with Runtime(packed_artifact, device=DEVICE, kernels="triton", dtype="fp32") as runtime:
+        _, past = runtime._next_logits(PROMPT, None)
+        runtime.native.start(past, PROMPT.shape[1], PROMPT.shape[1] + 2)
+        counter.count = 0  # the launches of the build and the prefill
+        with counter:
+            runtime.native._forward()
+        layers = len(runtime.native.layers)
+    print(f"{counter.count} operators and {counter.views} views per step, {layers} layers")
+    assert counter.count <= 130 * layers
+
+
 def test_static_activation_grids_are_made_on_the_device():
     """A static (calibrated) activation range is made by fill kernels, not copied from host memory: no bundled
     recipe uses one, so it is checked here on its own."""
