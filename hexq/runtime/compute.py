@@ -164,16 +164,21 @@ class Compute:
 
     # --- dense linears
 
-    def linear(self, x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
-        """x [n, in] @ W^T for a packed W [out, in], in x's dtype."""
+    def linear(self, x: torch.Tensor, weight: PackedWeight, quantizer=None) -> torch.Tensor:
+        """Q(x) [n, in] @ W^T for a packed W [out, in], in x's dtype, Q the recipe's activation quantizer of the
+        linear's input (an ActQuantizer, or None: none)."""
         if self.triton:  # every row of x a pair on the one matrix (its codes padded: hexq.runtime.model)
             from hexq.packed import triton as gpu  # imported only where Triton computes: its import takes ~1 s
+            from hexq.runtime.arena import kernel_input
 
             zero = torch.zeros(1, dtype=torch.int64, device=x.device)
             bits = torch.full((1,), weight.bits, dtype=torch.int32, device=x.device)
             self.counters.gemv_rows += x.shape[0]
-            return gpu.pair_gemv(x, weight, zero, zero, bits, weight.shape,
-                                 weight.shape[1] // weight.scale.shape[-1]).to(x.dtype)
+            rows, grid = kernel_input(x, quantizer)  # the activation grid inside the GEMV's launch
+            return gpu.pair_gemv(rows, weight, zero, zero, bits, weight.shape,
+                                 weight.shape[1] // weight.scale.shape[-1], grid).to(x.dtype)
+        if quantizer is not None:
+            x = quantizer(x)
         if self._from_codes((weight,), x.shape[0], self.profiles.dense):
             y = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
             self.kernels.gemv([GemvJob(weight, x.float().contiguous(), y)])
@@ -343,10 +348,7 @@ class PackedLinear(torch.nn.Module):
         return weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        if self.quantizer is not None:
-            rows = self.quantizer(rows)
-        y = self.compute.linear(rows, self.weight_packed)
+        y = self.compute.linear(x.reshape(-1, x.shape[-1]), self.weight_packed, self.quantizer)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.view(*x.shape[:-1], self.out_features)
