@@ -107,12 +107,10 @@ def routed_search(loaded: LoadedLayer, routed, sample: torch.Tensor, picked: tor
     every rank, whatever their timing): a layer's expert weights are then never all in one process. The sum's
     grouping differs from one process's, so the chosen e can differ only where two exponents' errors tie within
     float64 rounding."""
-    num_experts = loaded.shapes[0]
-    own = ranks.expert_range([routed.count(e) for e in range(num_experts)]) if ranks.distributed \
-        else range(num_experts)
+    own = ranks.expert_range([routed.count(e) for e in range(loaded.shapes[0])])  # every expert in one process
     index = routed.index[picked.to(routed.index.device)]
-    if ranks.distributed:  # other ranks' experts out of range (ignored), this rank's counted from 0
-        index = torch.where((index >= own.start) & (index < own.stop), index - own.start, -1)
+    # other ranks' experts out of range (ignored by the search), this rank's counted from 0
+    index = torch.where((index >= own.start) & (index < own.stop), index - own.start, -1)
     dense = list(zip(weights, quantized, strict=True)) if ranks.leader else []
     search = search_exponent_routed(sample, index, act_max, recipe.smoothing.grid_step, experts=loaded.share(own),
                                     dense=dense, **common)

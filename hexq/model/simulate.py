@@ -53,12 +53,15 @@ class ActQuantizer:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.dynamic:
             return fake_quantize_activations(x, self.bits, per_token=True, symmetric=self.symmetric)
-        spec = QuantSpec(bits=self.bits, symmetric=self.symmetric)
-        # the range made by fill kernels, not copied from host memory: a CUDA graph can capture it (hexq.runtime.graph)
-        bounds = torch.full((1, 2), self.low, dtype=torch.float32, device=x.device)
+        scale, zero = self.static_grid(x.device)
+        return ((quantize_to_grid(x.float(), scale, zero, (1 << self.bits) - 1) - zero) * scale).to(x.dtype)
+
+    def static_grid(self, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale, zero) [1] of the static range on `device` (grid_params of [low, high]). The range is made by fill
+        kernels, not copied from host memory: a CUDA graph can capture it (hexq.runtime.graph)."""
+        bounds = torch.full((1, 2), self.low, dtype=torch.float32, device=device)
         bounds[:, 1:].fill_(self.high)
-        scale, zero = grid_params(bounds, spec)
-        return ((quantize_to_grid(x.float(), scale, zero, spec.qmax) - zero) * scale).to(x.dtype)
+        return grid_params(bounds, QuantSpec(bits=self.bits, symmetric=self.symmetric))
 
 
 def renormalized_weights(top_k_weights: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:

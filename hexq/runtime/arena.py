@@ -15,7 +15,6 @@ import functools
 
 import torch
 
-from hexq.algos.quant import QuantSpec, grid_params
 from hexq.artifact.reader import Artifact
 from hexq.model.simulate import ActQuantizer, served_weights
 from hexq.packed import triton as gpu
@@ -95,6 +94,13 @@ def kernel_grid(quantizer: ActQuantizer) -> tuple[int, int, float, float]:
     qmax = (1 << quantizer.bits) - 1
     if quantizer.dynamic:
         return (gpu.GRID_SYMMETRIC if quantizer.symmetric else gpu.GRID_ASYMMETRIC), qmax, 1.0, 0.0
-    spec = QuantSpec(bits=quantizer.bits, symmetric=quantizer.symmetric)
-    scale, zero = grid_params(torch.tensor([[quantizer.low, quantizer.high]], dtype=torch.float32), spec)
+    scale, zero = quantizer.static_grid("cpu")
     return gpu.GRID_STATIC, qmax, float(scale[0]), float(zero[0])
+
+
+def linear_from_codes(x: torch.Tensor, weight, quantizer: ActQuantizer | None, table: torch.Tensor,
+                      bits: torch.Tensor) -> torch.Tensor:
+    """x [n, in] float32 through one packed matrix W [out, in] (every row a pair on it: `table` a one-entry device
+    tensor of offset 0, `bits` its width), x on the quantizer's grid inside the same launch: [n, out] float32."""
+    x, grid = kernel_input(x, quantizer)
+    return gpu.pair_gemv(x, weight, table, table, bits, weight.shape, weight.shape[1] // weight.scale.shape[-1], grid)

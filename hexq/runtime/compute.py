@@ -168,15 +168,13 @@ class Compute:
         """Q(x) [n, in] @ W^T for a packed W [out, in], in x's dtype, Q the recipe's activation quantizer of the
         linear's input (an ActQuantizer, or None: none)."""
         if self.triton:  # every row of x a pair on the one matrix (its codes padded: hexq.runtime.model)
-            from hexq.packed import triton as gpu  # imported only where Triton computes: its import takes ~1 s
-            from hexq.runtime.arena import kernel_input
+            # imported only where Triton computes: importing triton takes ~1 s
+            from hexq.runtime.arena import linear_from_codes
 
             zero = torch.zeros(1, dtype=torch.int64, device=x.device)
             bits = torch.full((1,), weight.bits, dtype=torch.int32, device=x.device)
             self.counters.gemv_rows += x.shape[0]
-            rows, grid = kernel_input(x, quantizer)  # the activation grid inside the GEMV's launch
-            return gpu.pair_gemv(rows, weight, zero, zero, bits, weight.shape,
-                                 weight.shape[1] // weight.scale.shape[-1], grid).to(x.dtype)
+            return linear_from_codes(x, weight, quantizer, zero, bits).to(x.dtype)
         if quantizer is not None:
             x = quantizer(x)
         if self._from_codes((weight,), x.shape[0], self.profiles.dense):

@@ -50,7 +50,6 @@ class Linear:
             device = weight.codes.device
             self.table = torch.zeros(1, dtype=torch.int64, device=device)  # one matrix at offset 0 for every row
             self.bits = torch.full((1,), weight.bits, dtype=torch.int32, device=device)
-            self.group = weight.shape[1] // weight.scale.shape[-1]
 
     @classmethod
     def of(cls, module: torch.nn.Module) -> Linear:
@@ -61,11 +60,9 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(self.weight, PackedWeight):
             # imported here, not with the module: importing triton costs ~1 s and ~100 MB a CPU-only run never uses
-            from hexq.packed import triton as gpu
-            from hexq.runtime.arena import kernel_input
+            from hexq.runtime.arena import linear_from_codes
 
-            x, grid = kernel_input(x, self.quantizer)  # the W8A8 grid inside the GEMV's launch
-            y = gpu.pair_gemv(x, self.weight, self.table, self.table, self.bits, self.weight.shape, self.group, grid)
+            y = linear_from_codes(x, self.weight, self.quantizer, self.table, self.bits)  # W8A8 inside the launch
         else:
             y = F.linear(x.to(self.weight.dtype), self.weight).float()
         return y if self.bias is None else y + self.bias
