@@ -80,6 +80,7 @@ ALLOCATORS = {
 }
 RECOMMENDED = "free+0"
 PEER_WIDTHS = (2, 3)
+PEERS = ("hexq", "auto-round", "llmcompressor")
 
 
 def bank_recipe(setting: str, samples: int) -> Recipe:
@@ -193,22 +194,26 @@ def bank_rows(name: str, setting: str, allocators: list[str], evaluator: Evaluat
 
 
 def peer_rows(name: str, bits: int, evaluator: Evaluator, work: Path, samples: int, iters: int, lr: float | None,
-              add) -> None:
-    """hexq, auto-round and llm-compressor at WbA16 g32 on the same calibration windows, each row given to add()."""
+              add, methods: tuple[str, ...] = PEERS) -> None:
+    """hexq, auto-round and llm-compressor (those in `methods`) at WbA16 g32 on the same calibration windows, each
+    row given to add()."""
     from llmcompressor_peer import PeerScheme, run_peer
 
     ids = calibration_windows(evaluator.tokenizer, "bundled", samples, SEQLEN, seed=0).ids
-    out = work / f"{name}-w{bits}"
-    started = time.time()
-    calibrate(MODELS[name], peer_recipe(bits, samples), "bundled", out, force=True)
-    seconds = round(time.time() - started, 1)
-    streamed, _tokenizer, prepare = calibrated_model(out, torch.device("cpu"))
-    add({"setting": f"w{bits}a16-g32", "allocator": "hexq", "bits": bits, "calib_seconds": seconds,
-         **evaluator.streamed(streamed, prepare)})
-    shutil.rmtree(out, ignore_errors=True)
+    if "hexq" in methods:
+        out = work / f"{name}-w{bits}"
+        started = time.time()
+        calibrate(MODELS[name], peer_recipe(bits, samples), "bundled", out, force=True)
+        seconds = round(time.time() - started, 1)
+        streamed, _tokenizer, prepare = calibrated_model(out, torch.device("cpu"))
+        add({"setting": f"w{bits}a16-g32", "allocator": "hexq", "bits": bits, "calib_seconds": seconds,
+             **evaluator.streamed(streamed, prepare)})
+        shutil.rmtree(out, ignore_errors=True)
     for method, run in (("auto-round", lambda: auto_round_model(MODELS[name], bits, ids, iters, lr)),
                         ("llmcompressor", lambda: run_peer(MODELS[name], PeerScheme(
                             bits, weight_group_size=32, weight_symmetric=False), ids))):
+        if method not in methods:
+            continue
         started = time.time()
         model = run()
         seconds = round(time.time() - started, 1)
@@ -230,6 +235,25 @@ def auto_round_model(folder: Path, bits: int, ids: torch.Tensor, iters: int, lr:
                         seqlen=ids.shape[1], iters=iters, lr=lr, device_map="cpu")
     quantized, _layers = rounder.quantize()
     return quantized.eval()
+
+
+def row_key(row: dict) -> tuple:
+    return row["setting"], row["allocator"], row["bits"]
+
+
+def earlier_results(path: Path, results: dict) -> dict:
+    """The rows of an earlier results file at the same protocol (samples, windows), which --merge keeps where this
+    run does not measure them again."""
+    import json
+
+    if not path.is_file():
+        return results
+    earlier = json.loads(path.read_text())
+    protocol = ("samples", "windows", "seqlen", "eval_data")
+    if any(earlier.get(key) != results[key] for key in protocol):
+        raise SystemExit(f"--merge: {path} holds another protocol "
+                         f"({', '.join(f'{k} {earlier.get(k)}' for k in protocol)})")
+    return results | {"models": earlier.get("models", {})}
 
 
 def render(results: dict) -> str:
@@ -255,12 +279,17 @@ def render(results: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    parser.add_argument("--settings", nargs="*", default=list(SETTINGS), choices=list(SETTINGS),
+                        help="the bank settings' rows (none: the peer rows alone)")
     parser.add_argument("--samples", type=int, default=128, help="calibration windows of 256 tokens")
     parser.add_argument("--windows", type=int, default=64, help="evaluation windows of 256 tokens per text")
     parser.add_argument("--no-peers", action="store_true", help="skip the W2A16 / W3A16 g32 peer rows")
     parser.add_argument("--peer-bits", type=int, nargs="+", default=list(PEER_WIDTHS), choices=PEER_WIDTHS,
                         help="the peer rows' widths")
+    parser.add_argument("--peers", nargs="+", default=list(PEERS), choices=PEERS, help="the peer rows' methods")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the rows of the output file that this run does not measure again (same samples and "
+                             "windows), and their runs' records")
     parser.add_argument("--auto-round-iters", type=int, default=200, help="auto-round's steps per block (its default)")
     parser.add_argument("--auto-round-lr", type=float, default=None,
                         help="auto-round's learning rate (default: its own, 1 / iters); its 'light' preset: 50 at 5e-3")
@@ -271,15 +300,22 @@ def main() -> None:
     record = start_run(args)
     results = {"samples": args.samples, "windows": args.windows, "seqlen": SEQLEN, "eval_data": list(EVAL_DATA),
                "models": {}}
+    if args.merge:
+        results = earlier_results(args.out, results)
     args.work.mkdir(parents=True, exist_ok=True)
     for name in args.models:
         evaluator = Evaluator(MODELS[name], args.windows)
-        entry = results["models"][name] = {"fp": evaluator.streamed(*evaluator.reference), "rows": []}
+        entry = results["models"].setdefault(name, {"rows": []})
+        entry["fp"] = evaluator.streamed(*evaluator.reference)
 
         def add(row, model=name, rows=entry["rows"]):  # a partial run keeps every row evaluated so far
-            rows.append(row)
+            same = [i for i, old in enumerate(rows) if row_key(old) == row_key(row)]
+            if same:
+                rows[same[0]] = row
+            else:
+                rows.append(row)
             print(model, row, flush=True)
-            write_results(args.out, results, record)
+            write_results(args.out, results, record, merged=args.merge)
 
         for setting in args.settings:
             allocators = list(ALLOCATORS) if setting == args.settings[-1] else ["main", RECOMMENDED]
@@ -287,8 +323,8 @@ def main() -> None:
         if not args.no_peers:
             for bits in args.peer_bits:
                 peer_rows(name, bits, evaluator, args.work, args.samples, args.auto_round_iters, args.auto_round_lr,
-                          add)
-    write_results(args.out, results, record, complete=True)
+                          add, tuple(args.peers))
+    write_results(args.out, results, record, complete=True, merged=args.merge)
     print(render(results))
 
 

@@ -90,3 +90,61 @@ def test_block_rounding_tunes_weight_only_dense_linears(tiny_qwen3moe, tmp_path)
     changed = [key for key in before if key.startswith("linear.") and key.endswith(".codes")
                and not torch.equal(before[key], after[key])]
     assert changed
+
+
+def block_recipe():
+    return small_recipe("experts-mixed", weights=WeightQuant(group_size=16, symmetric=False), round_bits=(1, 2),
+                        round_steps=20, round_scope="block")
+
+
+def test_block_rounding_aims_at_the_full_precision_model(tiny_qwen3moe, tmp_path, monkeypatch):
+    """AutoRound's objective: each layer's targets are the full-precision model's activations after it (a stream
+    carried beside the quantized one), not the full-precision layer applied to the quantized layers' outputs."""
+    from hexq.base.data import calibration_windows
+    from hexq.calib import pipeline
+    from hexq.model.layer_pass import full_precision_plan, stream_layers
+    from hexq.model.streaming import open_model
+
+    recorded = []
+    real = pipeline.model_outputs
+
+    def recording(*args, **kwargs):
+        targets = real(*args, **kwargs)
+        recorded.append(torch.cat(list(targets)))
+        return targets
+
+    monkeypatch.setattr(pipeline, "model_outputs", recording)
+    recipe = block_recipe()
+    calibrate(tiny_qwen3moe, recipe, "bundled", tmp_path / "block")
+    streamed, tokenizer = open_model(tiny_qwen3moe, torch.device("cpu"))
+    cal = recipe.calibration
+    windows = calibration_windows(tokenizer, "bundled", cal.num_samples, cal.seqlen, seed=cal.seed).ids
+    model = stream_layers(streamed, windows, 8, full_precision_plan(streamed))
+    try:
+        expected = torch.cat(list(model))
+    finally:
+        model.close()
+    assert len(recorded) == streamed.num_layers == 2
+    torch.testing.assert_close(recorded[-1], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_an_interrupted_block_rounding_run_resumes_to_the_same_calibration(tiny_qwen3moe, tmp_path):
+    """The full-precision stream is rebuilt through the finished layers on resume: the resumed calibration's tensors
+    are the uninterrupted one's byte for byte, and so are the layer errors it reports (its seconds aside)."""
+    import shutil
+
+    whole = tmp_path / "whole"
+    calibrate(tiny_qwen3moe, block_recipe(), "bundled", whole)
+    partial = tmp_path / ".resumed.partial"
+    shutil.copytree(whole, partial)
+    for name in ("layer_001.safetensors", "layer_001.json", "layer_001.bank.safetensors", "manifest.json"):
+        (partial / name).unlink(missing_ok=True)
+    progress = json.loads((partial / "progress.json").read_text())
+    (partial / "progress.json").write_text(json.dumps(progress | {"layers_done": 1}))
+    summary = calibrate(tiny_qwen3moe, block_recipe(), "bundled", tmp_path / "resumed")
+    assert summary.resumed_from == 1
+    for tensors in sorted(whole.glob("*.safetensors")):
+        assert (tmp_path / "resumed" / tensors.name).read_bytes() == tensors.read_bytes(), tensors.name
+    for layer in range(2):
+        resumed = layer_report(tmp_path / "resumed", layer)["block_rounding"]
+        assert resumed["widths"] == layer_report(whole, layer)["block_rounding"]["widths"]

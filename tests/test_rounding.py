@@ -129,6 +129,25 @@ def test_block_rounding_lowers_the_block_error_and_stays_on_the_grid():
         assert torch.equal(new.zero, old.zero)
 
 
+def test_moving_zero_points_stay_on_the_integer_grid_and_the_scale_within_the_stretch():
+    """AutoRound's min/max tuning (hexq.algos.rounding.tuned_grid): each group's lowest and highest level stretch
+    independently, the zero point moves by whole levels (and somewhere does), the scale stays within the stretch."""
+    weights, replicas, objective = two_layer_block(seed=5)
+    both = frozenset(replicas)
+    result = optimize_block_rounding(weights, replicas, {"w1": 3, "w2": 3}, objective, batches=2, steps=80,
+                                     moving_zero=both)
+    tied = optimize_block_rounding(weights, replicas, {"w1": 3, "w2": 3}, objective, batches=2, steps=80)
+    assert result.after < result.before and result.after != tied.after
+    moved = 0
+    for name, new in result.replicas.items():
+        old = replicas[name]
+        assert torch.equal(new.zero, new.zero.round()) and new.zero.min() >= 0 and new.zero.max() <= 3
+        moved += int((new.zero != old.zero).sum())
+        ratio = new.scale / old.scale  # s' / s = (b (qmax - z) + a z) / qmax: between a and b
+        assert (ratio >= 1 - SCALE_RANGE - 1e-6).all() and (ratio <= 1 + SCALE_RANGE + 1e-6).all()
+    assert moved
+
+
 def test_block_rounding_codes_stay_within_one_level_of_round_to_nearest():
     """V in [-1/2, 1/2]: each code is within one level of rounding the weight on its (stretched) grid."""
     weights, replicas, objective = two_layer_block(seed=1)

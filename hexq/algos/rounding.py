@@ -123,16 +123,34 @@ def optimize_rounding(x: torch.Tensor, mask: torch.Tensor, gate_up: torch.Tensor
 # routing weight on the tokens that reach it. The parametrization is AutoRound's, on the replica's grid (scale s and
 # zero z from GPTQ's static groups):
 #
-#     W_q = (clamp(round(W / (s a) + z + V), 0, qmax) - z) s a,    V in [-1/2, 1/2],  a in [1 - A, 1 + A] per group
+#     W_q = (clamp(round(W / s' + z' + V), 0, qmax) - z') s',    V in [-1/2, 1/2]
 #
 # from the full-precision weight W, not from GPTQ's codes: starting at GPTQ's integer codes, every offset that the
 # gradient pushes one way reaches the rounding boundary at the same step and thousands of codes flip at once (the
 # block's error rose tenfold in one step on the reference models); from W / s + z each code starts at its own
 # distance from the boundary and codes cross one by one. GPTQ's rounding stays the reference: the tuned matrices
 # are kept only where they lower the block's error over every batch.
+#
+# The grid (s', z') is AutoRound's min/max tuning: the group's lowest level lo = -z s and highest hi = (qmax - z) s
+# each stretched, lo a and hi b with a, b in [1 - A, 1 + A], then s' = (hi b - lo a) / qmax and z' = z + round(-lo a
+# / s' - z) (round passing its gradient straight through): the range may shift towards the side the group's weights
+# need, and the zero point with it, by whole levels, so z' stays on the codes' grid (an integer where z was one). On
+# a symmetric grid, and at one bit (whose two levels are the group's mean -+ a spread, hexq.algos.quant), a = b: the
+# scale stretches and the zero stays.
 
 Objective = Callable[[dict[str, torch.Tensor], int], torch.Tensor]
 BLOCK_OFFSET = 0.5  # V in [-1/2, 1/2]: a code moves at most one level from round-to-nearest
+
+
+def tuned_grid(grid: Replica, low: torch.Tensor, high: torch.Tensor | None, qmax: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s', z') [n, rows, groups] of the module comment from the group stretches low (a) and high (b; None: a = b)."""
+    if high is None:
+        return grid.scale * low, grid.zero
+    span = high * (qmax - grid.zero) + low * grid.zero  # (hi b - lo a) / s
+    scale = grid.scale * span.clamp(min=torch.finfo(span.dtype).tiny) / qmax
+    shift = low * grid.zero * qmax / span.clamp(min=torch.finfo(span.dtype).tiny) - grid.zero
+    return scale, grid.zero + shift + (shift.round() - shift).detach()
 
 
 @dataclass(frozen=True)
@@ -145,27 +163,29 @@ class BlockRounding:
     after: float
 
 
-def block_codes(weight: torch.Tensor, grid: Replica, offset: torch.Tensor, stretch: torch.Tensor,
+def block_codes(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, offset: torch.Tensor,
                 qmax: int) -> torch.Tensor:
-    """clamp(round(W / (s a) + z + V), 0, qmax) with round() passing its gradient straight through: [n, rows, cols]."""
+    """clamp(round(W / s' + z' + V), 0, qmax) with round() passing its gradient straight through: [n, rows, cols]."""
     n, rows, cols = weight.shape
-    groups = grid.scale.shape[-1]
-    place = (weight.reshape(n, rows, groups, cols // groups) / (grid.scale * stretch)[..., None]
-             + grid.zero[..., None]).reshape(n, rows, cols) + offset
+    groups = scale.shape[-1]
+    place = (weight.reshape(n, rows, groups, cols // groups) / scale[..., None]
+             + zero[..., None]).reshape(n, rows, cols) + offset
     return (place + (place.round() - place).detach()).clamp(0, qmax)
 
 
 def optimize_block_rounding(weights: dict[str, torch.Tensor], replicas: dict[str, Replica], qmax: dict[str, int],
                             objective: Objective, batches: int, steps: int = STEPS,
-                            frozen: dict[str, torch.Tensor] | None = None) -> BlockRounding:
-    """The rounding and scales of every matrix named in `replicas` (GPTQ's n matrices [n, rows, cols] on their grids;
+                            frozen: dict[str, torch.Tensor] | None = None,
+                            moving_zero: frozenset[str] = frozenset()) -> BlockRounding:
+    """The rounding and grids of every matrix named in `replicas` (GPTQ's n matrices [n, rows, cols] on their grids;
     weights[name] the full-precision ones, qmax[name] the largest code) optimised by signed gradient (module
     comment above) on objective(dequantized weights {name: [n, rows, cols]}, batch): the block's squared output
     error on calibration batch `batch` (0 <= batch < batches). Step i uses batch i mod batches, as AutoRound cycles
-    its mini-batches; V and a move by lr * sign(gradient) with lr falling linearly from 1 / steps to 0 (AutoRound's
+    its mini-batches; V, a and b move by lr * sign(gradient) with lr falling linearly from 1 / steps to 0 (AutoRound's
     default schedule), and the state kept is the one whose batch error, relative to GPTQ's on that batch, was
-    lowest. frozen[name] [n] bool: matrices kept at GPTQ's codes (experts too rarely routed for their gradient to
-    mean anything).
+    lowest. moving_zero: the matrices on asymmetric grids of 2 bits or more, whose range ends stretch apart (their
+    zero points move); the others' scales stretch alone. frozen[name] [n] bool: matrices kept at GPTQ's codes and
+    grid (experts too rarely routed for their gradient to mean anything).
 
     The result keeps GPTQ's replicas unless the tuned ones lower the mean error over every batch. Runs in float32
     on the replicas' device."""
@@ -176,31 +196,30 @@ def optimize_block_rounding(weights: dict[str, torch.Tensor], replicas: dict[str
     full = {name: weights[name].float() for name in grids}
     held = {name: frozen[name].view(-1, 1, 1) for name in (frozen or {}) if name in grids}
     offsets = {name: torch.zeros_like(grid.codes, requires_grad=True) for name, grid in grids.items()}
-    stretch = {name: torch.ones_like(grid.scale, requires_grad=True) for name, grid in grids.items()}
+    low = {name: torch.ones_like(grid.scale, requires_grad=True) for name, grid in grids.items()}
+    high = {name: torch.ones_like(grids[name].scale, requires_grad=True) for name in grids if name in moving_zero}
 
-    def codes() -> dict[str, torch.Tensor]:
-        out = {name: block_codes(full[name], grid, offsets[name], stretch[name], qmax[name])
-               for name, grid in grids.items()}
-        return {name: torch.where(held[name], grid.codes, out[name]) if name in held else out[name]
-                for name, grid in grids.items()}
-
-    def scales() -> dict[str, torch.Tensor]:
-        return {name: grid.scale * (torch.where(held[name], 1.0, stretch[name]) if name in held else stretch[name])
-                for name, grid in grids.items()}
-
-    def dequantized(current: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        scale = scales()
-        return {name: grid.weight(current[name], scale[name]) for name, grid in grids.items()}
+    def current() -> dict[str, Replica]:
+        """Every matrix's codes and grid at the present V, a, b (the held ones at GPTQ's)."""
+        out = {}
+        for name, grid in grids.items():
+            scale, zero = tuned_grid(grid, low[name], high.get(name), qmax[name])
+            codes = block_codes(full[name], scale, zero, offsets[name], qmax[name])
+            if name in held:
+                codes, scale = torch.where(held[name], grid.codes, codes), torch.where(held[name], grid.scale, scale)
+                zero = torch.where(held[name], grid.zero, zero)
+            out[name] = Replica(codes, scale, zero)
+        return out
 
     with torch.no_grad():
         initial = [float(objective(gptq, batch)) for batch in range(batches)]
     before = sum(initial) / batches
-    params = list(offsets.values()) + list(stretch.values())
+    params = list(offsets.values()) + list(low.values()) + list(high.values())
     best, best_state = 1.0, None
     with torch.enable_grad():
         for step in range(steps):
             batch = step % batches
-            error = objective(dequantized(codes()), batch)
+            error = objective({name: r.weight() for name, r in current().items()}, batch)
             relative = float(error.detach()) / max(initial[batch], torch.finfo(torch.float32).tiny)
             if relative < best:  # the state this error was measured at
                 best, best_state = relative, [p.detach().clone() for p in params]
@@ -211,18 +230,18 @@ def optimize_block_rounding(weights: dict[str, torch.Tensor], replicas: dict[str
                     param.sub_(lr * grad.sign())
                 for v in offsets.values():
                     v.clamp_(-BLOCK_OFFSET, BLOCK_OFFSET)
-                for a in stretch.values():
-                    a.clamp_(1 - SCALE_RANGE, 1 + SCALE_RANGE)
+                for stretch in (*low.values(), *high.values()):
+                    stretch.clamp_(1 - SCALE_RANGE, 1 + SCALE_RANGE)
     if best_state is None:
         return BlockRounding(dict(replicas), before, before)
     with torch.no_grad():
         for param, kept in zip(params, best_state, strict=True):
             param.copy_(kept)
-        final = codes()
-        after = sum(float(objective(dequantized(final), batch)) for batch in range(batches)) / batches
+        final = current()
+        after = sum(float(objective({name: r.weight() for name, r in final.items()}, batch))
+                    for batch in range(batches)) / batches
         if not after < before:
             return BlockRounding(dict(replicas), before, before)
-        scale = scales()
-        tuned = {name: Replica(final[name].to(torch.uint8), scale[name].to(replicas[name].scale.dtype),
-                               replicas[name].zero) for name in grids}
+        tuned = {name: Replica(r.codes.to(torch.uint8), r.scale.to(replicas[name].scale.dtype),
+                               r.zero.to(replicas[name].zero.dtype)) for name, r in final.items()}
     return BlockRounding(tuned, before, after)

@@ -68,6 +68,14 @@ class HiddenStore:
     def __iter__(self) -> Iterator[torch.Tensor]:
         return (self[i] for i in range(len(self)))
 
+    def copy(self) -> HiddenStore:
+        """A second store of the same activations under the same limit (in-memory tensors shared: a store replaces
+        its entries, never writes into them)."""
+        twin = HiddenStore(self.limit, self.parent)
+        for tensor in self:
+            twin.append(tensor)
+        return twin
+
     def close(self) -> None:
         self._items.clear()
         self._memory = 0

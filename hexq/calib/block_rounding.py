@@ -1,6 +1,12 @@
 """`experts.round_scope: block`: the rounding of a whole decoder layer's quantized matrices optimised against the
-layer's full-precision output on the calibration batches (hexq.algos.rounding.optimize_block_rounding: AutoRound's
+full-precision model's output on the calibration batches (hexq.algos.rounding.optimize_block_rounding: AutoRound's
 signed-gradient rounding and scale tuning on GPTQ's grids), the calibration's side of it.
+
+The objective is AutoRound's: the quantized layer on its own inputs (the outputs of the layers below as quantized,
+what the layer will see when served) against the full-precision layer on the full-precision model's inputs
+(`model_outputs`, a second activation stream the calibration carries beside the quantized one). A layer tuned so
+also corrects what the layers below it got wrong, instead of reproducing the full-precision layer's answer to
+inputs that are already off.
 
 One tuning pass per expert width w in `experts.round_bits`, with every routed expert at its w replica, the dense
 linears (attention, shared expert, a dense layer's MLP) at their recipe width and the router in full precision:
@@ -11,7 +17,7 @@ without activation fake quantization. Cold experts (fewer than min_tokens routed
 
 from __future__ import annotations
 
-from contextlib import closing, contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch.func import functional_call
@@ -88,29 +94,31 @@ def kept_widths(recipe: Recipe, propagate: int) -> set[int]:
     return {w for w in tuned_widths(recipe, propagate) if w is not None}
 
 
-def full_precision_outputs(loaded: LoadedLayer, hidden: HiddenStore, kwargs: list[dict], weights_of) -> HiddenStore:
-    """The layer's own outputs on every batch (the dense part as loaded, the routed experts from weights_of)."""
+def model_outputs(loaded: LoadedLayer, reference: HiddenStore, kwargs: list[dict], weights_of) -> HiddenStore:
+    """The full-precision model's outputs of this layer on every batch: the layer as read from the checkpoint (call it
+    before smoothing folds anything into it, so that a resumed calibration computes the same numbers), the routed
+    experts from weights_of (unsmoothed), on `reference`, the full-precision model's inputs to the layer."""
     outputs = HiddenStore(None)
     compute = None
     if loaded.is_moe:
         _num, gate_up_shape, down_shape = loaded.shapes
         compute = ExpertCompute(weights_of, chunk=expert_chunk(gate_up_shape, down_shape, torch.float32),
                                 accumulate=torch.float32)
-    run_layer(loaded, hidden, kwargs, outputs, compute)
+    run_layer(loaded, reference, kwargs, outputs, compute)
     return outputs
 
 
 def round_block(loaded: LoadedLayer, hidden: HiddenStore, kwargs: list[dict], weights_of, recipe: Recipe,
                 dense: dict[str, tuple[torch.Tensor, QuantMeta]], bank: dict[int, Replicas], cold: list[int],
-                propagate: int | None) -> dict:
-    """Tune the layer (module docstring): `dense` {linear name: (codes, meta)} and `bank` {width: replicas of every
-    routed expert} are replaced by their tuned versions in place. Returns {width: {"before", "after"}} (the mean
-    squared output error over every batch; width "dense" on a dense layer)."""
+                propagate: int | None, targets: HiddenStore) -> dict:
+    """Tune the layer (module docstring) on its inputs `hidden` against `targets` (model_outputs): `dense` {linear
+    name: (codes, meta)} and `bank` {width: replicas of every routed expert} are replaced by their tuned versions in
+    place. Returns {width: {"before", "after"}} (the mean squared output error over every batch; width "dense" on a
+    dense layer)."""
     widths = tuned_widths(recipe, propagate)
     if not widths:  # a dense layer whose linears are not weight-only: nothing to tune
         return {}
     device = next(loaded.module.parameters()).device
-    targets = full_precision_outputs(loaded, hidden, kwargs, weights_of)
     stand_in = RoutedExperts(loaded.act_fn) if loaded.is_moe else None
     frozen = torch.zeros(loaded.shapes[0], dtype=torch.bool, device=device) if loaded.is_moe else None
     if frozen is not None and cold:
@@ -129,7 +137,7 @@ def round_block(loaded: LoadedLayer, hidden: HiddenStore, kwargs: list[dict], we
     report = {}
     steps = recipe.experts.round_steps
     context = experts_replaced(loaded, stand_in) if stand_in is not None else nullcontext()
-    with context, closing(targets):
+    with context:
         for width in widths:
             tuned: dict[str, Replica] = {}
             qmax: dict[str, int] = {}
@@ -150,10 +158,18 @@ def round_block(loaded: LoadedLayer, hidden: HiddenStore, kwargs: list[dict], we
             fixed = fixed_weights(dense, bank.get(width) if stand_in is not None else None, tuned, device)
             result = optimize_block_rounding(
                 full, tuned, qmax, lambda weights, batch, fixed=fixed: objective(fixed | weights, batch), len(hidden),
-                steps, {p: frozen for p in PROJECTIONS if p in tuned})
+                steps, {p: frozen for p in PROJECTIONS if p in tuned}, moving_zero(recipe, tuned, qmax))
             keep_tuned(result, dense, bank.get(width))
             report[str(width if width is not None else "dense")] = {"before": result.before, "after": result.after}
     return report
+
+
+def moving_zero(recipe: Recipe, tuned: dict, qmax: dict[str, int]) -> frozenset[str]:
+    """The tuned matrices on asymmetric grids of 2 bits or more, whose zero points may move
+    (hexq.algos.rounding.tuned_grid)."""
+    symmetric = {name: (recipe.expert_weights if name in PROJECTIONS else recipe.weights).symmetric
+                 for name in tuned}
+    return frozenset(name for name in tuned if not symmetric[name] and qmax[name] >= 3)
 
 
 def fixed_weights(dense: dict, replicas: Replicas | None, tuned: dict, device) -> dict[str, torch.Tensor]:

@@ -48,6 +48,7 @@ from hexq.base.errors import HexqError
 from hexq.base.hidden import HiddenStore
 from hexq.base.io import write_json_atomic, write_sealed_json
 from hexq.base.outputs import resumable_output_folder
+from hexq.calib.block_rounding import model_outputs
 from hexq.calib.calibrated import apply_dense_part, bank_replicas, calibrated_experts
 from hexq.calib.capture import (
     quantized_linears,
@@ -106,18 +107,18 @@ class CalibrationSummary:
 def calibrate_layer(loaded: LoadedLayer, adapter: MoEAdapter, hidden: HiddenStore, kwargs: list[dict],
                     recipe: Recipe, index: int, device: torch.device, activation_limit: int | None,
                     folder: Path, progress: Progress | None, clock: StageClock,
-                    ranks: Ranks = SINGLE) -> tuple[dict, dict, HiddenStore]:
+                    ranks: Ranks = SINGLE, targets: HiddenStore | None = None) -> tuple[dict, dict, HiddenStore]:
     """Passes A-C of one layer (see the module docstring); the bank goes to `folder` (the calibration being written,
     which also takes spilled activations); each pass is a stage of `clock`. Returns the layer's other tensors, its
-    report and its outputs. Across
-    ranks (hexq.calib.ranks) the routed experts' work is split and every rank returns the same results."""
+    report and its outputs. Across ranks (hexq.calib.ranks) the routed experts' work is split and every rank returns
+    the same results. targets: the full-precision model's outputs of the layer, for block rounding."""
     tensors: dict[str, torch.Tensor] = {}
     smoothing, expert_scale = smooth_layer(loaded, adapter, hidden, kwargs, recipe, recipe.calibration.seed + index,
                                            tensors, ranks)
     clock.stage("smoothing")
     weights_of = compute_experts(loaded, expert_scale, device) if loaded.is_moe else None
     report, moe_sample = quantize_layer(loaded, adapter, hidden, kwargs, recipe, weights_of, tensors,
-                                        bank_path(folder, index), progress, ranks)
+                                        bank_path(folder, index), progress, ranks, targets)
     clock.stage("quantize")
     apply_dense_part(loaded, adapter, tensors, recipe, fold=False)
     outputs = HiddenStore(activation_limit, folder)
@@ -283,6 +284,9 @@ def run_layers(streamed: StreamedModel, tokenizer, recipe: Recipe, windows, fold
     cal = recipe.calibration
     hidden = HiddenStore(activation_limit, folder)
     kwargs = streamed.layer_inputs(windows.ids, batch_size, hidden)
+    # block rounding's targets come from the full-precision model: its activations are carried beside the
+    # quantized ones (hexq.calib.block_rounding)
+    reference = hidden.copy() if recipe.experts.round_scope == "block" else None
     timings = read_json(folder / "timings.json") or {}
     files = {name: record for name, record in progress_files(folder).items()
              if int(name[len("layer_"):len("layer_") + 3]) < done}
@@ -290,8 +294,12 @@ def run_layers(streamed: StreamedModel, tokenizer, recipe: Recipe, windows, fold
         ranks.layer = index
         layer_started = time.time()
         clock = StageClock(device)
-        with streamed.layer(index, experts=index >= done) as loaded:
+        with streamed.layer(index, experts=index >= done or reference is not None) as loaded:
             clock.stage("load")  # read from the checkpoint onto the device
+            targets = None
+            if reference is not None:  # before anything is folded into the layer
+                targets = model_outputs(loaded, reference, kwargs, compute_experts(loaded, None, device))
+                clock.stage("full-precision pass")
             if index < done:  # resume: rebuild the quantized layer below from its saved results
                 tensors, _ = load_layer(folder, index)
                 apply_dense_part(loaded, adapter, tensors, recipe, fold=True)
@@ -303,7 +311,7 @@ def run_layers(streamed: StreamedModel, tokenizer, recipe: Recipe, windows, fold
                 run_layer(loaded, hidden, kwargs, outputs, experts)
             else:
                 tensors, meta, outputs = calibrate_layer(loaded, adapter, hidden, kwargs, recipe, index, device,
-                                                         activation_limit, folder, progress, clock, ranks)
+                                                         activation_limit, folder, progress, clock, ranks, targets)
                 same_outputs(outputs, ranks)
                 every_rank = ranks.objects({"stages": dict(clock.seconds), "peak_rss_bytes": peak_rss_bytes(),
                                             "stage_peak_rss": dict(clock.peak_rss)})
@@ -322,6 +330,9 @@ def run_layers(streamed: StreamedModel, tokenizer, recipe: Recipe, windows, fold
                 ranks.barrier("recording the layer")
         hidden.close()
         hidden = outputs
+        if reference is not None:
+            reference.close()
+            reference = targets
         if progress:
             progress("layers", index + 1, num_layers)
     try:
@@ -332,6 +343,8 @@ def run_layers(streamed: StreamedModel, tokenizer, recipe: Recipe, windows, fold
             write_json_atomic(folder / "timings.json", timings)
     finally:
         hidden.close()
+        if reference is not None:
+            reference.close()
     ranks.layer = None
     if not ranks.leader:
         return None

@@ -344,9 +344,11 @@ def fill_bank(bank: ExpertBank, loaded: LoadedLayer, routed: RoutedTokens, weigh
 
 def quantize_layer(loaded: LoadedLayer, adapter: MoEAdapter, hidden: HiddenStore, kwargs: list[dict],
                    recipe: Recipe, weights_of, tensors: dict, bank_file: Path,
-                   progress: Progress | None, ranks: Ranks = SINGLE) -> tuple[dict, torch.Tensor | None]:
+                   progress: Progress | None, ranks: Ranks = SINGLE,
+                   targets: HiddenStore | None = None) -> tuple[dict, torch.Tensor | None]:
     """Pass B; returns the layer report and a sample of the MoE input (every 8th token; None on a dense layer),
-    the inputs a never-routed expert is measured on."""
+    the inputs a never-routed expert is measured on. targets: the full-precision model's outputs of the layer
+    (hexq.calib.block_rounding.model_outputs), given with experts.round_scope block."""
     layer = loaded.module
     with torch.no_grad(), capture_linears(quantized_linears(layer, adapter)) as stats:
         routed = run_layer(loaded, hidden, kwargs, None, experts=None)
@@ -359,7 +361,8 @@ def quantize_layer(loaded: LoadedLayer, adapter: MoEAdapter, hidden: HiddenStore
     def tune(held: dict, cold: list[int]) -> None:
         started = time.perf_counter()
         propagate = default_expert_bits(recipe) if routed is not None else None
-        rounding["widths"] = round_block(loaded, hidden, kwargs, weights_of, recipe, dense, held, cold, propagate)
+        rounding["widths"] = round_block(loaded, hidden, kwargs, weights_of, recipe, dense, held, cold, propagate,
+                                         targets)
         rounding["seconds"] = round(time.perf_counter() - started, 2)
         for name, result in dense.items():
             put_packed(tensors, f"linear.{name}", *result)

@@ -197,10 +197,11 @@ class Experts:
     round_bits: the widths whose GPTQ replicas then have their rounding and scales optimised on the expert's routed
     tokens (at most round_tokens of them, evenly strided) for round_steps signed-gradient steps
     (hexq.algos.rounding); cold experts keep GPTQ's. Costs round_steps forward and backward passes of the expert
-    per width: on a CPU more than GPTQ itself. round_scope "block" optimises them instead against the whole layer's
-    full-precision output on every calibration batch, all routed experts at that width at once, with the layer's
-    weight-only dense linears tuned alongside in the pass at propagate_bits (hexq.calib.block_rounding); it holds
-    the layer's replicas at those widths in memory and runs in one process.
+    per width: on a CPU more than GPTQ itself. round_scope "block" optimises them instead against the
+    full-precision model's output after the layer on every calibration batch, all routed experts at that width at
+    once, with the layer's weight-only dense linears tuned alongside in the pass at propagate_bits
+    (hexq.calib.block_rounding); it holds the layer's replicas at those widths in memory, carries the
+    full-precision model's activations beside the quantized ones, and runs in one process.
     """
 
     mode: str = "uniform"  # "uniform" | "replicas"
