@@ -15,9 +15,9 @@ recommended one; the bundled experts-mixed recipe is setting "act+spread" with a
 (group grids fitted to the Hessian-weighted error, hexq.algos.clipping), `act` (columns in decreasing
 Hessian-diagonal order, static groups: GPTQ's act_order), `round` (1- and 2-bit rounding optimised on routed tokens,
 hexq.algos.rounding), `spread` (1-bit levels at mean -+ 1.75 mean absolute deviations instead of min and max,
-experts.weights.one_bit), `block` (the same widths optimised against each layer's full-precision output,
-experts.round_scope block); allocators: 0-bit experts (skipped, router weight renormalised), the loss weighted by
-routing mass (pack.loss layer) and any width per expert (pack.order free).
+experts.weights.one_bit), `block` (the same widths optimised against the full-precision model's output after each
+layer, experts.round_scope block); allocators: 0-bit experts (skipped, router weight renormalised), the loss
+weighted by routing mass (pack.loss layer) and any width per expert (pack.order free).
 
 Peer rows (all linears but routers and the head at W2A16 or W3A16, groups of 32, asymmetric, weights only): hexq's
 GPTQ (peer_recipe: act_order, then rounding optimised over each whole layer), auto-round (signed-gradient rounding
