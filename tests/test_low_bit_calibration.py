@@ -148,3 +148,12 @@ def test_an_interrupted_block_rounding_run_resumes_to_the_same_calibration(tiny_
     for layer in range(2):
         resumed = layer_report(tmp_path / "resumed", layer)["block_rounding"]
         assert resumed["widths"] == layer_report(whole, layer)["block_rounding"]["widths"]
+
+
+def test_block_rounding_with_every_activation_spilled_is_the_same_calibration(tiny_qwen3moe, tmp_path):
+    """Both activation streams (the quantized model's and the full-precision model's) spill to the calibration
+    folder past --activation-memory and read back the same."""
+    calibrate(tiny_qwen3moe, block_recipe(), "bundled", tmp_path / "memory")
+    calibrate(tiny_qwen3moe, block_recipe(), "bundled", tmp_path / "spilled", activation_limit=1)
+    for tensors in sorted((tmp_path / "memory").glob("*.safetensors")):
+        assert (tmp_path / "spilled" / tensors.name).read_bytes() == tensors.read_bytes(), tensors.name

@@ -97,8 +97,9 @@ def kept_widths(recipe: Recipe, propagate: int) -> set[int]:
 def model_outputs(loaded: LoadedLayer, reference: HiddenStore, kwargs: list[dict], weights_of) -> HiddenStore:
     """The full-precision model's outputs of this layer on every batch: the layer as read from the checkpoint (call it
     before smoothing folds anything into it, so that a resumed calibration computes the same numbers), the routed
-    experts from weights_of (unsmoothed), on `reference`, the full-precision model's inputs to the layer."""
-    outputs = HiddenStore(None)
+    experts from weights_of (unsmoothed), on `reference`, the full-precision model's inputs to the layer; kept under
+    the same memory limit and spill folder as `reference`."""
+    outputs = HiddenStore(reference.limit, reference.parent)
     compute = None
     if loaded.is_moe:
         _num, gate_up_shape, down_shape = loaded.shapes
