@@ -193,6 +193,29 @@ def test_routed_experts_stand_in_computes_what_the_experts_module_does():
     assert torch.allclose(stand_in(x, index, weights), expected, atol=1e-5)
 
 
+def test_routed_experts_gradient_is_the_same_every_run():
+    """The block's gradient reaches the layer's input through the stand-in's gather of each token once per routed
+    slot: on 2 threads it must add the repeated tokens' gradients in one order (an indexing gather's gradient adds
+    them with atomics, and block rounding's calibration differed between runs)."""
+    from hexq.calib.block_rounding import RoutedExperts
+
+    g = torch.Generator().manual_seed(5)
+    experts, hidden, inner, tokens, k = 8, 64, 16, 1024, 4  # tokens x k x hidden above torch's parallel grain
+    stand_in = RoutedExperts(ACT)
+    stand_in.gate_up = torch.randn(experts, 2 * inner, hidden, generator=g)
+    stand_in.down = torch.randn(experts, hidden, inner, generator=g)
+    x = torch.randn(tokens, hidden, generator=g, requires_grad=True)
+    index = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
+    weights, upstream = torch.rand(tokens, k, generator=g), torch.randn(tokens, hidden, generator=g)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        grads = [torch.autograd.grad((stand_in(x, index, weights) * upstream).sum(), x)[0] for _ in range(12)]
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(grad, grads[0]) for grad in grads[1:])
+
+
 def test_tuning_that_lowers_one_batch_but_not_the_mean_keeps_gptq():
     """Batch 0 rewards any move towards the full-precision weights, batch 1 punishes any move away from GPTQ's: the
     best state on batch 0 is worse over both, so GPTQ's replicas come back."""

@@ -147,9 +147,10 @@ def tuned_grid(grid: Replica, low: torch.Tensor, high: torch.Tensor | None, qmax
     """(s', z') [n, rows, groups] of the module comment from the group stretches low (a) and high (b; None: a = b)."""
     if high is None:
         return grid.scale * low, grid.zero
-    span = high * (qmax - grid.zero) + low * grid.zero  # (hi b - lo a) / s
-    scale = grid.scale * span.clamp(min=torch.finfo(span.dtype).tiny) / qmax
-    shift = low * grid.zero * qmax / span.clamp(min=torch.finfo(span.dtype).tiny) - grid.zero
+    tiny = torch.finfo(grid.scale.dtype).tiny
+    span = (high * (qmax - grid.zero) + low * grid.zero).clamp(min=tiny)  # (hi b - lo a) / s
+    scale = grid.scale * span / qmax
+    shift = low * grid.zero * qmax / span - grid.zero
     return scale, grid.zero + shift + (shift.round() - shift).detach()
 
 

@@ -56,7 +56,11 @@ class RoutedExperts(torch.nn.Module):
         slot = torch.arange(len(order), device=x.device) - (torch.cumsum(counts, 0) - counts)[expert]
         token = order // k
         padded = x.new_zeros(num_experts, int(counts[:num_experts].max()), width)
-        padded = padded.index_put((expert, slot), x[token])
+        # index_select, not x[token]: a token appears once per routed slot, and the gradient of an indexing gather
+        # with repeated indices is an accumulating index_put that adds with atomics across threads on CPU, in an
+        # order that changes run to run (the tuned rounding then differs between runs); index_select's gradient
+        # (index_add) adds in index order
+        padded = padded.index_put((expert, slot), x.index_select(0, token))
         gate, up = (padded @ self.gate_up.mT).chunk(2, dim=-1)
         y = ((self.act_fn(gate) * up) @ self.down.mT)[expert, slot]
         weights = top_k_weights.reshape(-1)[order, None].float()
