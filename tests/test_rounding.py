@@ -159,6 +159,36 @@ def test_block_rounding_codes_stay_within_one_level_of_round_to_nearest():
         assert (new.codes.float() - nearest).abs().max() <= 1
 
 
+def test_block_weight_node_has_the_gradient_of_its_composed_ops(monkeypatch):
+    """hexq.algos.rounding.BlockWeight (one autograd node, worked in chunks of matrices) against the same W_q composed
+    of differentiable ops with round() passed straight through: equal values and gradients for V, s' and z', the
+    held matrices at their given codes with no gradient to V."""
+    import hexq.algos.rounding as rounding
+
+    monkeypatch.setattr(rounding, "CHUNK_ELEMENTS", 2 * 6 * 16)  # 2 of 5 matrices per chunk
+    g = torch.Generator().manual_seed(7)
+    n, rows, cols, groups, qmax = 5, 6, 16, 2, 3
+    weight = torch.randn(n, rows, cols, generator=g, dtype=F64)
+    scale = (0.2 + torch.rand(n, rows, groups, generator=g, dtype=F64)).requires_grad_(True)
+    zero = torch.randint(0, qmax + 1, (n, rows, groups), generator=g).to(F64).requires_grad_(True)
+    offset = (torch.rand(n, rows, cols, generator=g, dtype=F64) - 0.5).requires_grad_(True)
+    held = torch.tensor([False, True, False, False, True])
+    held_codes = torch.randint(0, qmax + 1, (n, rows, cols), generator=g).to(torch.uint8)
+    upstream = torch.randn(n, rows, cols, generator=g, dtype=F64)
+
+    place = (weight.reshape(n, rows, groups, -1) / scale[..., None] + zero[..., None]).reshape(n, rows, cols) + offset
+    codes = (place + (place.round() - place).detach()).clamp(0, qmax)
+    codes = torch.where(held.view(-1, 1, 1), held_codes.to(F64), codes)
+    expected = ((codes.reshape(n, rows, groups, -1) - zero[..., None]) * scale[..., None]).reshape(n, rows, cols)
+    want = torch.autograd.grad((expected * upstream).sum(), (offset, scale, zero))
+
+    got = rounding.BlockWeight.apply(weight, scale, zero, offset, qmax, held_codes, held)
+    assert torch.allclose(got, expected, rtol=0, atol=1e-12)
+    for ours, theirs in zip(torch.autograd.grad((got * upstream).sum(), (offset, scale, zero)), want, strict=True):
+        assert torch.allclose(ours, theirs, rtol=1e-10, atol=1e-12)
+    assert (want[0][held] == 0).all()
+
+
 def test_frozen_matrices_and_no_steps_keep_gptq():
     weights, replicas, objective = two_layer_block(seed=2)
     none = optimize_block_rounding(weights, replicas, {"w1": 3, "w2": 3}, objective, batches=2, steps=0)

@@ -164,14 +164,77 @@ class BlockRounding:
     after: float
 
 
+CHUNK_ELEMENTS = 1 << 24  # elements per chunk of BlockWeight's elementwise work: 64 MB per float32 temporary
+
+
+def _grouped(t: torch.Tensor, groups: int) -> torch.Tensor:
+    n, rows, cols = t.shape
+    return t.reshape(n, rows, groups, cols // groups)
+
+
+def _rounded(weight, scale, zero, offset, qmax):
+    """(clamp(round(u), 0, qmax), [round(u) within [0, qmax]]) of u = W / s' + z' + V, grouped [n, rows, groups, g]."""
+    groups = scale.shape[-1]
+    place = (_grouped(weight, groups) / scale[..., None] + zero[..., None] + _grouped(offset, groups)).round_()
+    inside = (place >= 0) & (place <= qmax)
+    return place.clamp_(0, qmax), inside
+
+
 def block_codes(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, offset: torch.Tensor,
                 qmax: int) -> torch.Tensor:
-    """clamp(round(W / s' + z' + V), 0, qmax) with round() passing its gradient straight through: [n, rows, cols]."""
-    n, rows, cols = weight.shape
-    groups = scale.shape[-1]
-    place = (weight.reshape(n, rows, groups, cols // groups) / scale[..., None]
-             + zero[..., None]).reshape(n, rows, cols) + offset
-    return (place + (place.round() - place).detach()).clamp(0, qmax)
+    """clamp(round(W / s' + z' + V), 0, qmax): [n, rows, cols]."""
+    return _rounded(weight, scale, zero, offset, qmax)[0].reshape(weight.shape)
+
+
+def _chunks(weight: torch.Tensor):
+    step = max(1, CHUNK_ELEMENTS // max(weight[0].numel(), 1))
+    return [slice(start, start + step) for start in range(0, weight.shape[0], step)]
+
+
+def _block_rounded(weight, scale, zero, offset, qmax, held_codes, held, part: slice):
+    """_rounded on matrices `part`, the held ones at held_codes with m = 0 (grouped)."""
+    codes, inside = _rounded(weight[part], scale[part], zero[part], offset[part], qmax)
+    if held is None:
+        return codes, inside
+    where = held[part].view(-1, 1, 1, 1)
+    return torch.where(where, _grouped(held_codes[part], scale.shape[-1]).to(codes.dtype), codes), inside & ~where
+
+
+class BlockWeight(torch.autograd.Function):
+    """W_q = (clamp(round(W / s' + z' + V), 0, qmax) - z') s' with round() passing its gradient straight through, as
+    one autograd node that keeps only its inputs: the composed ops would keep ~5 temporaries the size of W for the
+    backward pass, ~12 GB on one Qwen3-30B-A3B layer's experts in float32. With m = [round(u) within [0, qmax]]:
+
+        dW_q/dV = s' m,    dW_q/ds' = (c - z') - m W / s',    dW_q/dz' = -s' (1 - m)
+
+    (the last two summed over each group). Matrices in `held` [n] (bool) keep their given codes and pass no gradient
+    to V."""
+
+    @staticmethod
+    def forward(ctx, weight, scale, zero, offset, qmax, held_codes, held):
+        ctx.save_for_backward(weight, scale, zero, offset, held_codes, held)
+        ctx.qmax = qmax
+        out = torch.empty_like(weight)
+        for part in _chunks(weight):
+            codes, _inside = _block_rounded(weight, scale, zero, offset, qmax, held_codes, held, part)
+            out[part] = ((codes - zero[part][..., None]) * scale[part][..., None]).reshape(out[part].shape)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        weight, scale, zero, offset, held_codes, held = ctx.saved_tensors
+        groups = scale.shape[-1]
+        grad_offset = torch.empty_like(offset) if ctx.needs_input_grad[3] else None
+        grad_scale, grad_zero = torch.empty_like(scale), torch.empty_like(zero)
+        for part in _chunks(weight):
+            s, z = scale[part][..., None], zero[part][..., None]
+            codes, inside = _block_rounded(weight, scale, zero, offset, ctx.qmax, held_codes, held, part)
+            g = _grouped(grad[part], groups)
+            if grad_offset is not None:
+                grad_offset[part] = (g * s * inside).reshape(grad_offset[part].shape)
+            grad_scale[part] = (g * (codes - z - inside * _grouped(weight[part], groups) / s)).sum(-1)
+            grad_zero[part] = -(g * s * ~inside).sum(-1)
+        return None, grad_scale, grad_zero, grad_offset, None, None, None
 
 
 def optimize_block_rounding(weights: dict[str, torch.Tensor], replicas: dict[str, Replica], qmax: dict[str, int],
@@ -192,57 +255,71 @@ def optimize_block_rounding(weights: dict[str, torch.Tensor], replicas: dict[str
     on the replicas' device."""
     if steps < 0:
         raise ValueError(f"steps must be >= 0, got {steps}")
-    grids = {name: Replica(r.codes.float(), r.scale.float(), r.zero.float()) for name, r in replicas.items()}
-    gptq = {name: grid.weight() for name, grid in grids.items()}
+    grids = {name: Replica(r.codes, r.scale.float(), r.zero.float()) for name, r in replicas.items()}
     full = {name: weights[name].float() for name in grids}
-    held = {name: frozen[name].view(-1, 1, 1) for name in (frozen or {}) if name in grids}
-    offsets = {name: torch.zeros_like(grid.codes, requires_grad=True) for name, grid in grids.items()}
+    held = {name: frozen[name] for name in (frozen or {}) if name in grids}
+    offsets = {name: torch.zeros_like(full[name], requires_grad=True) for name in grids}
     low = {name: torch.ones_like(grid.scale, requires_grad=True) for name, grid in grids.items()}
     high = {name: torch.ones_like(grids[name].scale, requires_grad=True) for name in grids if name in moving_zero}
 
-    def current() -> dict[str, Replica]:
-        """Every matrix's codes and grid at the present V, a, b (the held ones at GPTQ's)."""
+    def current_grid(name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(s', z') at the present a, b; GPTQ's for the held matrices."""
+        grid = grids[name]
+        scale, zero = tuned_grid(grid, low[name], high.get(name), qmax[name])
+        if name in held:
+            where = held[name].view(-1, 1, 1)
+            scale, zero = torch.where(where, grid.scale, scale), torch.where(where, grid.zero, zero)
+        return scale, zero
+
+    def dequantized() -> dict[str, torch.Tensor]:
+        return {name: BlockWeight.apply(full[name], *current_grid(name), offsets[name], qmax[name], grid.codes,
+                                        held.get(name)) for name, grid in grids.items()}
+
+    def codes_now() -> dict[str, Replica]:
+        """The codes and grids at the present V, a, b (uint8 codes: what the best state keeps)."""
         out = {}
         for name, grid in grids.items():
-            scale, zero = tuned_grid(grid, low[name], high.get(name), qmax[name])
-            codes = block_codes(full[name], scale, zero, offsets[name], qmax[name])
+            scale, zero = current_grid(name)
+            codes = block_codes(full[name], scale, zero, offsets[name], qmax[name]).to(torch.uint8)
             if name in held:
-                codes, scale = torch.where(held[name], grid.codes, codes), torch.where(held[name], grid.scale, scale)
-                zero = torch.where(held[name], grid.zero, zero)
-            out[name] = Replica(codes, scale, zero)
+                codes = torch.where(held[name].view(-1, 1, 1), grid.codes.to(torch.uint8), codes)
+            out[name] = Replica(codes, scale.detach().clone(), zero.detach().clone())
         return out
 
     with torch.no_grad():
-        initial = [float(objective(gptq, batch)) for batch in range(batches)]
+        initial = [float(objective({name: grid.weight() for name, grid in grids.items()}, batch))
+                   for batch in range(batches)]
     before = sum(initial) / batches
     params = list(offsets.values()) + list(low.values()) + list(high.values())
     best, best_state = 1.0, None
     with torch.enable_grad():
         for step in range(steps):
             batch = step % batches
-            error = objective({name: r.weight() for name, r in current().items()}, batch)
+            error = objective(dequantized(), batch)
             relative = float(error.detach()) / max(initial[batch], torch.finfo(torch.float32).tiny)
             if relative < best:  # the state this error was measured at
-                best, best_state = relative, [p.detach().clone() for p in params]
+                with torch.no_grad():
+                    best, best_state = relative, codes_now()
             grads = torch.autograd.grad(error, params)
+            del error
             lr = (1 - step / steps) / steps
             with torch.no_grad():
                 for param, grad in zip(params, grads, strict=True):
-                    param.sub_(lr * grad.sign())
+                    param.add_(grad.sign_(), alpha=-lr)
+                del grads
                 for v in offsets.values():
                     v.clamp_(-BLOCK_OFFSET, BLOCK_OFFSET)
                 for stretch in (*low.values(), *high.values()):
                     stretch.clamp_(1 - SCALE_RANGE, 1 + SCALE_RANGE)
     if best_state is None:
         return BlockRounding(dict(replicas), before, before)
+    offsets.clear()  # the best state is kept as codes; V is no longer needed
+    params.clear()
     with torch.no_grad():
-        for param, kept in zip(params, best_state, strict=True):
-            param.copy_(kept)
-        final = current()
-        after = sum(float(objective({name: r.weight() for name, r in final.items()}, batch))
+        after = sum(float(objective({name: r.weight() for name, r in best_state.items()}, batch))
                     for batch in range(batches)) / batches
         if not after < before:
             return BlockRounding(dict(replicas), before, before)
-        tuned = {name: Replica(r.codes.to(torch.uint8), r.scale.to(replicas[name].scale.dtype),
-                               r.zero.to(replicas[name].zero.dtype)) for name, r in final.items()}
+        tuned = {name: Replica(r.codes, r.scale.to(replicas[name].scale.dtype), r.zero.to(replicas[name].zero.dtype))
+                 for name, r in best_state.items()}
     return BlockRounding(tuned, before, after)
