@@ -46,8 +46,8 @@ MUTANTS = [
     # ------------------------------------------------------------------ calibration math
     Mutant("block-rounding-keeps-the-worse-replicas", "hexq/algos/rounding.py",
            "        if not after < before:\n            return BlockRounding(dict(replicas), before, before)\n"
-           "        scale", "        if False:\n            return BlockRounding(dict(replicas), before, before)\n"
-           "        scale",
+           "        tuned", "        if False:\n            return BlockRounding(dict(replicas), before, before)\n"
+           "        tuned",
            ("tests/test_rounding.py",)),
     Mutant("a-rank-reads-every-expert-then-its-share", "hexq/model/checkpoint.py",
            "                tensor = part[rows.start:rows.stop]",
