@@ -230,7 +230,7 @@ def test_routed_experts_gradient_is_the_same_every_run():
     from hexq.calib.block_rounding import RoutedExperts
 
     g = torch.Generator().manual_seed(5)
-    experts, hidden, inner, tokens, k = 8, 64, 16, 2048, 4  # tokens x k x hidden far above torch's parallel grain
+    experts, hidden, inner, tokens, k = 8, 128, 16, 4096, 4  # tokens x k x hidden far above torch's parallel grain
     stand_in = RoutedExperts(ACT)
     stand_in.gate_up = torch.randn(experts, 2 * inner, hidden, generator=g)
     stand_in.down = torch.randn(experts, hidden, inner, generator=g)
