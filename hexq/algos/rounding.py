@@ -180,12 +180,6 @@ def _rounded(weight, scale, zero, offset, qmax):
     return place.clamp_(0, qmax), inside
 
 
-def block_codes(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, offset: torch.Tensor,
-                qmax: int) -> torch.Tensor:
-    """clamp(round(W / s' + z' + V), 0, qmax): [n, rows, cols]."""
-    return _rounded(weight, scale, zero, offset, qmax)[0].reshape(weight.shape)
-
-
 def _chunks(weight: torch.Tensor):
     step = max(1, CHUNK_ELEMENTS // max(weight[0].numel(), 1))
     return [slice(start, start + step) for start in range(0, weight.shape[0], step)]
@@ -198,6 +192,16 @@ def _block_rounded(weight, scale, zero, offset, qmax, held_codes, held, part: sl
         return codes, inside
     where = held[part].view(-1, 1, 1, 1)
     return torch.where(where, _grouped(held_codes[part], scale.shape[-1]).to(codes.dtype), codes), inside & ~where
+
+
+def block_codes(weight, scale, zero, offset, qmax, held_codes, held) -> torch.Tensor:
+    """BlockWeight's codes clamp(round(W / s' + z' + V), 0, qmax), the held matrices' at held_codes: uint8 [n, rows,
+    cols], worked in the same chunks."""
+    out = torch.empty(weight.shape, dtype=torch.uint8, device=weight.device)
+    for part in _chunks(weight):
+        codes, _inside = _block_rounded(weight, scale, zero, offset, qmax, held_codes, held, part)
+        out[part] = codes.reshape(out[part].shape)
+    return out
 
 
 class BlockWeight(torch.autograd.Function):
@@ -279,11 +283,9 @@ def optimize_block_rounding(weights: dict[str, torch.Tensor], replicas: dict[str
         """The codes and grids at the present V, a, b (uint8 codes: what the best state keeps)."""
         out = {}
         for name, grid in grids.items():
-            scale, zero = current_grid(name)
-            codes = block_codes(full[name], scale, zero, offsets[name], qmax[name]).to(torch.uint8)
-            if name in held:
-                codes = torch.where(held[name].view(-1, 1, 1), grid.codes.to(torch.uint8), codes)
-            out[name] = Replica(codes, scale.detach().clone(), zero.detach().clone())
+            scale, zero = (t.detach() for t in current_grid(name))
+            codes = block_codes(full[name], scale, zero, offsets[name], qmax[name], grid.codes, held.get(name))
+            out[name] = Replica(codes, scale, zero)
         return out
 
     with torch.no_grad():
