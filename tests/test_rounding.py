@@ -225,9 +225,10 @@ def test_routed_experts_stand_in_computes_what_the_experts_module_does():
 
 def test_routed_experts_gradient_is_the_same_every_run():
     """The block's gradient reaches the layer's input through the stand-in's gather of each token once per routed
-    slot: it must add the repeated tokens' gradients in one order, the same on 2 threads as on 1 (an indexing gather's
-    gradient adds them with atomics across threads, in whatever order the threads meet, and block rounding's
-    calibration differed between runs)."""
+    slot: on 2 threads it must add the repeated tokens' gradients in one order, the one torch's deterministic mode
+    uses (an indexing gather's gradient adds them with atomics across threads, in whatever order the threads meet,
+    and block rounding's calibration differed between runs). Both on 2 threads, so that the products around the
+    gather sum the same way."""
     from hexq.calib.block_rounding import RoutedExperts
 
     g = torch.Generator().manual_seed(5)
@@ -239,16 +240,18 @@ def test_routed_experts_gradient_is_the_same_every_run():
     index = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
     weights, upstream = torch.rand(tokens, k, generator=g), torch.randn(tokens, hidden, generator=g)
 
-    def gradient(threads: int) -> torch.Tensor:
-        torch.set_num_threads(threads)
+    def gradient(deterministic: bool) -> torch.Tensor:
+        torch.use_deterministic_algorithms(deterministic)
         return torch.autograd.grad((stand_in(x, index, weights) * upstream).sum(), x)[0]
 
-    threads = torch.get_num_threads()
+    threads, mode = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    torch.set_num_threads(2)
     try:
-        one = gradient(1)
-        assert all(torch.equal(gradient(2), one) for _ in range(4))
+        sequential = gradient(True)
+        assert all(torch.equal(gradient(False), sequential) for _ in range(4))
     finally:
         torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(mode)
 
 
 def test_tuning_that_lowers_one_batch_but_not_the_mean_keeps_gptq():
