@@ -2,14 +2,14 @@
 
     python benchmarks/gemv_speed.py                       # every path this CPU runs, widths 2 3 4 8, 2 threads
     python benchmarks/gemv_speed.py --paths avx2 avx512 --bits 3 --threads 1 2
-    python benchmarks/gemv_speed.py --layouts planes rows8   # both layouts on AVX-512, taking turns
+    python benchmarks/gemv_speed.py --layouts planes rows8   # both layouts on the VNNI paths, taking turns
 
 What one decode step asks of the kernels for one MoE layer of Qwen3-30B-A3B's shape: the 8 routed experts of a token
-(gate_up [1536, 2048] and down [2048, 768], asymmetric, groups of 32, float16 scale and zero, re-laid as the native
-step serves them: rows8 on the AVX-512 path, planes on AVX2; --layouts forces layouts), one token, one call for the
-8 gate_up products and one for the 8 down products. A layer's experts are drawn from --layers distinct layers' worth
-of random codes (a working set several times the last-level cache), cycled, so the codes come from memory as they
-do in a real step.
+(gate_up [1536, 2048] and down [2048, 768], asymmetric, groups of 32, float16 scale and zero, re-laid as the native step
+serves them: rows8 on the AVX-512 and AVX-VNNI paths, planes on AVX2; --layouts forces layouts), one token, one call for
+the 8 gate_up products and one for the 8 down products. A layer's experts are drawn from --layers distinct layers' worth
+of random codes (a working set several times the last-level cache), cycled, so the codes come from memory as they do in
+a real step.
 
 Bytes per layer: codes + scales + zeros of the 16 matrices; GB/s = bytes / median seconds per layer (median over
 --reps passes over the working set, the paths taking turns); share = GB/s over the read bandwidth (torch.sum over a
@@ -136,8 +136,8 @@ def main() -> None:
             for path in paths:
                 kernels = load_cpu_kernels(path, threads)
                 for layout in args.layouts or [None]:
-                    if layout == "rows8" and path != "avx512":
-                        continue  # only the AVX-512 GEMV reads rows8 at speed (the others through the portable code)
+                    if layout == "rows8" and path not in ("avx512", "avxvnni"):
+                        continue  # only the VNNI GEMVs read rows8 at speed (the others through the portable code)
                     copies = [{name: [kernels.relayout(replace(w, codes=w.codes.clone(), scale=w.scale.clone(),
                                                                zero=w.zero.clone()), layout) for w in layer[name]]
                                for name in SHAPES} for layer in stream]  # re-laid in place: a copy per run

@@ -1,10 +1,10 @@
 """Every hexq command on a GPU, every number compared with the CPU's: the check scripts/gpu_check.sh runs.
 
-For the reference model and a 2-layer Qwen3-30B-A3B-shaped checkpoint: calibrate (on the GPU, and the reference
-model on the CPU too), pack, eval (GPU and CPU), run (perplexity in bf16 and fp32, greedy generation, decode
-speed) and export, then the GPU tests (pytest -m gpu). Prints one table: each number, the CPU's, their relative
-difference and the tolerance it is held to (a row past its tolerance fails the check, exit 1). Results go to a JSON
-file (README renders the table from it).
+For the reference model and a 2-layer Qwen3-30B-A3B-shaped checkpoint: calibrate (on the GPU, and the reference model on
+the CPU too), the same calibration as one torchrun rank (NCCL), pack, eval (GPU and CPU), run (perplexity in bf16 and
+fp32, greedy generation, decode speed) and export, then the GPU tests (pytest -m gpu). Prints one table: each number,
+the CPU's, their relative difference and the tolerance it is held to (a row past its tolerance fails the check, exit 1).
+Results go to a JSON file (README renders the table from it).
 
 Tolerances. eval on GPU vs CPU: the same float32 streamed computation on two devices (different summation orders):
 1e-4. run vs eval: the served model (bf16 or fp32, packed kernels) against the streamed float32 evaluation: 1e-3,
@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -40,10 +41,14 @@ class Check:
         self.started = time.perf_counter()
         self.log = (work / "gpu_check.log").open("a")
 
-    def hexq(self, *args: str, timeout: int = 900) -> tuple[float, str]:
-        """Run one hexq command; (seconds, output). A failed command is a row of its own and raises."""
+    def hexq(self, *args: str, timeout: int = 900, ranks: int = 0) -> tuple[float, str]:
+        """Run one hexq command; (seconds, output). A failed command is a row of its own and raises. ranks: that
+        many processes started by torchrun (torch.distributed.run) on this machine instead of one plain process."""
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
+                    str(free_port())] if ranks else [sys.executable]
         started = time.perf_counter()
-        done = subprocess.run([*HEXQ, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        done = subprocess.run([*launcher, *HEXQ[1:], *args], capture_output=True, text=True, timeout=timeout,
+                              cwd=ROOT)
         seconds = time.perf_counter() - started
         self.log.write(f"$ hexq {' '.join(args)}  ({seconds:.1f} s, exit {done.returncode})\n{done.stdout}\n"
                        f"{done.stderr}\n")
@@ -164,6 +169,8 @@ def check_model(check: Check, name: str, model: Path, windows: int, seqlen: int,
         check.hexq("pack", str(cpu_cal), "--bits", "3", "--out", str(cpu_artifact), "--force")
         check.compare(name, f"artifact calibrated on {device} vs on CPU (eval, CPU)", cpu_eval,
                       check.eval_ppl(cpu_artifact, "cpu", windows, seqlen), 1e-2)
+    if device != "cpu" or name == "qwen3moe":  # the distributed launch: NCCL on a GPU (gloo when checking the script)
+        check_ranks(check, name, model, calibration, windows, seqlen, calib_windows, cpu_eval)
     if not export:
         return
     export = work / f"{name}-ct"
@@ -173,6 +180,34 @@ def check_model(check: Check, name: str, model: Path, windows: int, seqlen: int,
     # the export publishes only within its own limits (relative L2 of the logits); the perplexity is shown against 1%
     check.compare(name, "export reloaded vs served (ppl)", served["ppl_model"], served["ppl_reference"], 1e-2)
     shutil.rmtree(export, ignore_errors=True)
+
+
+def check_ranks(check: Check, name: str, model: Path, calibration: Path, windows: int, seqlen: int,
+                calib_windows: int, single_eval: float) -> None:
+    """The same calibration as one rank of a torchrun job (world size 1: NCCL on CUDA, gloo on the CPU): the rank
+    path's collectives and file handling on this device, its artifact against the plain process's (the same
+    arithmetic: equal within eval's own device tolerance), and its seconds per layer."""
+    device, work = check.device, check.work
+    ranked = work / f"{name}-cal-{device}-torchrun"
+    seconds, _ = check.hexq("calibrate", str(model), "-r", "experts-mixed", "-n", str(calib_windows), "--device",
+                            device, "--out", str(ranked), "--force", ranks=1)
+    layers = json.loads((ranked / "manifest.json").read_text())["model"]["layers"]
+    check.compare(name, f"calibrate under torchrun, 1 rank on {device}: seconds per layer", seconds / layers, None,
+                  None, " s")
+    files = sorted(calibration.glob("**/*.safetensors"))
+    differing = [path for path in files if (ranked / path.relative_to(calibration)).read_bytes() != path.read_bytes()]
+    check.compare(name, f"  its tensor files differing from the plain process's (of {len(files)})", len(differing),
+                  None, None)
+    artifact = work / f"{name}-{device}-torchrun.hexq"
+    check.hexq("pack", str(ranked), "--bits", "3", "--out", str(artifact), "--force")
+    check.compare(name, "  its artifact vs the plain process's (eval, CPU)", check.eval_ppl(artifact, "cpu", windows,
+                  seqlen), single_eval, 1e-4)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def common_prefix(a: str, b: str) -> int:

@@ -76,6 +76,16 @@ def test_native_step_is_the_transformers_step(packed_artifact):
     assert agrees(compare(packed_artifact))
 
 
+@pytest.mark.parametrize("path", ["avx2", "avxvnni", "avx512"])
+def test_w8a8_attention_on_every_kernel_path(packed_artifact, monkeypatch, path):
+    """The W8A8 matrices on each path's own arithmetic: int16 blocks (AVX2), integer sums of 256-bit vpdpbusd
+    (AVX-VNNI: decode.c ROWS_W8A8_256), of 512-bit ones (AVX-512), each against the transformers step."""
+    if path not in available_paths(KERNELS.library):
+        pytest.skip(f"this CPU does not run the {path} path")
+    monkeypatch.setenv("HEXQ_CPU_PATH", path)
+    assert agrees(compare(packed_artifact))
+
+
 def test_skipped_experts_renormalised_as_served(skipping_artifact):
     """0-bit experts: their routing weight goes to the token's kept experts (hexq.model.simulate.served_weights)."""
     assert agrees(compare(skipping_artifact))
@@ -107,7 +117,7 @@ def test_without_activation_quantization_only_rounding_order_differs(a16_artifac
     assert agrees(compare(a16_artifact, carry=True), flips=1e-4)
 
 
-@pytest.mark.parametrize("path", ["scalar", "avx2", "avx512"])
+@pytest.mark.parametrize("path", ["scalar", "avx2", "avxvnni", "avx512"])
 def test_every_kernel_path(a16_artifact, path):
     """Every instruction-set path this CPU runs gives the native step the same logits (they differ only in float32
     summation order: 1e-5 relative)."""
@@ -176,10 +186,10 @@ def planes_artifact(tmp_path_factory):
     return folder / "model.hexq"
 
 
-@pytest.mark.parametrize("path, layout", [("avx2", "planes"), ("avx512", "rows8")])
+@pytest.mark.parametrize("path, layout", [("avx2", "planes"), ("avxvnni", "rows8"), ("avx512", "rows8")])
 def test_native_step_on_relaid_codes_is_the_stream_transformers_path(planes_artifact, monkeypatch, path, layout):
     """The native step re-lays every resident expert and dense matrix into its path's layout (planes on AVX2, rows8
-    on AVX-512); the transformers path of a runtime without the native step reads the stream as stored. With no
+    on the VNNI paths); the transformers path of a runtime without the native step reads the stream as stored. With no
     activation grid both carry their own KV cache and differ by float32 summation order only (1e-4 allowed)."""
     from hexq.artifact.reader import Artifact
 

@@ -75,7 +75,7 @@ def test_wheel_holds_every_subpackage_module_and_bundled_file(installed):
     assert {f"hexq/calib_data/{name}" for name in slices} <= names
     # the CPU kernels are compiled from these at first use: without one, every kernel path is gone
     kernel_sources = {str(p.relative_to(ROOT)) for pattern in ("*.c", "*.h") for p in (ROOT / "hexq").rglob(pattern)}
-    assert {"hexq/packed/kernels.c", "hexq/packed/decode.c", "hexq/packed/kernels.h"} <= kernel_sources
+    assert {f"hexq/packed/{name}" for name in ("kernels.c", "decode.c", "kernels.h", "vnni256.h")} <= kernel_sources
     assert kernel_sources <= names
 
 

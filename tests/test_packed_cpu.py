@@ -35,9 +35,36 @@ def test_every_path_the_cpu_has_is_offered():
     if platform.machine() == "x86_64":
         with open("/proc/cpuinfo") as handle:
             flags = set(re.findall(r"\w+", handle.read().split("flags", 1)[1].split("\n", 1)[0]))
-    want = ["scalar"] + ["avx2"] * ({"avx2", "fma", "bmi2", "f16c"} <= flags)
+    avx2 = {"avx2", "fma", "bmi2", "f16c"} <= flags
+    want = ["scalar"] + ["avx2"] * avx2
+    want += ["avxvnni"] * (avx2 and ("avx_vnni" in flags or {"avx512_vnni", "avx512vl"} <= flags))
     want += ["avx512"] * ({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vbmi", "avx512_vnni"} <= flags)
     assert PATHS == want or not IN_CI and KERNELS is None
+    if KERNELS is not None:  # the AVX-VNNI path's GEMV in the encoding this CPU runs (vnni256.h)
+        encoding = "vex" if "avx_vnni" in flags else "evex" if "avxvnni" in want else None
+        assert cpu.avxvnni_encoding(KERNELS.library) == encoding
+
+
+def test_the_avx_vnni_copy_has_no_avx512_instruction():
+    """The AVX-VNNI path's rows8 GEMV and W8A8 rows are the copies that run on CPUs without AVX-512 (Alder Lake): not
+    one EVEX-encoded instruction (first byte 0x62 in 64-bit mode) nor AVX-512 register in its code, and its dot
+    products are VEX vpdpbusd. A CPU without AVX-VNNI cannot run it; this is what can be checked here."""
+    import re
+    import shutil
+    import subprocess
+
+    if KERNELS is None or shutil.which("objdump") is None:
+        assert not IN_CI, "the kernels and objdump (binutils) are part of the CI machine"
+        pytest.skip("no kernels or no objdump")
+    avx512_register = re.compile(r"%zmm|%k[1-7]|%[xy]mm(1[6-9]|2[0-9]|3[01])\b")
+    for symbol in ("rows8_avxvnni", "rows_w8a8_vex"):  # the GEMV (kernels.c) and the W8A8 rows (decode.c)
+        listing = subprocess.run(["objdump", "-d", f"--disassemble={symbol}", KERNELS.library._name],
+                                 capture_output=True, text=True, check=True).stdout
+        lines = [line.split("\t") for line in listing.splitlines() if line.count("\t") >= 2]
+        assert len(lines) > 50, listing[:2000]
+        evex = [line for line in lines if line[1].startswith("62 ") or avx512_register.search(line[2])]
+        assert not evex, (symbol, evex[:5])
+        assert any("{vex} vpdpbusd" in line[2] for line in lines), symbol
 
 
 def packed_matrix(rows: int, cols: int, bits: int, group: int, symmetric: bool, seed: int):
@@ -244,11 +271,11 @@ def test_rows8_layout_is_its_description_and_goes_back(path: str, bits: int) -> 
 
 
 def test_layout_for_each_path() -> None:
-    """rows8 on the AVX-512 path for whole groups of 8 rows, planes otherwise; 8-bit codes keep the stream."""
+    """rows8 on the VNNI paths for whole groups of 8 rows, planes otherwise; 8-bit codes keep the stream."""
     codes, scale, zero, _ = packed_matrix(16, 352, 3, 32, False, seed=0)
     weight = PackedWeight(codes, scale, zero, 3, (16, 352))
     for path in PATHS:
-        assert KERNELS.with_path(path).layout_for(weight) == ("rows8" if path == "avx512" else "planes")
+        assert KERNELS.with_path(path).layout_for(weight) == ("rows8" if path in ("avx512", "avxvnni") else "planes")
     if "avx512" in PATHS:
         avx512 = KERNELS.with_path("avx512")
         assert avx512.layout_for(weight.rows(0, 12)) == "planes"  # not whole groups of 8

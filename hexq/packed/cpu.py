@@ -20,10 +20,10 @@ The planes layout. Reading the stored stream, the GEMV spends most of its instru
 3-bit code straddles bytes), not waiting for the bytes. `relayout` re-lays a matrix's codes in place, once, into
 planes of 4, 2 and 1 bits per block of 32 codes (kernels.c "the planes layout"), from which a block unpacks to 32
 bytes with one shift and one mask per plane: the same bytes per row, so slots and memory accounting do not change.
-On the AVX-512 path matrices of whole groups of 8 rows go one step further, into the rows8 layout (kernels.c "the
-rows8 layout"): 8 rows interleaved block by block, scales and zeros too, so that one vpdpbusd multiplies 4 codes of
-each of 8 rows and a block's scaling is one FMA for 8 rows (3-bit experts from memory on an AMD EPYC, 2 threads:
-0.85 ms per layer against 1.05 from the planes; benchmarks/gemv_speed.py --layouts planes rows8).
+On the AVX-512 and AVX-VNNI paths matrices of whole groups of 8 rows go one step further, into the rows8 layout
+(kernels.c "the rows8 layout"): 8 rows interleaved block by block, scales and zeros too, so that one vpdpbusd
+multiplies 4 codes of each of 8 rows and a block's scaling is one FMA for 8 rows (3-bit experts from memory on an
+AMD EPYC, 2 threads: 0.85 ms per layer against 1.05 from the planes; benchmarks/gemv_speed.py --layouts planes rows8).
 It pays where a matrix is read many times: the native decode step re-lays every resident expert and dense matrix
 it serves when it is built (hexq.runtime.native); a miss loaded for one use keeps the stream. Re-laid codes are read
 only by these kernels (GEMV and dequantization take every layout on every path; `stream` gives a stored-layout copy
@@ -33,11 +33,13 @@ The dequantization. The packed codes to float32 / bfloat16 / float16 in one pass
 (hexq.packed.bitpack.dequantize_into): what a prefill expert expanded for a matrix product, or a whole dense
 matrix, goes through.
 
-Paths. One build serves every x86-64 CPU: each instruction set is a function of its own (target attributes), and
-the path is chosen at run time from what the CPU has - `avx512` (F, BW, DQ, VL, VBMI, VNNI: Ice Lake and later Intel,
-AMD Zen 4), `avx2` (AVX2, FMA, F16C, BMI2), `scalar` (portable C) - or forced with HEXQ_CPU_PATH for tests and
-comparisons. Without a C compiler or with a failed build there is no library: callers use the torch path (a one-line
-notice, never a different number). `--stats` names the path taken.
+Paths. One build serves every x86-64 CPU: each instruction set is a function of its own (target attributes), and the
+path is chosen at run time from what the CPU has - `avx512` (F, BW, DQ, VL, VBMI, VNNI: Ice Lake and later Intel, AMD
+Zen 4), `avxvnni` (the AVX2 path with the rows8 GEMV on 256-bit VNNI: Alder Lake and later Intel client cores and Sierra
+Forest, which have AVX-VNNI but no AVX-512; offered on AVX-512 VNNI CPUs too, which run the same instruction in its EVEX
+encoding, so that every such machine tests it), `avx2` (AVX2, FMA, F16C, BMI2), `scalar` (portable C) - or forced with
+HEXQ_CPU_PATH for tests and comparisons. Without a C compiler or with a failed build there is no library: callers use
+the torch path (a one-line notice, never a different number). `--stats` names the path taken.
 
 Build. Plain C with no torch or Python headers, compiled on first use with the system C compiler (`$CC`, else cc, gcc
 or clang) into hexq's cache folder (hexq.base.io.cache_dir()/kernels), keyed by a hash of the source, the compiler's
@@ -69,11 +71,12 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels.c")
 # The library's sources: the GEMV, dequantization and pool (kernels.c), the native decode step (decode.c), and what
-# they share (kernels.h).
+# they share (kernels.h), the VNNI GEMV compiled twice (vnni256.h).
 SOURCES = (SOURCE, SOURCE.with_name("decode.c"))
-HEADER = SOURCE.with_name("kernels.h")
+HEADERS = (SOURCE.with_name("kernels.h"), SOURCE.with_name("vnni256.h"))  # what they include
 FLAGS = ("-O3", "-ffp-contract=off", "-fPIC", "-shared", "-pthread")
-PATHS = ("scalar", "avx2", "avx512")  # the C enum's order
+PATHS = ("scalar", "avx2", "avx512", "avxvnni")  # the C enum's order
+FASTEST_LAST = ("scalar", "avx2", "avxvnni", "avx512")  # the default is the last one this CPU runs
 OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 BLOCK = 32  # activation block of the GEMV (kernels.c BLOCK)
 MAX_BLOCKS = 1024  # blocks per row the GEMV takes (kernels.c MAX_BLOCKS)
@@ -117,7 +120,7 @@ def _compiler() -> str | None:
 def library_path(compiler: str) -> Path:
     """Where the library built from this source with this compiler lives in hexq's cache folder."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    texts = [path.read_text() for path in (*SOURCES, HEADER)]
+    texts = [path.read_text() for path in (*SOURCES, *HEADERS)]
     key = hashlib.sha256("\0".join([*texts, version, " ".join(FLAGS), platform.machine()]).encode())
     return cache_dir() / "kernels" / f"hexq-cpu-{key.hexdigest()[:16]}.so"
 
@@ -196,14 +199,14 @@ class CpuKernels:
         return taken
 
     def layout_for(self, weight: PackedWeight) -> str:
-        """The layout `relayout` gives `weight` on this path: "rows8" where the AVX-512 GEMV reads 8 rows at a time
+        """The layout `relayout` gives `weight` on this path: "rows8" where the VNNI GEMV reads 8 rows at a time
         (whole groups of 8 rows), "planes" for the other matrices of widths 1-7 the kernels take, else its own (8-bit
         codes are bytes already; other devices' codes stay as stored)."""
         rows, cols = weight.shape
         if (weight.layout != "stream" or weight.codes.device.type != "cpu" or not 1 <= weight.bits <= 7
                 or not gemv_takes(weight.shape, weight.bits, weight.scale.shape[-1], self.path) or cols % BLOCK):
             return weight.layout
-        return "rows8" if self.path == "avx512" and rows % ROWS8 == 0 else "planes"
+        return "rows8" if self.path in ("avx512", "avxvnni") and rows % ROWS8 == 0 else "planes"
 
     def relayout(self, weight: PackedWeight, layout: str | None = None) -> PackedWeight:
         """`weight` with its codes (and for rows8 its scales and zeros) re-laid in place into `layout` (default
@@ -242,7 +245,14 @@ def available_paths(library: ctypes.CDLL) -> list[str]:
     """The paths this CPU runs, slowest first."""
     library.hexq_paths.restype = ctypes.c_int
     mask = library.hexq_paths()
-    return [name for index, name in enumerate(PATHS) if mask >> index & 1]
+    return [name for name in FASTEST_LAST if mask >> PATHS.index(name) & 1]
+
+
+def avxvnni_encoding(library: ctypes.CDLL) -> str | None:
+    """How the avxvnni path's vpdpbusd is encoded on this CPU: "vex" (AVX-VNNI), "evex" (AVX-512 VNNI and VL run the
+    same instruction so), None where the path is not offered."""
+    library.hexq_avxvnni_encoding.restype = ctypes.c_int
+    return {1: "vex", 2: "evex"}.get(library.hexq_avxvnni_encoding())
 
 
 @functools.cache

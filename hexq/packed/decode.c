@@ -338,7 +338,58 @@ static AVX512 void rows_w8a8_avx512(const hexq_matrix* m, const act_codes* a, fl
         y[r] = (float)((double)_cvtsh_ss(m->scale[r]) * (double)a->scale * dot);
     }
 }
+
+/* rows_w8a8_avx512 on 256-bit registers for the AVX-VNNI path: the same integer sums, 32 codes per vpdpbusd; VEX
+   where the CPU has AVX-VNNI, EVEX where AVX512-VNNI and VL give the instruction (kernels.c rows_avxvnni says why). */
+#define ROWS_W8A8_256(NAME, TARGET, DPBUSD)                                                                         \
+    static TARGET void NAME(const hexq_matrix* m, const act_codes* a, float* y, int64_t r0, int64_t r1) {           \
+        const int64_t n = m->cols, ahead = prefetch_ahead(n);                                                       \
+        for (int64_t r = r0; r < r1; r++) {                                                                         \
+            const uint8_t* q = (const uint8_t*)m->data + r * n;                                                     \
+            if (r + ahead < m->rows)                                                                                \
+                for (int64_t o = 0; o < n; o += 64) __builtin_prefetch(q + ahead * n + o, 0, 3);                    \
+            __m256i dot0 = _mm256_setzero_si256(), dot1 = _mm256_setzero_si256(), sums = _mm256_setzero_si256();    \
+            int64_t c = 0;                                                                                          \
+            for (; c + 64 <= n; c += 64) {                                                                          \
+                const __m256i q0 = _mm256_loadu_si256((const __m256i*)(q + c));                                     \
+                const __m256i q1 = _mm256_loadu_si256((const __m256i*)(q + c + 32));                                \
+                dot0 = DPBUSD(dot0, q0, _mm256_loadu_si256((const __m256i*)(a->q + c)));                            \
+                dot1 = DPBUSD(dot1, q1, _mm256_loadu_si256((const __m256i*)(a->q + c + 32)));                       \
+                sums = _mm256_add_epi64(sums, _mm256_add_epi64(_mm256_sad_epu8(q0, _mm256_setzero_si256()),         \
+                                                               _mm256_sad_epu8(q1, _mm256_setzero_si256())));       \
+            }                                                                                                       \
+            int32_t lanes[8];                                                                                       \
+            int64_t wide[4];                                                                                        \
+            _mm256_storeu_si256((__m256i*)lanes, _mm256_add_epi32(dot0, dot1));                                     \
+            _mm256_storeu_si256((__m256i*)wide, sums);                                                              \
+            int64_t qc = 0, qsum = wide[0] + wide[1] + wide[2] + wide[3];                                           \
+            for (int i = 0; i < 8; i++) qc += lanes[i];                                                             \
+            for (; c < n; c++) { /* the last cols % 64 */                                                           \
+                qc += (int64_t)q[c] * a->q[c];                                                                      \
+                qsum += q[c];                                                                                       \
+            }                                                                                                       \
+            const double zw = _cvtsh_ss(m->zero[r]), zx = a->zero;                                                  \
+            const double dot = (double)qc + (128.0 - zx) * (double)qsum                                             \
+                               - zw * ((double)a->sum + (128.0 - zx) * (double)n);                                  \
+            y[r] = (float)((double)_cvtsh_ss(m->scale[r]) * (double)a->scale * dot);                                \
+        }                                                                                                           \
+    }
+ROWS_W8A8_256(rows_w8a8_vex, __attribute__((target("avx2,fma,f16c,avxvnni"))), _mm256_dpbusd_avx_epi32)
+ROWS_W8A8_256(rows_w8a8_evex, AVX512, _mm256_dpbusd_epi32)
+#undef ROWS_W8A8_256
 #endif
+
+typedef void (*w8a8_rows_fn)(const hexq_matrix*, const act_codes*, float*, int64_t, int64_t);
+
+/* The integer W8A8 rows of a path (NULL: its W8A8 matrices go through the int16-block GEMV). */
+static w8a8_rows_fn w8a8_rows_for(int path) {
+#ifdef DECODE_X86
+    if (path == PATH_AVX512) return rows_w8a8_avx512;
+    if (path == PATH_AVXVNNI) return hexq_avxvnni_encoding() == 1 ? rows_w8a8_vex : rows_w8a8_evex;
+#endif
+    (void)path;
+    return NULL;
+}
 
 /* Whether the integer W8A8 rows take matrix m reading codes a (NULL: its input's codes were not computed). */
 static int takes_w8a8(const hexq_matrix* m, const act_codes* a) {
@@ -351,7 +402,7 @@ typedef void (*float_rows_fn)(const hexq_matrix*, const float*, float*, int64_t,
 static float_rows_fn float_rows_for(int path) {
 #ifdef DECODE_X86
     if (path == PATH_AVX512) return rows_float_avx512;
-    if (path == PATH_AVX2) return rows_float_avx2;
+    if (path == PATH_AVX2 || path == PATH_AVXVNNI) return rows_float_avx2;
 #endif
     return rows_float_scalar;
 }
@@ -376,7 +427,8 @@ typedef struct {
     int n;
     rows_fn packed_rows;
     float_rows_fn float_rows;
-    int avx512; /* the AVX-512 path: W8A8 matrices in integer arithmetic (rows_w8a8_avx512), x's bytes for the planes */
+    w8a8_rows_fn w8a8_rows; /* the path's W8A8 matrices in integer arithmetic (NULL: none) */
+    int bytes;  /* the VNNI paths (AVX-512, AVX-VNNI): x's bytes for their planes and rows8 GEMVs */
 } phase;
 
 static void phase_add(phase* p, const hexq_matrix* m, const quantized_x* xq, const act_codes* codes, const float* x,
@@ -398,12 +450,9 @@ static void phase_item(void* arg, int64_t item) {
     const hexq_matrix* m = t->m;
     const int64_t r0 = (item - p->first[lo]) * PHASE_ROWS;
     const int64_t r1 = r0 + PHASE_ROWS < m->rows ? r0 + PHASE_ROWS : m->rows;
-#ifdef DECODE_X86
     if (takes_w8a8(m, t->codes)) {
-        rows_w8a8_avx512(m, t->codes, t->y, r0, r1);
-    } else
-#endif
-    if (m->kind == MAT_PACKED) {
+        p->w8a8_rows(m, t->codes, t->y, r0, r1);
+    } else if (m->kind == MAT_PACKED) {
         const hexq_gemv_task task = {(const uint8_t*)m->data, m->scale, m->zero, t->x, t->y, m->rows, m->cols,
                                      m->group, m->cols, m->rows, m->bits, 1, m->layout};
         p->packed_rows(&task, t->xq, r0, r1);
@@ -554,8 +603,8 @@ static void add_product(phase* p, input_set* set, const float* src, int64_t cols
         if (same_act(&set->b[i].act, &m->act)) b = &set->b[i];
     const int computed = b != NULL;
     if (!b) b = &set->b[set->used++];
-    /* the grid's codes only where rows_w8a8_avx512 reads them; a buffer found again was made for the same grid */
-    act_codes* codes = p->avx512 && m->act.bits == 8 ? &b->codes : NULL;
+    /* the grid's codes only where the integer W8A8 rows read them; a buffer found again was made for the same grid */
+    act_codes* codes = p->w8a8_rows && m->act.bits == 8 ? &b->codes : NULL;
     if (!computed) {
         if (m->act.bits) act_quant(&m->act, src, b->value, cols, codes);
         else memcpy(b->value, src, (size_t)cols * 4);
@@ -563,7 +612,7 @@ static void add_product(phase* p, input_set* set, const float* src, int64_t cols
         if (cols % BLOCK == 0) {
             const hexq_gemv_task t = {0, 0, 0, b->value, 0, 0, cols, BLOCK, cols, 0, 1, 1, LAYOUT_STREAM};
             quantized_x q = b->q;
-            if (!p->avx512) q.lo = NULL; /* the bytes are read on the AVX-512 path only */
+            if (!p->bytes) q.lo = NULL; /* the bytes are read on the VNNI paths only */
             quantize_x(&t, &q);
         }
     }
@@ -866,7 +915,8 @@ int hexq_decode(const hexq_model* m, int32_t token, int64_t pos, float* logits, 
     memset(&p, 0, sizeof(p));
     p.packed_rows = rows_for(path);
     p.float_rows = float_rows_for(path);
-    p.avx512 = path == PATH_AVX512;
+    p.w8a8_rows = w8a8_rows_for(path);
+    p.bytes = path == PATH_AVX512 || path == PATH_AVXVNNI;
     const int64_t H = m->hidden;
     const int first = r->layer < 0 ? 0 : r->layer;
     if (r->layer < 0) {

@@ -31,6 +31,9 @@ int hexq_paths(void) {
         && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vbmi")
         && __builtin_cpu_supports("avx512vnni"))
         paths |= 1 << PATH_AVX512;
+    if ((paths >> PATH_AVX2 & 1) && (__builtin_cpu_supports("avxvnni")
+        || (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl"))))
+        paths |= 1 << PATH_AVXVNNI; /* rows_avxvnni says why either */
 #endif
     return paths;
 }
@@ -875,77 +878,21 @@ static AVX2 INLINE void rows8_block_codes(const uint8_t* group8, int64_t b, cons
     transpose8(t);
 }
 
-/* Block b of 8 rows into acc[t] (8 lanes, one per row): dx_b times the block's integer dot product with token t's
-   x. Two accumulators per byte half (even and odd dwords) so that the vpdpbusd chains are half as long. */
-static AVX512 INLINE void rows8_block(const uint8_t* group8, const quantized_x* xq, int64_t cols, int64_t blocks,
-                                      int64_t b, const int bits, const int ntok, __m256* acc) {
-    __m256i hi[MAX_TOK][2], lo[MAX_TOK][2];
-    for (int t = 0; t < ntok; t++) hi[t][0] = hi[t][1] = lo[t][0] = lo[t][1] = _mm256_setzero_si256();
-#pragma GCC unroll 8 /* every dword's loads and shifts constant, the accumulators in registers */
-    for (int d = 0; d < 8; d++) {
-        const __m256i q = rows8_dword(group8, b, d, bits);
-        for (int t = 0; t < ntok; t++) {
-            const int32_t h = ((const int32_t*)(xq->hi + t * cols + b * BLOCK))[d];
-            const int32_t l = ((const int32_t*)(xq->lo + t * cols + b * BLOCK))[d];
-            hi[t][d & 1] = _mm256_dpbusd_epi32(hi[t][d & 1], q, _mm256_set1_epi32(h));
-            lo[t][d & 1] = _mm256_dpbusd_epi32(lo[t][d & 1], _mm256_set1_epi32(l), q);
-        }
-    }
-    for (int t = 0; t < ntok; t++) {
-        const __m256i dot = _mm256_add_epi32(_mm256_slli_epi32(_mm256_add_epi32(hi[t][0], hi[t][1]), 8),
-                                             _mm256_add_epi32(lo[t][0], lo[t][1]));
-        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(xq->dx[t * blocks + b]), acc[t]);
-    }
-}
-
-/* The end of group g for 8 rows: total += s_g (acc - z_g zx_g), acc cleared (scale and zero: the group's 8 values). */
-static AVX512 INLINE void rows8_group(const uint16_t* scale, const uint16_t* zero, float zx[][MAX_BLOCKS], int64_t g,
-                                      const int ntok, __m256* acc, __m256* total) {
-    const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)scale));
-    const __m256 z = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)zero));
-    for (int t = 0; t < ntok; t++) {
-        total[t] = _mm256_fmadd_ps(s, _mm256_fnmadd_ps(z, _mm256_set1_ps(zx[t][g]), acc[t]), total[t]);
-        acc[t] = _mm256_setzero_ps();
-    }
-}
-
-/* The rows8 layout on AVX-512 VNNI, 8 rows per pass. A block's dot product for 8 rows: 8 dwords of codes, each times
-   one broadcast dword of x's high and low bytes (as block_vnni: q . x = 256 (q . hi) + (lo . q)); per lane
-   |q . x| <= 32 * 127 * 32767 < 2^31 (exact in float32 for codes of at most 4 bits, rounded once beyond). Then
-   y = sum_g s_g (sum_{b in g} dx_b dot_b - z_g sum_{b in g} dx_b sum_b): one conversion and FMA per block and one
-   float16 scale and zero per group for 8 rows. r0 and r1: multiples of 8. */
-static AVX512 INLINE void rows8_avx512_bits(const hexq_gemv_task* t, const quantized_x* xq, int64_t r0, int64_t r1,
-                                            const int bits, const int ntok) {
-    const int64_t cols = t->cols, blocks = cols / BLOCK, row_bytes = cols * bits / 8, groups = cols / t->group;
-    const int64_t per_group = t->group / BLOCK;
-    float zx[MAX_TOK][MAX_BLOCKS]; /* per token and group: sum over its blocks of dx_b sum_b */
-    for (int k = 0; k < ntok; k++)
-        for (int64_t g = 0; g < groups; g++) {
-            float acc = 0.0f;
-            for (int64_t b = g * per_group; b < (g + 1) * per_group; b++)
-                acc += xq->dx[k * blocks + b] * (float)xq->sum[k * blocks + b];
-            zx[k][g] = acc;
-        }
-    for (int64_t r = r0; r < r1; r += 8) {
-        const uint8_t* group8 = t->codes + r * row_bytes;
-        const uint16_t* scale = t->scale + r * groups;
-        const uint16_t* zero = t->zero + r * groups;
-        __m256 total[MAX_TOK], acc[MAX_TOK];
-        for (int k = 0; k < ntok; k++) total[k] = acc[k] = _mm256_setzero_ps();
-        for (int64_t b = 0, g = 0, in_group = 0; b < blocks; b++) {
-            /* the block PREFETCH_BYTES ahead (see "prefetch"): one stream per group of 8 rows */
-            const char* ahead = (const char*)group8 + b * 32 * bits + PREFETCH_BYTES;
-            for (int o = 0; o < 32 * bits; o += 64) __builtin_prefetch(ahead + o, 0, 3);
-            rows8_block(group8, xq, cols, blocks, b, bits, ntok, acc);
-            if (++in_group == per_group) {
-                rows8_group(scale + g * 8, zero + g * 8, zx, g, ntok, acc, total);
-                g++;
-                in_group = 0;
-            }
-        }
-        for (int k = 0; k < ntok; k++) _mm256_storeu_ps(t->y + k * t->y_stride + r, total[k]);
-    }
-}
+/* The rows8 GEMV: vnni256.h, here with EVEX vpdpbusd (rows8_avx512) and with VEX vpdpbusd (rows8_avxvnni). */
+#define VNNI256 AVX512
+#define DPBUSD _mm256_dpbusd_epi32
+#define VNNI256_NAME(f) f##_avx512
+#include "vnni256.h"
+#undef VNNI256
+#undef DPBUSD
+#undef VNNI256_NAME
+#define VNNI256 __attribute__((target("avx2,fma,f16c,bmi2,avxvnni")))
+#define DPBUSD _mm256_dpbusd_avx_epi32
+#define VNNI256_NAME(f) f##_avxvnni
+#include "vnni256.h"
+#undef VNNI256
+#undef DPBUSD
+#undef VNNI256_NAME
 
 static AVX512 void rows_avx512(const hexq_gemv_task* t, const quantized_x* xq, int64_t r0, int64_t r1) {
     const int planes = t->layout == LAYOUT_PLANES && t->bits < 8, rows8 = t->layout == LAYOUT_ROWS8;
@@ -963,9 +910,8 @@ static AVX512 void rows_avx512(const hexq_gemv_task* t, const quantized_x* xq, i
             default: ROWS(t, xq, r0, r1, B, 4); return;                                      \
         }
     if (rows8) {
-#define ROWS rows8_avx512_bits
-        switch (t->bits) { CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) }
-#undef ROWS
+        rows8_avx512(t, xq, r0, r1);
+        return;
     }
     if (planes) {
 #define ROWS rows_avx512_planes_bits
@@ -977,11 +923,45 @@ static AVX512 void rows_avx512(const hexq_gemv_task* t, const quantized_x* xq, i
 #undef ROWS
 #undef CASE
 }
+
+/* ------------------------------------------------------------------------------------------ AVX-VNNI path */
+
+/* The AVX2 path with the rows8 layout's GEMV on 256-bit vpdpbusd: for CPUs with AVX-VNNI and no AVX-512 (whose AVX2
+   path would read planes with vpmaddwd). The VEX copy (rows8_avxvnni) runs where the CPU has AVX-VNNI; elsewhere the
+   path is offered where AVX512-VNNI and VL give the same instruction in its EVEX encoding (rows8_avx512), so that
+   every machine with either runs this path's code and its tests. The two copies are one source (vnni256.h). */
+static int vnni_vex(void) {
+    static int vex = -1;
+    if (vex < 0) {
+        __builtin_cpu_init();
+        vex = __builtin_cpu_supports("avxvnni");
+    }
+    return vex;
+}
+
+static AVX2 void rows_avxvnni(const hexq_gemv_task* t, const quantized_x* xq, int64_t r0, int64_t r1) {
+    if (t->layout == LAYOUT_ROWS8 && !(r0 % 8) && !(r1 % 8)) {
+        (vnni_vex() ? rows8_avxvnni : rows8_avx512)(t, xq, r0, r1);
+        return;
+    }
+    rows_avx2(t, xq, r0, r1);
+}
 #endif
+
+/* The encoding of the AVX-VNNI path's vpdpbusd on this CPU: 1 VEX, 2 EVEX, 0 the path is not offered. */
+int hexq_avxvnni_encoding(void) {
+    if (!(hexq_paths() >> PATH_AVXVNNI & 1)) return 0;
+#ifdef HEXQ_X86
+    return vnni_vex() ? 1 : 2;
+#else
+    return 0;
+#endif
+}
 
 HIDDEN rows_fn rows_for(int path) {
 #ifdef HEXQ_X86
     if (path == PATH_AVX512) return rows_avx512;
+    if (path == PATH_AVXVNNI) return rows_avxvnni;
     if (path == PATH_AVX2) return rows_avx2;
 #endif
     return rows_scalar;
@@ -1378,7 +1358,7 @@ static int dequant_part(const uint8_t* packed, int bits, const uint16_t* scale, 
         if (run) dequant_avx512(packed, bits, scale, zero, numel, group, out, out_kind);
         return 0;
     }
-    if (path == PATH_AVX2) {
+    if (path == PATH_AVX2 || path == PATH_AVXVNNI) {
         if (group % 8) return -1;
         if (run) dequant_avx2(packed, bits, scale, zero, numel, group, out, out_kind);
         return 0;
@@ -1620,7 +1600,7 @@ int hexq_gemv(const hexq_gemv_task* tasks, int ntasks, int path, int threads, ui
         scratch += (values / BLOCK * 4 + 63) / 64 * 64;
         xq[i].sum = (int32_t*)scratch;
         scratch += (values / BLOCK * 4 + 63) / 64 * 64;
-        xq[i].lo = path == PATH_AVX512 ? scratch : NULL; /* only its row functions read the bytes */
+        xq[i].lo = path == PATH_AVX512 || path == PATH_AVXVNNI ? scratch : NULL; /* only their rows read the bytes */
         xq[i].hi = (int8_t*)(scratch + values);
         scratch += (values * 2 + 63) / 64 * 64;
     }

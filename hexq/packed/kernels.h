@@ -6,12 +6,12 @@
 
 #define HIDDEN __attribute__((visibility("hidden")))
 
-enum { PATH_SCALAR = 0, PATH_AVX2 = 1, PATH_AVX512 = 2 };
+enum { PATH_SCALAR = 0, PATH_AVX2 = 1, PATH_AVX512 = 2, PATH_AVXVNNI = 3 };
 
 /* How a matrix's codes lie in memory (hexq.packed.weight.LAYOUTS). STREAM: the artifact's form, one little-endian bit
    stream, row-major (hexq.packed.bitpack). PLANES: each row re-laid at load for the GEMV (kernels.c "the planes
    layout"): the same bytes per row, the codes of a block of 32 split into 4-, 2- and 1-bit planes so that a block
-   unpacks to 32 bytes with a shift and a mask per plane. ROWS8: the AVX-512 GEMV's form (kernels.c "the rows8
+   unpacks to 32 bytes with a shift and a mask per plane. ROWS8: the VNNI GEMV's form (AVX-512 and AVX-VNNI paths) (kernels.c "the rows8
    layout"): rows in groups of 8, each row in planes, the 8 rows' bytes interleaved 4 at a time and their scales and
    zeros one at a time, so that one register holds 4 codes of each of 8 rows. */
 enum { LAYOUT_STREAM = 0, LAYOUT_PLANES = 1, LAYOUT_ROWS8 = 2 };
@@ -41,7 +41,7 @@ typedef struct {
     float* dx;    /* [ntok, blocks] */
     int32_t* sum; /* [ntok, blocks] */
     uint8_t* lo;  /* [ntok, cols] q = 256 hi + lo, each block's bytes in the planes' order (kernels.c perm32), for */
-    int8_t* hi;   /* the AVX-512 VNNI path's byte products; lo NULL: not computed */
+    int8_t* hi;   /* the VNNI paths' byte products; lo NULL: not computed */
 } quantized_x;
 
 /* The row functions prefetch the codes, scales and zeros of the row PREFETCH_BYTES of codes ahead (kernels.c
@@ -54,6 +54,7 @@ static inline int64_t prefetch_ahead(int64_t row_bytes) { return 1 + PREFETCH_BY
 typedef void (*rows_fn)(const hexq_gemv_task*, const quantized_x*, int64_t, int64_t);
 
 int hexq_paths(void);
+int hexq_avxvnni_encoding(void);
 HIDDEN void quantize_x(const hexq_gemv_task* t, quantized_x* out);
 /* Whether this CPU runs AVX2 and FMA: scalar helpers take a copy compiled for them (the same numbers, faster). */
 HIDDEN int cpu_has_avx2(void);

@@ -1,0 +1,92 @@
+/* The rows8 GEMV on 256-bit VNNI (kernels.c "the rows8 layout"), written once and compiled twice by kernels.c: for the
+   AVX-512 path (EVEX vpdpbusd, AVX512-VNNI + VL) and for the AVX-VNNI path (VEX vpdpbusd: Alder Lake and later Intel
+   client cores, Sierra Forest, Zen 5), which has the same 256-bit instruction without AVX-512. Only the encoding of
+   vpdpbusd differs between the two copies; everything else is AVX2, FMA and F16C. The includer defines VNNI256 (the
+   functions' target attribute), DPBUSD (the intrinsic: acc += unsigned bytes . signed bytes per dword) and
+   VNNI256_NAME(f) (the copy's names). */
+
+/* Block b of 8 rows into acc[t] (8 lanes, one per row): dx_b times the block's integer dot product with token t's
+   x. Two accumulators per byte half (even and odd dwords) so that the vpdpbusd chains are half as long. */
+static VNNI256 INLINE void VNNI256_NAME(rows8_block)(const uint8_t* group8, const quantized_x* xq, int64_t cols, int64_t blocks,
+                                      int64_t b, const int bits, const int ntok, __m256* acc) {
+    __m256i hi[MAX_TOK][2], lo[MAX_TOK][2];
+    for (int t = 0; t < ntok; t++) hi[t][0] = hi[t][1] = lo[t][0] = lo[t][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8 /* every dword's loads and shifts constant, the accumulators in registers */
+    for (int d = 0; d < 8; d++) {
+        const __m256i q = rows8_dword(group8, b, d, bits);
+        for (int t = 0; t < ntok; t++) {
+            const int32_t h = ((const int32_t*)(xq->hi + t * cols + b * BLOCK))[d];
+            const int32_t l = ((const int32_t*)(xq->lo + t * cols + b * BLOCK))[d];
+            hi[t][d & 1] = DPBUSD(hi[t][d & 1], q, _mm256_set1_epi32(h));
+            lo[t][d & 1] = DPBUSD(lo[t][d & 1], _mm256_set1_epi32(l), q);
+        }
+    }
+    for (int t = 0; t < ntok; t++) {
+        const __m256i dot = _mm256_add_epi32(_mm256_slli_epi32(_mm256_add_epi32(hi[t][0], hi[t][1]), 8),
+                                             _mm256_add_epi32(lo[t][0], lo[t][1]));
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(xq->dx[t * blocks + b]), acc[t]);
+    }
+}
+
+/* The end of group g for 8 rows: total += s_g (acc - z_g zx_g), acc cleared (scale and zero: the group's 8 values). */
+static VNNI256 INLINE void VNNI256_NAME(rows8_group)(const uint16_t* scale, const uint16_t* zero, float zx[][MAX_BLOCKS], int64_t g,
+                                      const int ntok, __m256* acc, __m256* total) {
+    const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)scale));
+    const __m256 z = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)zero));
+    for (int t = 0; t < ntok; t++) {
+        total[t] = _mm256_fmadd_ps(s, _mm256_fnmadd_ps(z, _mm256_set1_ps(zx[t][g]), acc[t]), total[t]);
+        acc[t] = _mm256_setzero_ps();
+    }
+}
+
+/* The rows8 layout on AVX-512 VNNI, 8 rows per pass. A block's dot product for 8 rows: 8 dwords of codes, each times
+   one broadcast dword of x's high and low bytes (as block_vnni: q . x = 256 (q . hi) + (lo . q)); per lane
+   |q . x| <= 32 * 127 * 32767 < 2^31 (exact in float32 for codes of at most 4 bits, rounded once beyond). Then
+   y = sum_g s_g (sum_{b in g} dx_b dot_b - z_g sum_{b in g} dx_b sum_b): one conversion and FMA per block and one
+   float16 scale and zero per group for 8 rows. r0 and r1: multiples of 8. */
+static VNNI256 INLINE void VNNI256_NAME(rows8_bits)(const hexq_gemv_task* t, const quantized_x* xq, int64_t r0, int64_t r1,
+                                            const int bits, const int ntok) {
+    const int64_t cols = t->cols, blocks = cols / BLOCK, row_bytes = cols * bits / 8, groups = cols / t->group;
+    const int64_t per_group = t->group / BLOCK;
+    float zx[MAX_TOK][MAX_BLOCKS]; /* per token and group: sum over its blocks of dx_b sum_b */
+    for (int k = 0; k < ntok; k++)
+        for (int64_t g = 0; g < groups; g++) {
+            float acc = 0.0f;
+            for (int64_t b = g * per_group; b < (g + 1) * per_group; b++)
+                acc += xq->dx[k * blocks + b] * (float)xq->sum[k * blocks + b];
+            zx[k][g] = acc;
+        }
+    for (int64_t r = r0; r < r1; r += 8) {
+        const uint8_t* group8 = t->codes + r * row_bytes;
+        const uint16_t* scale = t->scale + r * groups;
+        const uint16_t* zero = t->zero + r * groups;
+        __m256 total[MAX_TOK], acc[MAX_TOK];
+        for (int k = 0; k < ntok; k++) total[k] = acc[k] = _mm256_setzero_ps();
+        for (int64_t b = 0, g = 0, in_group = 0; b < blocks; b++) {
+            /* the block PREFETCH_BYTES ahead (see "prefetch"): one stream per group of 8 rows */
+            const char* ahead = (const char*)group8 + b * 32 * bits + PREFETCH_BYTES;
+            for (int o = 0; o < 32 * bits; o += 64) __builtin_prefetch(ahead + o, 0, 3);
+            VNNI256_NAME(rows8_block)(group8, xq, cols, blocks, b, bits, ntok, acc);
+            if (++in_group == per_group) {
+                VNNI256_NAME(rows8_group)(scale + g * 8, zero + g * 8, zx, g, ntok, acc, total);
+                g++;
+                in_group = 0;
+            }
+        }
+        for (int k = 0; k < ntok; k++) _mm256_storeu_ps(t->y + k * t->y_stride + r, total[k]);
+    }
+}
+
+/* Rows [r0, r1) of a rows8 task (r0 and r1 multiples of 8; bits 1-7), the width and token count spelled out. */
+static VNNI256 void VNNI256_NAME(rows8)(const hexq_gemv_task* t, const quantized_x* xq, int64_t r0, int64_t r1) {
+#define CASE(B)                                                                              \
+    case B:                                                                                  \
+        switch (t->ntok) {                                                                   \
+            case 1: VNNI256_NAME(rows8_bits)(t, xq, r0, r1, B, 1); return;                   \
+            case 2: VNNI256_NAME(rows8_bits)(t, xq, r0, r1, B, 2); return;                   \
+            case 3: VNNI256_NAME(rows8_bits)(t, xq, r0, r1, B, 3); return;                   \
+            default: VNNI256_NAME(rows8_bits)(t, xq, r0, r1, B, 4); return;                  \
+        }
+    switch (t->bits) { CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) }
+#undef CASE
+}
