@@ -248,12 +248,6 @@ def available_paths(library: ctypes.CDLL) -> list[str]:
     return [name for name in FASTEST_LAST if mask >> PATHS.index(name) & 1]
 
 
-def avxvnni_encoding(library: ctypes.CDLL) -> str | None:
-    """How the avxvnni path's vpdpbusd is encoded on this CPU: "vex" (AVX-VNNI), "evex" (AVX-512 VNNI and VL run the
-    same instruction so), None where the path is not offered."""
-    library.hexq_avxvnni_encoding.restype = ctypes.c_int
-    return {1: "vex", 2: "evex"}.get(library.hexq_avxvnni_encoding())
-
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
