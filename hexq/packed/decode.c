@@ -374,7 +374,9 @@ static AVX512 void rows_w8a8_avx512(const hexq_matrix* m, const act_codes* a, fl
             y[r] = (float)((double)_cvtsh_ss(m->scale[r]) * (double)a->scale * dot);                                \
         }                                                                                                           \
     }
+#ifdef HEXQ_AVXVNNI_VEX
 ROWS_W8A8_256(rows_w8a8_vex, __attribute__((target("avx2,fma,f16c,avxvnni"))), _mm256_dpbusd_avx_epi32)
+#endif
 ROWS_W8A8_256(rows_w8a8_evex, AVX512, _mm256_dpbusd_epi32)
 #undef ROWS_W8A8_256
 #endif
@@ -385,7 +387,10 @@ typedef void (*w8a8_rows_fn)(const hexq_matrix*, const act_codes*, float*, int64
 static w8a8_rows_fn w8a8_rows_for(int path) {
 #ifdef DECODE_X86
     if (path == PATH_AVX512) return rows_w8a8_avx512;
-    if (path == PATH_AVXVNNI) return hexq_avxvnni_encoding() == 1 ? rows_w8a8_vex : rows_w8a8_evex;
+#ifdef HEXQ_AVXVNNI_VEX
+    if (path == PATH_AVXVNNI && hexq_avxvnni_encoding() == 1) return rows_w8a8_vex;
+#endif
+    if (path == PATH_AVXVNNI) return rows_w8a8_evex;
 #endif
     (void)path;
     return NULL;

@@ -21,6 +21,10 @@
 #define HEXQ_X86 1
 #endif
 
+#ifdef HEXQ_X86
+static int vnni_vex(void); /* whether the AVX-VNNI path runs its VEX copy (below, "AVX-VNNI path") */
+#endif
+
 int hexq_paths(void) {
     int paths = 1 << PATH_SCALAR;
 #ifdef HEXQ_X86
@@ -31,7 +35,7 @@ int hexq_paths(void) {
         && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vbmi")
         && __builtin_cpu_supports("avx512vnni"))
         paths |= 1 << PATH_AVX512;
-    if ((paths >> PATH_AVX2 & 1) && (__builtin_cpu_supports("avxvnni")
+    if ((paths >> PATH_AVX2 & 1) && (vnni_vex()
         || (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl"))))
         paths |= 1 << PATH_AVXVNNI; /* rows_avxvnni says why either */
 #endif
@@ -886,6 +890,7 @@ static AVX2 INLINE void rows8_block_codes(const uint8_t* group8, int64_t b, cons
 #undef VNNI256
 #undef DPBUSD
 #undef VNNI256_NAME
+#ifdef HEXQ_AVXVNNI_VEX
 #define VNNI256 __attribute__((target("avx2,fma,f16c,bmi2,avxvnni")))
 #define DPBUSD _mm256_dpbusd_avx_epi32
 #define VNNI256_NAME(f) f##_avxvnni
@@ -893,6 +898,7 @@ static AVX2 INLINE void rows8_block_codes(const uint8_t* group8, int64_t b, cons
 #undef VNNI256
 #undef DPBUSD
 #undef VNNI256_NAME
+#endif
 
 static AVX512 void rows_avx512(const hexq_gemv_task* t, const quantized_x* xq, int64_t r0, int64_t r1) {
     const int planes = t->layout == LAYOUT_PLANES && t->bits < 8, rows8 = t->layout == LAYOUT_ROWS8;
@@ -931,17 +937,27 @@ static AVX512 void rows_avx512(const hexq_gemv_task* t, const quantized_x* xq, i
    path is offered where AVX512-VNNI and VL give the same instruction in its EVEX encoding (rows8_avx512), so that
    every machine with either runs this path's code and its tests. The two copies are one source (vnni256.h). */
 static int vnni_vex(void) {
+#ifdef HEXQ_AVXVNNI_VEX
     static int vex = -1;
     if (vex < 0) {
         __builtin_cpu_init();
         vex = __builtin_cpu_supports("avxvnni");
     }
     return vex;
+#else
+    return 0;
+#endif
 }
 
 static AVX2 void rows_avxvnni(const hexq_gemv_task* t, const quantized_x* xq, int64_t r0, int64_t r1) {
     if (t->layout == LAYOUT_ROWS8 && !(r0 % 8) && !(r1 % 8)) {
-        (vnni_vex() ? rows8_avxvnni : rows8_avx512)(t, xq, r0, r1);
+#ifdef HEXQ_AVXVNNI_VEX
+        if (vnni_vex()) {
+            rows8_avxvnni(t, xq, r0, r1);
+            return;
+        }
+#endif
+        rows8_avx512(t, xq, r0, r1);
         return;
     }
     rows_avx2(t, xq, r0, r1);

@@ -8,6 +8,13 @@
 
 enum { PATH_SCALAR = 0, PATH_AVX2 = 1, PATH_AVX512 = 2, PATH_AVXVNNI = 3 };
 
+/* The AVX-VNNI path's VEX copies need a compiler that knows AVX-VNNI (GCC 11, clang 12); an older one builds the EVEX
+   copies alone, and the path is then offered on AVX-512 VNNI CPUs only (kernels.c rows_avxvnni). */
+#if defined(__x86_64__) && !defined(HEXQ_NO_AVXVNNI_VEX) \
+    && ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
+#define HEXQ_AVXVNNI_VEX 1
+#endif
+
 /* How a matrix's codes lie in memory (hexq.packed.weight.LAYOUTS). STREAM: the artifact's form, one little-endian bit
    stream, row-major (hexq.packed.bitpack). PLANES: each row re-laid at load for the GEMV (kernels.c "the planes
    layout"): the same bytes per row, the codes of a block of 32 split into 4-, 2- and 1-bit planes so that a block
