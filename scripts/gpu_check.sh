@@ -7,10 +7,12 @@
 #   DEVICE=cpu scripts/gpu_check.sh --size tiny   # the script itself, on any machine
 set -euo pipefail
 cd "$(dirname "$0")/.."
+python=python3  # the machine's Python; the project's environment (make setup) where there is one
+[ -x .venv/bin/python ] && python=.venv/bin/python
 site="$(mktemp -d)"
 if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl/*.whl
+    "$python" -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl/*.whl
 fi
-python3 -c "import hexq_cli" 2>/dev/null || ln -s "$PWD/cli" "$site/hexq_cli"
+"$python" -c "import hexq_cli" 2>/dev/null || ln -s "$PWD/cli" "$site/hexq_cli"
 export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-exec python3 scripts/gpu_check.py "$@"
+exec "$python" scripts/gpu_check.py "$@"
