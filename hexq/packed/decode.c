@@ -388,7 +388,7 @@ static w8a8_rows_fn w8a8_rows_for(int path) {
 #ifdef DECODE_X86
     if (path == PATH_AVX512) return rows_w8a8_avx512;
 #ifdef HEXQ_AVXVNNI_VEX
-    if (path == PATH_AVXVNNI && hexq_avxvnni_encoding() == 1) return rows_w8a8_vex;
+    if (path == PATH_AVXVNNI && cpu_has_avxvnni()) return rows_w8a8_vex;
 #endif
     if (path == PATH_AVXVNNI) return rows_w8a8_evex;
 #endif

@@ -21,10 +21,6 @@
 #define HEXQ_X86 1
 #endif
 
-#ifdef HEXQ_X86
-static int vnni_vex(void); /* whether the AVX-VNNI path runs its VEX copy (below, "AVX-VNNI path") */
-#endif
-
 int hexq_paths(void) {
     int paths = 1 << PATH_SCALAR;
 #ifdef HEXQ_X86
@@ -35,7 +31,7 @@ int hexq_paths(void) {
         && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vbmi")
         && __builtin_cpu_supports("avx512vnni"))
         paths |= 1 << PATH_AVX512;
-    if ((paths >> PATH_AVX2 & 1) && (vnni_vex()
+    if ((paths >> PATH_AVX2 & 1) && (cpu_has_avxvnni()
         || (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl"))))
         paths |= 1 << PATH_AVXVNNI; /* rows_avxvnni says why either */
 #endif
@@ -131,6 +127,19 @@ HIDDEN int cpu_has_avx2(void) {
     if (has < 0) {
         __builtin_cpu_init();
         has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    }
+    return has;
+#else
+    return 0;
+#endif
+}
+
+HIDDEN int cpu_has_avxvnni(void) {
+#ifdef HEXQ_AVXVNNI_VEX
+    static int has = -1;
+    if (has < 0) {
+        __builtin_cpu_init();
+        has = __builtin_cpu_supports("avxvnni");
     }
     return has;
 #else
@@ -936,23 +945,10 @@ static AVX512 void rows_avx512(const hexq_gemv_task* t, const quantized_x* xq, i
    path would read planes with vpmaddwd). The VEX copy (rows8_avxvnni) runs where the CPU has AVX-VNNI; elsewhere the
    path is offered where AVX512-VNNI and VL give the same instruction in its EVEX encoding (rows8_avx512), so that
    every machine with either runs this path's code and its tests. The two copies are one source (vnni256.h). */
-static int vnni_vex(void) {
-#ifdef HEXQ_AVXVNNI_VEX
-    static int vex = -1;
-    if (vex < 0) {
-        __builtin_cpu_init();
-        vex = __builtin_cpu_supports("avxvnni");
-    }
-    return vex;
-#else
-    return 0;
-#endif
-}
-
 static AVX2 void rows_avxvnni(const hexq_gemv_task* t, const quantized_x* xq, int64_t r0, int64_t r1) {
     if (t->layout == LAYOUT_ROWS8 && !(r0 % 8) && !(r1 % 8)) {
 #ifdef HEXQ_AVXVNNI_VEX
-        if (vnni_vex()) {
+        if (cpu_has_avxvnni()) {
             rows8_avxvnni(t, xq, r0, r1);
             return;
         }
@@ -968,7 +964,7 @@ static AVX2 void rows_avxvnni(const hexq_gemv_task* t, const quantized_x* xq, in
 int hexq_avxvnni_encoding(void) {
     if (!(hexq_paths() >> PATH_AVXVNNI & 1)) return 0;
 #ifdef HEXQ_X86
-    return vnni_vex() ? 1 : 2;
+    return cpu_has_avxvnni() ? 1 : 2;
 #else
     return 0;
 #endif

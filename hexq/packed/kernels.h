@@ -18,9 +18,9 @@ enum { PATH_SCALAR = 0, PATH_AVX2 = 1, PATH_AVX512 = 2, PATH_AVXVNNI = 3 };
 /* How a matrix's codes lie in memory (hexq.packed.weight.LAYOUTS). STREAM: the artifact's form, one little-endian bit
    stream, row-major (hexq.packed.bitpack). PLANES: each row re-laid at load for the GEMV (kernels.c "the planes
    layout"): the same bytes per row, the codes of a block of 32 split into 4-, 2- and 1-bit planes so that a block
-   unpacks to 32 bytes with a shift and a mask per plane. ROWS8: the VNNI GEMV's form (AVX-512 and AVX-VNNI paths) (kernels.c "the rows8
-   layout"): rows in groups of 8, each row in planes, the 8 rows' bytes interleaved 4 at a time and their scales and
-   zeros one at a time, so that one register holds 4 codes of each of 8 rows. */
+   unpacks to 32 bytes with a shift and a mask per plane. ROWS8: the VNNI GEMVs' form (AVX-512 and AVX-VNNI paths;
+   kernels.c "the rows8 layout"): rows in groups of 8, each row in planes, the 8 rows' bytes interleaved 4 at a time
+   and their scales and zeros one at a time, so that one register holds 4 codes of each of 8 rows. */
 enum { LAYOUT_STREAM = 0, LAYOUT_PLANES = 1, LAYOUT_ROWS8 = 2 };
 
 /* y[t, r] = sum_c W[r, c] x[t, c] for r in [0, rows), t in [0, ntok), W = (q - zero) * scale per group of `group`
@@ -65,6 +65,9 @@ int hexq_avxvnni_encoding(void);
 HIDDEN void quantize_x(const hexq_gemv_task* t, quantized_x* out);
 /* Whether this CPU runs AVX2 and FMA: scalar helpers take a copy compiled for them (the same numbers, faster). */
 HIDDEN int cpu_has_avx2(void);
+/* Whether this CPU runs AVX-VNNI and this build has the VEX copies for it (HEXQ_AVXVNNI_VEX): the AVX-VNNI path then
+   runs them, else their EVEX twins (kernels.c rows_avxvnni). */
+HIDDEN int cpu_has_avxvnni(void);
 HIDDEN rows_fn rows_for(int path);
 /* run(ctx, item) for every item in [0, items) on `threads` threads (the caller included), on the persistent pool */
 HIDDEN void parallel(void (*run)(void*, int64_t), void* ctx, int64_t items, int threads);

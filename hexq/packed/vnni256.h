@@ -1,14 +1,15 @@
 /* The rows8 GEMV on 256-bit VNNI (kernels.c "the rows8 layout"), written once and compiled twice by kernels.c: for the
    AVX-512 path (EVEX vpdpbusd, AVX512-VNNI + VL) and for the AVX-VNNI path (VEX vpdpbusd: Alder Lake and later Intel
-   client cores, Sierra Forest, Zen 5), which has the same 256-bit instruction without AVX-512. Only the encoding of
+   client cores, Sierra Forest), which has the same 256-bit instruction without AVX-512. Only the encoding of
    vpdpbusd differs between the two copies; everything else is AVX2, FMA and F16C. The includer defines VNNI256 (the
    functions' target attribute), DPBUSD (the intrinsic: acc += unsigned bytes . signed bytes per dword) and
    VNNI256_NAME(f) (the copy's names). */
 
 /* Block b of 8 rows into acc[t] (8 lanes, one per row): dx_b times the block's integer dot product with token t's
    x. Two accumulators per byte half (even and odd dwords) so that the vpdpbusd chains are half as long. */
-static VNNI256 INLINE void VNNI256_NAME(rows8_block)(const uint8_t* group8, const quantized_x* xq, int64_t cols, int64_t blocks,
-                                      int64_t b, const int bits, const int ntok, __m256* acc) {
+static VNNI256 INLINE void VNNI256_NAME(rows8_block)(const uint8_t* group8, const quantized_x* xq, int64_t cols,
+                                                     int64_t blocks, int64_t b, const int bits, const int ntok,
+                                                     __m256* acc) {
     __m256i hi[MAX_TOK][2], lo[MAX_TOK][2];
     for (int t = 0; t < ntok; t++) hi[t][0] = hi[t][1] = lo[t][0] = lo[t][1] = _mm256_setzero_si256();
 #pragma GCC unroll 8 /* every dword's loads and shifts constant, the accumulators in registers */
@@ -29,8 +30,9 @@ static VNNI256 INLINE void VNNI256_NAME(rows8_block)(const uint8_t* group8, cons
 }
 
 /* The end of group g for 8 rows: total += s_g (acc - z_g zx_g), acc cleared (scale and zero: the group's 8 values). */
-static VNNI256 INLINE void VNNI256_NAME(rows8_group)(const uint16_t* scale, const uint16_t* zero, float zx[][MAX_BLOCKS], int64_t g,
-                                      const int ntok, __m256* acc, __m256* total) {
+static VNNI256 INLINE void VNNI256_NAME(rows8_group)(const uint16_t* scale, const uint16_t* zero,
+                                                     float zx[][MAX_BLOCKS], int64_t g, const int ntok, __m256* acc,
+                                                     __m256* total) {
     const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)scale));
     const __m256 z = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)zero));
     for (int t = 0; t < ntok; t++) {
@@ -39,13 +41,13 @@ static VNNI256 INLINE void VNNI256_NAME(rows8_group)(const uint16_t* scale, cons
     }
 }
 
-/* The rows8 layout on AVX-512 VNNI, 8 rows per pass. A block's dot product for 8 rows: 8 dwords of codes, each times
+/* The rows8 layout on 256-bit VNNI, 8 rows per pass. A block's dot product for 8 rows: 8 dwords of codes, each times
    one broadcast dword of x's high and low bytes (as block_vnni: q . x = 256 (q . hi) + (lo . q)); per lane
    |q . x| <= 32 * 127 * 32767 < 2^31 (exact in float32 for codes of at most 4 bits, rounded once beyond). Then
    y = sum_g s_g (sum_{b in g} dx_b dot_b - z_g sum_{b in g} dx_b sum_b): one conversion and FMA per block and one
    float16 scale and zero per group for 8 rows. r0 and r1: multiples of 8. */
-static VNNI256 INLINE void VNNI256_NAME(rows8_bits)(const hexq_gemv_task* t, const quantized_x* xq, int64_t r0, int64_t r1,
-                                            const int bits, const int ntok) {
+static VNNI256 INLINE void VNNI256_NAME(rows8_bits)(const hexq_gemv_task* t, const quantized_x* xq, int64_t r0,
+                                                    int64_t r1, const int bits, const int ntok) {
     const int64_t cols = t->cols, blocks = cols / BLOCK, row_bytes = cols * bits / 8, groups = cols / t->group;
     const int64_t per_group = t->group / BLOCK;
     float zx[MAX_TOK][MAX_BLOCKS]; /* per token and group: sum over its blocks of dx_b sum_b */
