@@ -141,13 +141,16 @@ def pack_command(
     out: Annotated[Path, typer.Option("--out", "-o", help="Artifact folder to write.")] = Path("model.hexq"),
     recipe: Annotated[str | None, typer.Option("--recipe", "-r", help="Take the pack section from this recipe "
                                                "(default: the calibration's recipe).")] = None,
-    bits: Annotated[float | None, typer.Option("--bits", help="Average bits per expert in every layer "
-                                               "(default: the recipe's pack.avg_bits).")] = None,
+    bits: Annotated[float | None, typer.Option("--bits", help="Average bits per expert in every layer (in the "
+                                               "model with --schedule model; default: the recipe's "
+                                               "pack.avg_bits).")] = None,
     expert_bytes: Annotated[str | None, typer.Option("--expert-bytes", help="Stored bytes for all routed experts of "
                                                      "the model, e.g. 3MB or 2.5MiB; split across layers by the "
                                                      "recipe's pack.schedule.")] = None,
-    schedule: Annotated[str | None, typer.Option("--schedule", help="How --expert-bytes is split across layers: "
-                                                 "uniform or cosine (deeper layers get less).")] = None,
+    schedule: Annotated[str | None, typer.Option("--schedule", help="How the budget is split across layers: "
+                                                 "uniform, cosine (--expert-bytes: deeper layers get less) or "
+                                                 "model (not split: layers whose loss tables lose more at low "
+                                                 "width get more; needs pack.order free).")] = None,
     bank: Annotated[str | None, typer.Option("--bank", help="Widths kept for every expert besides its allocated one, "
                                              "for run policies that change precision: widths (2,4), policy names "
                                              "(online, context, depth: what that policy needs) or all; and "

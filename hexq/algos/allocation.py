@@ -175,6 +175,52 @@ def allocate_free(loss: torch.Tensor, bits: Sequence[int], costs: Sequence[int],
     return [bits[j] for j in levels]
 
 
+def allocate_model(losses: Sequence[torch.Tensor], bits: Sequence[int], costs: Sequence[int],
+                   budget: int) -> list[list[int]]:
+    """Any width per expert over every layer at once (pack.schedule "model"): min sum_l sum_e loss_l[e, j] subject to
+    one budget for all of them, so a layer whose table says its experts lose more at low width takes bytes from one
+    that loses less. Widths [L][E] by expert id.
+
+    A model has too many experts x budget units for `allocate_free`'s DP (Qwen3-30B-A3B: 6144 experts, 12,288 units
+    at 2 bits), so: the Lagrangian relaxation min_j loss[e, j] + lam * costs[j] per expert, lam bisected to the
+    smallest that fits the budget (each such choice is optimal for what it spends), then the experts whose choice
+    changes just below that lam upgraded, best loss saved per byte first, as many as the budget left holds."""
+    tables = [_ranked_table(loss, bits, range(loss.shape[0]))[0] for loss in losses]
+    table = torch.cat(tables)
+    cost = torch.tensor([float(c) for c in costs], dtype=torch.float64)
+    if len(costs) != table.shape[1] or any(c1 >= c2 for c1, c2 in zip(costs, costs[1:], strict=False)):
+        raise ValueError(f"costs must give one number per width in {list(bits)}, strictly increasing; got {costs}")
+    if budget < table.shape[0] * costs[0]:
+        raise ValueError(f"budget {budget} is infeasible: the minimum is {table.shape[0] * costs[0]}")
+
+    def pick(lam: float) -> torch.Tensor:
+        return (table + lam * cost).argmin(dim=1)
+
+    def spend(choice: torch.Tensor) -> float:
+        return float(cost[choice].sum())
+
+    low, high = 0.0, 1.0
+    while spend(pick(high)) > budget:  # at a large enough lam every expert takes its cheapest width, which fits
+        low, high = high, high * 2
+    for _ in range(100):
+        middle = (low + high) / 2
+        low, high = (low, middle) if spend(pick(middle)) <= budget else (middle, high)
+    choice, richer = pick(high), pick(low)
+    left = budget - spend(choice)
+    rows = torch.arange(table.shape[0])
+    extra = cost[richer] - cost[choice]
+    saved = table[rows, choice] - table[rows, richer]
+    upgrades = (extra > 0).nonzero().squeeze(1)
+    upgrades = upgrades[torch.argsort(-(saved[upgrades] / extra[upgrades]), stable=True)]
+    taken = upgrades[torch.cumsum(extra[upgrades], 0) <= left]
+    choice[taken] = richer[taken]
+    widths = [int(bits[j]) for j in choice.tolist()]
+    starts = [0]
+    for t in tables:
+        starts.append(starts[-1] + t.shape[0])
+    return [widths[a:b] for a, b in zip(starts, starts[1:], strict=False)]
+
+
 def allocate_avg_bits(loss: torch.Tensor, bits: Sequence[int], order: Sequence[int] | torch.Tensor,
                       avg_bits: float) -> list[int]:
     """`allocate` with cost = width and budget floor(avg_bits * E) bits (0 bits = skipped expert, costs nothing)."""

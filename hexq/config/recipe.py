@@ -55,7 +55,9 @@ EXPORT_TARGETS = ("vllm", "gguf")  # experts.export_target: the grid hexq export
 ROUND_SCOPES = ("expert", "block")  # experts.round_scope: what a replica's rounding is optimised against
 MOE_OBJECTIVES = ("routed", "all")  # HAQ's MoE-group objective: experts on their routed tokens, or on every token
 PLACEMENT_SCHEMES = tuple(SCHEMES.values())  # 003 Algorithm 2: schemes 1, 2 and 3
-BUDGET_SCHEDULES = ("uniform", "cosine")  # how one byte budget is split across layers (004 §4.3)
+# How the budget is split across layers: the same per layer, 004 §4.3's cosine (a byte budget), or not split at all
+# ("model": one allocation over every layer's experts, order free; hexq.algos.allocation.allocate_model)
+BUDGET_SCHEDULES = ("uniform", "cosine", "model")
 PACK_LOSSES = ("expert", "layer")  # what the allocation minimises: per-expert MSE, or weighted by routing mass
 PACK_ORDERS = ("importance", "free")  # widths non-increasing in importance order (002 prefix split), or any
 
@@ -280,7 +282,9 @@ class Pack:
     (002 §4.1). The allocation gives each expert one of `widths` (a subset of the calibration's replica widths; 0 skips
     the expert, 004's "4/0") minimising the loss table's summed MSE, with widths non-increasing in importance order
     (002 §4.2 prefix-split), under avg_bits per layer unless the command line gives a byte budget; a byte budget is
-    split across layers by `schedule` (cosine: r(l) = (1-cosine_lambda)(cos(pi l/(L-1))+1)/2 + cosine_lambda).
+    split across layers by `schedule` (cosine: r(l) = (1-cosine_lambda)(cos(pi l/(L-1))+1)/2 + cosine_lambda);
+    schedule "model" does not split either budget: avg_bits is the model's average, and the layers whose loss tables
+    lose more at low width get more of it.
     `placement` picks hot_fraction of each layer's experts for the fast tier (003 Algorithm 2).
     loss: what the allocation minimises, the loss table's per-expert MSE ("expert", 002 §4.2) or each expert's MSE
     times its squared routing mass per layer token ("layer": the layer output's MSE, so a rarely routed expert
@@ -321,6 +325,8 @@ class Pack:
         check_unit("hot_fraction", self.hot_fraction, open_low=True)
         check_choice("loss", self.loss, PACK_LOSSES)
         check_choice("order", self.order, PACK_ORDERS)
+        if self.schedule == "model" and self.order != "free":
+            raise RecipeError("schedule", "'model' allocates any width per expert across layers: it needs order: free")
 
 
 @dataclass(frozen=True)

@@ -154,7 +154,7 @@ def runtime_divergence(runtime, text: str, ids: torch.Tensor, seqlen: int, max_w
     head = runtime.model.lm_head
     try:
         with streamed_head(reference) as reference_head:
-            ours = (torch.nn.Identity(), weight_rows(head), getattr(head, "bias", None), runtime.dtype)
+            ours = (torch.nn.Identity(), weight_rows(head), getattr(head, "bias", None), torch.float32)  # as window_nll
             return divergence(states, ours, reference_hidden, reference_head, windows, 1)
     finally:
         reference_hidden.close()

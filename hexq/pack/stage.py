@@ -30,6 +30,7 @@ from hexq.algos.allocation import (
     allocate,
     allocate_avg_bits,
     allocate_free,
+    allocate_model,
     assignment_loss,
     avg_bit_budget,
     cosine_retention,
@@ -116,7 +117,8 @@ def expert_costs(shapes: dict[str, tuple[int, int]], bits: tuple[int, ...], grou
 
 def allocate_layers(losses: list[torch.Tensor], orders: list[list[int]], settings: Pack, budget: Budget,
                     costs: list[int]) -> list[list[int]]:
-    """Widths [L][E] by expert id: avg_bits per layer, or the byte total split by the recipe's schedule."""
+    """Widths [L][E] by expert id: avg_bits per layer, or the byte total split by the recipe's schedule (schedule
+    "model": either budget for all layers at once)."""
     bits = settings.widths
     smallest = min((b for b in bits if b), default=0)
     skipping = ("only skipping experts meets it (a layer may lose every routed expert); pass --allow-skipping to "
@@ -129,6 +131,8 @@ def allocate_layers(losses: list[torch.Tensor], orders: list[list[int]], setting
         if 0 in bits and avg < smallest and not budget.allow_skipping:
             raise HexqError(f"average-bit budget {avg} is below the smallest stored width ({smallest} bits): "
                             + skipping)
+        if settings.schedule == "model":
+            return allocate_model(losses, bits, bits, avg_bit_budget(avg, sum(loss.shape[0] for loss in losses)))
         if settings.order == "free":
             return [allocate_free(loss, bits, bits, avg_bit_budget(avg, loss.shape[0])) for loss in losses]
         return [allocate_avg_bits(loss, bits, order, avg) for loss, order in zip(losses, orders, strict=True)]
@@ -143,6 +147,8 @@ def allocate_layers(losses: list[torch.Tensor], orders: list[list[int]], setting
     if budget.total_bytes < minimum:
         raise HexqError(f"byte budget {budget.total_bytes} is infeasible: the minimum that fits is {minimum} bytes "
                         f"(every expert at {bits[0]} bits)")
+    if settings.schedule == "model":
+        return allocate_model(losses, bits, costs, budget.total_bytes)
     shares = layer_budgets(budget.total_bytes, weights, [num_experts * costs[0]] * num_layers)
     if settings.order == "free":
         return [allocate_free(loss, bits, costs, share) for loss, share in zip(losses, shares, strict=True)]

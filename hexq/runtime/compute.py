@@ -175,15 +175,16 @@ class Compute:
             bits = torch.full((1,), weight.bits, dtype=torch.int32, device=x.device)
             self.counters.gemv_rows += x.shape[0]
             return linear_from_codes(x, weight, quantizer, zero, bits).to(x.dtype)
-        if quantizer is not None:
-            x = quantizer(x)
+        # quantized in float32, as `hexq eval` and the native step quantize: in bf16 arithmetic the grid's scale and
+        # the rounding put some activations on another code
+        rows = x if quantizer is None else quantizer(x.float())
         if self._from_codes((weight,), x.shape[0], self.profiles.dense):
             y = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
-            self.kernels.gemv([GemvJob(weight, x.float().contiguous(), y)])
+            self.kernels.gemv([GemvJob(weight, rows.float().contiguous(), y)])
             self.counters.gemv_rows += x.shape[0]
             return y.to(x.dtype)
         self.counters.expanded_dense += 1
-        rows = x.to(self.dtype)
+        rows = rows.to(self.dtype)
         out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
         for start in range(0, weight.shape[0], EXPAND_ROWS):
             block = self.expand(weight.rows(start, start + EXPAND_ROWS), "dense")

@@ -310,11 +310,12 @@ class Runtime:
     @torch.no_grad()
     def window_nll(self, window: torch.Tensor) -> torch.Tensor:
         """Summed next-token NLL of one window scored as a prefill (a new sequence for the policy). The head is
-        applied in vocabulary blocks (hexq.model.streaming.blocked_nll): no [positions, vocab] logits exist at once."""
-        hidden = self.window_states(window)[:-1]
+        applied in vocabulary blocks (hexq.model.streaming.blocked_nll): no [positions, vocab] logits exist at once.
+        Scored in float32 whatever --dtype, as `hexq eval` scores: bf16 logits moved the perplexity by ~0.01%."""
+        hidden = self.window_states(window)[:-1].float()
         head = self.model.lm_head
         nll = blocked_nll(hidden, weight_rows(head), getattr(head, "bias", None), window[1:].to(self.device),
-                          EXPAND_ROWS, self.dtype)
+                          EXPAND_ROWS, torch.float32)
         return nll.double().sum()
 
     def _next_logits(self, ids: torch.Tensor, past) -> tuple[torch.Tensor, object]:
