@@ -11,13 +11,14 @@ hexq rows: the model calibrated with recipe experts-mixed (HAQ W8A8 attention, a
 1, 2, 3, 4, 8 bits, groups of 32, asymmetric) with the bank made as each SETTINGS entry says, then evaluated with
 every expert at 2 and at 3 bits (uniform) and with the allocation `hexq pack` makes at 1.5, 2.0, 2.5 and 3.0
 average bits, by each ALLOCATORS entry (the last setting gets every allocator, the others "main" and the
-recommended one; the bundled experts-mixed recipe is setting "act+spread" with allocator "free+0"). The pieces: `fit`
+recommended one; the bundled experts-mixed recipe is setting "act+spread" with allocator "model+0"). The pieces: `fit`
 (group grids fitted to the Hessian-weighted error, hexq.algos.clipping), `act` (columns in decreasing
 Hessian-diagonal order, static groups: GPTQ's act_order), `round` (1- and 2-bit rounding optimised on routed tokens,
 hexq.algos.rounding), `spread` (1-bit levels at mean -+ 1.75 mean absolute deviations instead of min and max,
 experts.weights.one_bit), `block` (the same widths optimised against the full-precision model's output after each
 layer, experts.round_scope block); allocators: 0-bit experts (skipped, router weight renormalised), the loss
-weighted by routing mass (pack.loss layer) and any width per expert (pack.order free).
+weighted by routing mass (pack.loss layer), any width per expert (pack.order free) and one budget for all layers
+instead of one per layer (pack.schedule model).
 
 Peer rows (all linears but routers and the head at W2A16 or W3A16, groups of 32, asymmetric, weights only): hexq's
 GPTQ (peer_recipe: act_order, then rounding optimised over each whole layer), auto-round (signed-gradient rounding
@@ -80,8 +81,9 @@ ALLOCATORS = {
     "main": Pack(widths=(1, 2, 3, 4)),
     "free": Pack(widths=(1, 2, 3, 4, 8), loss="layer", order="free"),
     "free+0": Pack(widths=(0, 1, 2, 3, 4, 8), loss="layer", order="free"),
+    "model+0": Pack(widths=(0, 1, 2, 3, 4, 8), loss="layer", order="free", schedule="model"),
 }
-RECOMMENDED = "free+0"
+RECOMMENDED = "model+0"
 PEER_WIDTHS = (2, 3)
 PEERS = ("hexq", "auto-round", "llmcompressor")
 

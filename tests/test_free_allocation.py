@@ -11,6 +11,7 @@ import torch
 
 from hexq.algos.allocation import allocate_free, allocate_model, assignment_loss
 from hexq.artifact.format import STATS_SHARD
+from hexq.artifact.inspect import summarize
 from hexq.artifact.reader import Artifact
 from hexq.base.errors import HexqError
 from hexq.config.recipe import Pack
@@ -88,7 +89,13 @@ def test_model_schedule_spends_the_models_budget_where_the_tables_lose_most(mixe
                                for loss, row in zip(table_losses(stats, [1, 2, 3, 4, 8], settings), allocation,
                                                     strict=True))
         assert sum(map(sum, allocation)) <= 2.0 * sum(map(len, allocation))
+        assert summarize(out)["allocation"]["budget"] == {"uniform": "2.0 bits per layer",
+                                                          "model": "2.0 bits over the model"}[schedule]
     assert summed["model"] <= summed["uniform"] * (1 + 1e-9)
+    budget = Artifact(tmp_path / "uniform.hexq").manifest["accounting"]["allocated_expert_bytes"]
+    by_bytes = pack(mixed_calibration[0], tmp_path / "bytes.hexq", replace(settings, schedule="model"),
+                    Budget(total_bytes=budget))
+    assert by_bytes.allocated_bytes <= budget
     with pytest.raises(RecipeError, match="needs order: free"):
         Pack(schedule="model")
 

@@ -43,8 +43,9 @@ def summarize(path: str | Path) -> dict:
     head = (f"{head_bits}-bit codes" if head_bits else
             "tied to the embeddings" if HEAD_WEIGHT in manifest["dense"]["aliases"] else "as stored")
     budget = allocation["budget"]
-    described = (f"{budget['total_bytes']} bytes, {budget['schedule']} over layers"
-                 if budget["total_bytes"] is not None else f"{budget['avg_bits']} bits per layer")
+    described = (f"{budget['total_bytes']} bytes, {budget['schedule']} over layers" if budget["total_bytes"] is not None
+                 else f"{budget['avg_bits']} bits over the model" if budget.get("schedule") == "model"
+                 else f"{budget['avg_bits']} bits per layer")
     return {
         "path": str(artifact.path),
         "format_version": manifest["format_version"],
