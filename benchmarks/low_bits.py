@@ -5,7 +5,7 @@
 
 Every row is evaluated on the same first N windows (length 256) of the held-out austen, pydocs and foldoc text
 (never calibrated on), and every calibration (hexq's and the peers') uses the same windows of the bundled text
-(--samples windows of 256 tokens, seed 0).
+(--samples windows of 256 tokens, drawn with --seed, 0 by default).
 
 hexq rows: the model calibrated with recipe experts-mixed (HAQ W8A8 attention, a replica bank of routed experts at
 1, 2, 3, 4, 8 bits, groups of 32, asymmetric) with the bank made as each SETTINGS entry says, then evaluated with
@@ -88,17 +88,17 @@ PEER_WIDTHS = (2, 3)
 PEERS = ("hexq", "auto-round", "llmcompressor")
 
 
-def bank_recipe(setting: str, samples: int) -> Recipe:
+def bank_recipe(setting: str, samples: int, seed: int = 0) -> Recipe:
     recipe = load_recipe("experts-mixed")
     change = SETTINGS[setting]
     experts = recipe.experts
     weights = dataclasses.replace(experts.weights, **change.get("weights", {}))
     experts = dataclasses.replace(experts, weights=weights, **change.get("experts", {}))
     return dataclasses.replace(recipe, name=f"experts-mixed-{setting}", experts=experts,
-                               calibration=dataclasses.replace(recipe.calibration, num_samples=samples))
+                               calibration=dataclasses.replace(recipe.calibration, num_samples=samples, seed=seed))
 
 
-def peer_recipe(bits: int, samples: int) -> Recipe:
+def peer_recipe(bits: int, samples: int, seed: int = 0) -> Recipe:
     """hexq at WbA16 g32 on every linear (attention too), like the peers: GPTQ with act_order (static min/max
     grids: fitted ones lose there), then every matrix's rounding and scales optimised against each decoder layer's
     full-precision output (experts.round_scope block, PEER_STEPS steps, as auto-round tunes its blocks)."""
@@ -107,7 +107,7 @@ def peer_recipe(bits: int, samples: int) -> Recipe:
     return recipe_from_dict({
         "name": f"w{bits}a16-g32", "smoothing": {"method": "none"}, "weights": dataclasses.asdict(weights),
         "activations": {"bits": None}, "experts": dataclasses.asdict(experts),
-        "calibration": {"num_samples": samples, "seqlen": SEQLEN, "seed": 0}})
+        "calibration": {"num_samples": samples, "seqlen": SEQLEN, "seed": seed}})
 
 
 def percent(value: float, reference: float) -> str:
@@ -169,11 +169,11 @@ class Evaluator:
 
 
 def bank_rows(name: str, setting: str, allocators: list[str], evaluator: Evaluator, work: Path, samples: int,
-              add) -> None:
+              add, seed: int = 0) -> None:
     """Uniform 2 and 3 bits and the mixed allocations of one calibration setting, each row given to add()."""
     calib = work / f"{name}-{setting}"
     started = time.time()
-    calibrate(MODELS[name], bank_recipe(setting, samples), "bundled", calib, force=True)
+    calibrate(MODELS[name], bank_recipe(setting, samples, seed), "bundled", calib, force=True)
     seconds = round(time.time() - started, 1)
     art_dir = work / f"{name}-{setting}.hexq"
     pack(calib, art_dir, budget=Budget(avg_bits=3.0), overwrite=True, bank=("all",))
@@ -199,16 +199,16 @@ def bank_rows(name: str, setting: str, allocators: list[str], evaluator: Evaluat
 
 
 def peer_rows(name: str, bits: int, evaluator: Evaluator, work: Path, samples: int, iters: int, lr: float | None,
-              add, methods: tuple[str, ...] = PEERS) -> None:
+              add, methods: tuple[str, ...] = PEERS, seed: int = 0) -> None:
     """hexq, auto-round and llm-compressor (those in `methods`) at WbA16 g32 on the same calibration windows, each
     row given to add()."""
     from llmcompressor_peer import PeerScheme, run_peer
 
-    ids = calibration_windows(evaluator.tokenizer, "bundled", samples, SEQLEN, seed=0).ids
+    ids = calibration_windows(evaluator.tokenizer, "bundled", samples, SEQLEN, seed=seed).ids
     if "hexq" in methods:
         out = work / f"{name}-w{bits}"
         started = time.time()
-        calibrate(MODELS[name], peer_recipe(bits, samples), "bundled", out, force=True)
+        calibrate(MODELS[name], peer_recipe(bits, samples, seed), "bundled", out, force=True)
         seconds = round(time.time() - started, 1)
         streamed, _tokenizer, prepare = calibrated_model(out, torch.device("cpu"))
         add({"setting": f"w{bits}a16-g32", "allocator": "hexq", "bits": bits, "calib_seconds": seconds,
@@ -254,8 +254,8 @@ def earlier_results(path: Path, results: dict) -> dict:
     if not path.is_file():
         return results
     earlier = json.loads(path.read_text())
-    protocol = ("samples", "windows", "seqlen", "eval_data")
-    if any(earlier.get(key) != results[key] for key in protocol):
+    protocol = ("samples", "windows", "seqlen", "eval_data", "seed")
+    if any(earlier.get(key, 0 if key == "seed" else None) != results[key] for key in protocol):
         raise SystemExit(f"--merge: {path} holds another protocol "
                          f"({', '.join(f'{k} {earlier.get(k)}' for k in protocol)})")
     return results | {"models": earlier.get("models", {})}
@@ -288,6 +288,8 @@ def main() -> None:
                         help="the bank settings' rows (none: the peer rows alone)")
     parser.add_argument("--samples", type=int, default=128, help="calibration windows of 256 tokens")
     parser.add_argument("--windows", type=int, default=64, help="evaluation windows of 256 tokens per text")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="which calibration windows every row (hexq's and the peers') draws from the bundled text")
     parser.add_argument("--no-peers", action="store_true", help="skip the W2A16 / W3A16 g32 peer rows")
     parser.add_argument("--peer-bits", type=int, nargs="+", default=list(PEER_WIDTHS), choices=PEER_WIDTHS,
                         help="the peer rows' widths")
@@ -304,7 +306,7 @@ def main() -> None:
     torch.manual_seed(0)
     record = start_run(args)
     results = {"samples": args.samples, "windows": args.windows, "seqlen": SEQLEN, "eval_data": list(EVAL_DATA),
-               "models": {}}
+               "seed": args.seed, "models": {}}
     if args.merge:
         results = earlier_results(args.out, results)
     args.work.mkdir(parents=True, exist_ok=True)
@@ -324,11 +326,11 @@ def main() -> None:
 
         for setting in args.settings:
             allocators = list(ALLOCATORS) if setting == args.settings[-1] else ["main", RECOMMENDED]
-            bank_rows(name, setting, allocators, evaluator, args.work, args.samples, add)
+            bank_rows(name, setting, allocators, evaluator, args.work, args.samples, add, args.seed)
         if not args.no_peers:
             for bits in args.peer_bits:
                 peer_rows(name, bits, evaluator, args.work, args.samples, args.auto_round_iters, args.auto_round_lr,
-                          add, tuple(args.peers))
+                          add, tuple(args.peers), args.seed)
     write_results(args.out, results, record, complete=True, merged=args.merge)
     print(render(results))
 
