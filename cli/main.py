@@ -141,9 +141,9 @@ def pack_command(
     out: Annotated[Path, typer.Option("--out", "-o", help="Artifact folder to write.")] = Path("model.hexq"),
     recipe: Annotated[str | None, typer.Option("--recipe", "-r", help="Take the pack section from this recipe "
                                                "(default: the calibration's recipe).")] = None,
-    bits: Annotated[float | None, typer.Option("--bits", help="Average bits per expert in every layer (in the "
-                                               "model with --schedule model; default: the recipe's "
-                                               "pack.avg_bits).")] = None,
+    bits: Annotated[float | None, typer.Option("--bits", help="Average bits per expert in every layer, or over "
+                                               "the whole model where the schedule is model (experts-mixed's); "
+                                               "default: the recipe's pack.avg_bits.")] = None,
     expert_bytes: Annotated[str | None, typer.Option("--expert-bytes", help="Stored bytes for all routed experts of "
                                                      "the model, e.g. 3MB or 2.5MiB; split across layers by the "
                                                      "recipe's pack.schedule.")] = None,
@@ -170,7 +170,7 @@ def pack_command(
     from hexq.pack.stage import Budget, pack
 
     if bits is not None and expert_bytes is not None:
-        raise HexqError("give either --bits (average per layer) or --expert-bytes (bytes for the model), not both")
+        raise HexqError("give either --bits (mean bits per expert) or --expert-bytes (bytes for the model), not both")
     settings = load_recipe(recipe).pack if recipe else None
     if schedule is not None:
         from hexq.calib.store import read_manifest
