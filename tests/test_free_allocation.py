@@ -74,6 +74,14 @@ def test_model_allocation_is_within_a_hair_of_the_exact_optimum(seed):
         allocate_model([loss[:, 1:3] for loss in losses], [1, 2], [1, 2], 255)  # every expert at 1 bit: 256
 
 
+def test_model_allocation_spends_what_the_relaxation_leaves():
+    """Identical experts all change width at the same lam: the relaxation alone gives every one the narrow width
+    (or overspends), and the upgrades after it fill the budget exactly as the DP does."""
+    same = torch.tensor([[4.0, 1.0, 0.25]], dtype=torch.float64).expand(10, 3)
+    got = allocate_model([same, same], [1, 2, 3], [1, 2, 3], 20 + 7)
+    assert sorted(b for row in got for b in row) == [1] * 13 + [2] * 7
+
+
 def test_model_schedule_spends_the_models_budget_where_the_tables_lose_most(mixed_calibration, tmp_path):
     """pack.schedule model: --bits is the model's average, met, and the summed table loss is no more than with the
     same average in every layer (that allocation is one the model-wide one could have made); without order free the
