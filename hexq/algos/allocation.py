@@ -214,11 +214,7 @@ def allocate_model(losses: Sequence[torch.Tensor], bits: Sequence[int], costs: S
     upgrades = upgrades[torch.argsort(-(saved[upgrades] / extra[upgrades]), stable=True)]
     taken = upgrades[torch.cumsum(extra[upgrades], 0) <= left]
     choice[taken] = richer[taken]
-    widths = [int(bits[j]) for j in choice.tolist()]
-    starts = [0]
-    for t in tables:
-        starts.append(starts[-1] + t.shape[0])
-    return [widths[a:b] for a, b in zip(starts, starts[1:], strict=False)]
+    return [[int(bits[j]) for j in layer.tolist()] for layer in choice.split([t.shape[0] for t in tables])]
 
 
 def allocate_avg_bits(loss: torch.Tensor, bits: Sequence[int], order: Sequence[int] | torch.Tensor,

@@ -24,7 +24,7 @@ from hexq.eval.perplexity import PerplexityResult, make_windows
 from hexq.model.folder import context_length
 from hexq.model.layer_pass import full_precision_plan, stream_layers, stream_nll
 from hexq.model.streaming import open_model
-from hexq.runtime.compute import weight_rows
+from hexq.runtime.compute import SCORING_DTYPE, weight_rows
 from hexq.runtime.model import artifact_model
 
 
@@ -154,7 +154,7 @@ def runtime_divergence(runtime, text: str, ids: torch.Tensor, seqlen: int, max_w
     head = runtime.model.lm_head
     try:
         with streamed_head(reference) as reference_head:
-            ours = (torch.nn.Identity(), weight_rows(head), getattr(head, "bias", None), torch.float32)  # as window_nll
+            ours = (torch.nn.Identity(), weight_rows(head), getattr(head, "bias", None), SCORING_DTYPE)
             return divergence(states, ours, reference_hidden, reference_head, windows, 1)
     finally:
         reference_hidden.close()

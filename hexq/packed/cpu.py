@@ -248,7 +248,6 @@ def available_paths(library: ctypes.CDLL) -> list[str]:
     return [name for name in FASTEST_LAST if mask >> PATHS.index(name) & 1]
 
 
-
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     compiler = _compiler()

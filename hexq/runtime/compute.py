@@ -42,6 +42,9 @@ from hexq.runtime.cost import LatencyProfile, measure_latency, n_critical, shoul
 # ([vocab, hidden]: 151,936 rows at Qwen3-30B-A3B's vocabulary) a block at a time, in a decode step and in a
 # perplexity pass alike (PackedRows).
 EXPAND_ROWS = 16384
+# The dtype `hexq run --ppl` and `--kl-against` score the head in, whatever --dtype: float32, as `hexq eval` scores
+# (bf16 logits moved the served perplexity by ~0.01%).
+SCORING_DTYPE = torch.float32
 
 WIDTH_SLOTS = 16  # sort key stride: expert * 16 + (8 - bits) puts an expert's highest width first
 # The cost model's timing runs: the GEMV on one slice of its tokens (the kernel takes 4 at a time), the expanded

@@ -51,7 +51,7 @@ from hexq.model.adapters import adapter_for
 from hexq.model.folder import context_length
 from hexq.model.streaming import blocked_nll
 from hexq.runtime.cache import ExpertCache
-from hexq.runtime.compute import EXPAND_ROWS, Compute, compute_backend, weight_rows
+from hexq.runtime.compute import EXPAND_ROWS, SCORING_DTYPE, Compute, compute_backend, weight_rows
 from hexq.runtime.cost import admit_fill, calibration_usage, usage_update
 from hexq.runtime.coverage import NotNative
 from hexq.runtime.experts import USAGE_HORIZON, CachedExperts, RunState
@@ -310,12 +310,12 @@ class Runtime:
     @torch.no_grad()
     def window_nll(self, window: torch.Tensor) -> torch.Tensor:
         """Summed next-token NLL of one window scored as a prefill (a new sequence for the policy). The head is
-        applied in vocabulary blocks (hexq.model.streaming.blocked_nll): no [positions, vocab] logits exist at once.
-        Scored in float32 whatever --dtype, as `hexq eval` scores: bf16 logits moved the perplexity by ~0.01%."""
-        hidden = self.window_states(window)[:-1].float()
+        applied in vocabulary blocks (hexq.model.streaming.blocked_nll): no [positions, vocab] logits exist at once,
+        in SCORING_DTYPE."""
+        hidden = self.window_states(window)[:-1].to(SCORING_DTYPE)
         head = self.model.lm_head
         nll = blocked_nll(hidden, weight_rows(head), getattr(head, "bias", None), window[1:].to(self.device),
-                          EXPAND_ROWS, torch.float32)
+                          EXPAND_ROWS, SCORING_DTYPE)
         return nll.double().sum()
 
     def _next_logits(self, ids: torch.Tensor, past) -> tuple[torch.Tensor, object]:
