@@ -62,6 +62,19 @@ def _ranked_table(loss: torch.Tensor, bits: Sequence[int], order: Sequence[int] 
     return table[ids], bits, ids
 
 
+def _checked_costs(costs: Sequence[int], bits: Sequence[int], experts: int, budget: int) -> tuple[list[int], int]:
+    """(costs, budget) as integers, after checking one cost >= 0 per width, strictly increasing, and a budget no
+    smaller than every expert at the lowest width (the error names that minimum)."""
+    costs = [int(c) for c in costs]
+    if len(costs) != len(bits) or costs[0] < 0 or any(c1 >= c2 for c1, c2 in zip(costs, costs[1:], strict=False)):
+        raise ValueError(f"costs must give one integer >= 0 per width in {bits}, strictly increasing; got {costs}")
+    budget = int(budget)
+    if budget < experts * costs[0]:
+        raise ValueError(f"budget {budget} is infeasible: the minimum is {experts * costs[0]} "
+                         f"({experts} experts at {bits[0]} bits, {costs[0]} each)")
+    return costs, budget
+
+
 def _to_experts(levels: Sequence[int], bits: Sequence[int], order: Sequence[int]) -> list[int]:
     """Widths by expert id from levels by importance rank."""
     out = [0] * len(order)
@@ -90,14 +103,8 @@ def allocate(loss: torch.Tensor, bits: Sequence[int], order: Sequence[int] | tor
     """
     table, bits, ids = _ranked_table(loss, bits, order)
     E, K = table.shape
-    costs = [int(c) for c in costs]
-    if len(costs) != K or costs[0] < 0 or any(c1 >= c2 for c1, c2 in zip(costs, costs[1:], strict=False)):
-        raise ValueError(f"costs must give one integer >= 0 per width in {bits}, strictly increasing; got {costs}")
-    budget = int(budget)
+    costs, budget = _checked_costs(costs, bits, E, budget)
     minimum = E * costs[0]
-    if budget < minimum:
-        raise ValueError(f"budget {budget} is infeasible: the minimum is {minimum} "
-                         f"({E} experts at {bits[0]} bits, {costs[0]} each)")
     if K == 1 or E == 0:
         return _to_experts([0] * E, bits, ids)
 
@@ -145,14 +152,8 @@ def allocate_free(loss: torch.Tensor, bits: Sequence[int], costs: Sequence[int],
     then one backward pass over the recorded choices. O(E U K) time, O(E U) bytes of choices.
     """
     table, bits, ids = _ranked_table(loss, bits, range(loss.shape[0]))
-    E, K = table.shape
-    costs = [int(c) for c in costs]
-    if len(costs) != K or costs[0] < 0 or any(c1 >= c2 for c1, c2 in zip(costs, costs[1:], strict=False)):
-        raise ValueError(f"costs must give one integer >= 0 per width in {bits}, strictly increasing; got {costs}")
-    budget = int(budget)
-    if budget < E * costs[0]:
-        raise ValueError(f"budget {budget} is infeasible: the minimum is {E * costs[0]} "
-                         f"({E} experts at {bits[0]} bits, {costs[0]} each)")
+    E = table.shape[0]
+    costs, budget = _checked_costs(costs, bits, E, budget)
     g = math.gcd(*costs) if any(costs) else 1
     w = [c // g for c in costs]
     units = min(budget // g, E * w[-1])  # beyond every expert at the widest width nothing changes
@@ -187,11 +188,8 @@ def allocate_model(losses: Sequence[torch.Tensor], bits: Sequence[int], costs: S
     changes just below that lam upgraded, best loss saved per byte first, as many as the budget left holds."""
     tables = [_ranked_table(loss, bits, range(loss.shape[0]))[0] for loss in losses]
     table = torch.cat(tables)
-    cost = torch.tensor([float(c) for c in costs], dtype=torch.float64)
-    if len(costs) != table.shape[1] or any(c1 >= c2 for c1, c2 in zip(costs, costs[1:], strict=False)):
-        raise ValueError(f"costs must give one number per width in {list(bits)}, strictly increasing; got {costs}")
-    if budget < table.shape[0] * costs[0]:
-        raise ValueError(f"budget {budget} is infeasible: the minimum is {table.shape[0] * costs[0]}")
+    costs, budget = _checked_costs(costs, list(bits), table.shape[0], budget)
+    cost = torch.tensor(costs, dtype=torch.float64)
 
     def pick(lam: float) -> torch.Tensor:
         return (table + lam * cost).argmin(dim=1)
