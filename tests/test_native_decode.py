@@ -79,7 +79,7 @@ def test_native_step_is_the_transformers_step(packed_artifact):
 @pytest.mark.parametrize("path", ["avx2", "avxvnni", "avx512"])
 def test_w8a8_attention_on_every_kernel_path(packed_artifact, monkeypatch, path):
     """The W8A8 matrices on each path's own arithmetic: int16 blocks (AVX2), integer sums of 256-bit vpdpbusd
-    (AVX-VNNI: decode.c ROWS_W8A8_256), of 512-bit ones (AVX-512), each against the transformers step."""
+    (AVX-VNNI: w8a8_256.h), of 512-bit ones (AVX-512), each against the transformers step."""
     if path not in available_paths(KERNELS.library):
         pytest.skip(f"this CPU does not run the {path} path")
     monkeypatch.setenv("HEXQ_CPU_PATH", path)

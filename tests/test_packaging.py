@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from hexq.packed import cpu
 from tests.conftest import TOKENIZER_DIR, build_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -75,7 +76,7 @@ def test_wheel_holds_every_subpackage_module_and_bundled_file(installed):
     assert {f"hexq/calib_data/{name}" for name in slices} <= names
     # the CPU kernels are compiled from these at first use: without one, every kernel path is gone
     kernel_sources = {str(p.relative_to(ROOT)) for pattern in ("*.c", "*.h") for p in (ROOT / "hexq").rglob(pattern)}
-    assert {f"hexq/packed/{name}" for name in ("kernels.c", "decode.c", "kernels.h", "vnni256.h")} <= kernel_sources
+    assert {str(p.relative_to(ROOT)) for p in (*cpu.SOURCES, *cpu.HEADERS)} <= kernel_sources
     assert kernel_sources <= names
 
 

@@ -57,7 +57,7 @@ def test_the_avx_vnni_copy_has_no_avx512_instruction():
         assert not IN_CI, "the kernels and objdump (binutils) are part of the CI machine"
         pytest.skip("no kernels or no objdump")
     avx512_register = re.compile(r"%zmm|%k[1-7]|%[xy]mm(1[6-9]|2[0-9]|3[01])\b")
-    for symbol in ("rows8_avxvnni", "rows_w8a8_vex"):  # the GEMV (kernels.c) and the W8A8 rows (decode.c)
+    for symbol in ("rows8_avxvnni", "rows_w8a8_vex"):  # the GEMV (vnni256.h) and the W8A8 rows (w8a8_256.h)
         listing = subprocess.run(["objdump", "-d", f"--disassemble={symbol}", KERNELS.library._name],
                                  capture_output=True, text=True, check=True).stdout
         lines = [line.split("\t") for line in listing.splitlines() if line.count("\t") >= 2]
@@ -65,6 +65,38 @@ def test_the_avx_vnni_copy_has_no_avx512_instruction():
         evex = [line for line in lines if line[1].startswith("62 ") or avx512_register.search(line[2])]
         assert not evex, (symbol, evex[:5])
         assert any("{vex} vpdpbusd" in line[2] for line in lines), symbol
+
+
+def test_activation_blocks_are_the_portable_ones_on_every_path():
+    """quantize_x (the int16 activation blocks every packed GEMV reads) has a portable copy and an AVX2 one written
+    with intrinsics: every path's blocks, scales and sums equal the scalar path's bit for bit, on blocks of zeros,
+    signed zeros, outliers, magnitudes from 1e-30 to 1e30, a NaN and an infinity."""
+    import ctypes
+
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 32, generator=generator) * torch.logspace(-30, 30, 64)[:, None]
+    x[1] = 0.0
+    x[2, ::2] = -0.0
+    x[3, 5] *= 1e4
+    x[4, 7] = float("nan")
+    x[5, 9] = float("inf")
+    x[6] = torch.round(x[6] / x[6].abs().max() * 32767) / 32767 * 3.0  # values on the grid: ties to round
+    x = x.reshape(-1).contiguous()
+    blocks = x.numel() // 32
+
+    def blocks_of(path: str) -> tuple[torch.Tensor, ...]:
+        q, dx, sums = torch.empty(x.numel(), dtype=torch.int16), torch.empty(blocks), torch.empty(blocks,
+                                                                                                 dtype=torch.int32)
+        done = KERNELS.library.hexq_quantize_x(ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(x.numel()),
+                                               cpu.PATHS.index(path), ctypes.c_void_p(q.data_ptr()),
+                                               ctypes.c_void_p(dx.data_ptr()), ctypes.c_void_p(sums.data_ptr()))
+        assert done == 0, path
+        return q, dx.view(torch.int32), sums  # dx bit for bit (a NaN scale included)
+
+    want = blocks_of("scalar")
+    assert int(want[0].abs().max()) == 32767 and want[0][4 * 32 + 7] == -32767  # the clamp took the NaN
+    for path in PATHS:
+        assert all(torch.equal(a, b) for a, b in zip(blocks_of(path), want, strict=True)), path
 
 
 def packed_matrix(rows: int, cols: int, bits: int, group: int, symmetric: bool, seed: int):

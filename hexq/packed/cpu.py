@@ -71,9 +71,10 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels.c")
 # The library's sources: the GEMV, dequantization and pool (kernels.c), the native decode step (decode.c), and what
-# they share (kernels.h), the VNNI GEMV compiled twice (vnni256.h).
+# they share (kernels.h), and the 256-bit VNNI code each compiles twice (one copy per encoding of vpdpbusd): the
+# rows8 GEMV (vnni256.h, kernels.c) and the integer W8A8 rows (w8a8_256.h, decode.c).
 SOURCES = (SOURCE, SOURCE.with_name("decode.c"))
-HEADERS = (SOURCE.with_name("kernels.h"), SOURCE.with_name("vnni256.h"))  # what they include
+HEADERS = tuple(SOURCE.with_name(name) for name in ("kernels.h", "vnni256.h", "w8a8_256.h"))  # what they include
 FLAGS = ("-O3", "-ffp-contract=off", "-fPIC", "-shared", "-pthread")
 PATHS = ("scalar", "avx2", "avx512", "avxvnni")  # the C enum's order
 FASTEST_LAST = ("scalar", "avx2", "avxvnni", "avx512")  # the default is the last one this CPU runs

@@ -62,7 +62,7 @@ typedef void (*rows_fn)(const hexq_gemv_task*, const quantized_x*, int64_t, int6
 
 int hexq_paths(void);
 int hexq_avxvnni_encoding(void);
-HIDDEN void quantize_x(const hexq_gemv_task* t, quantized_x* out);
+HIDDEN void quantize_x(const hexq_gemv_task* t, quantized_x* out, int path);
 /* Whether this CPU runs AVX2 and FMA: scalar helpers take a copy compiled for them (the same numbers, faster). */
 HIDDEN int cpu_has_avx2(void);
 /* Whether this CPU runs AVX-VNNI and this build has the VEX copies for it (HEXQ_AVXVNNI_VEX): the AVX-VNNI path then
