@@ -137,6 +137,27 @@ def test_every_kernel_path(a16_artifact, path):
     assert float((logits[path] - logits["scalar"]).norm() / logits["scalar"].norm()) <= 1e-4
 
 
+@pytest.mark.parametrize("path", ["scalar", "avx2", "avx512"])
+def test_attention_does_not_depend_on_the_thread_count(a16_artifact, monkeypatch, path):
+    """The attention's pool items group the query heads of one KV head, fewer heads per item when there are more
+    threads (decode.c heads_per_item): each head's arithmetic is the same however many share its item, so the logits
+    are the same bits on 1 thread (2 heads per item here) and on 3 (1 head), over 40 positions (past the 8-position
+    blocks of scores and the 32-position blocks of values)."""
+    if path not in available_paths(KERNELS.library):
+        pytest.skip(f"this CPU does not run the {path} path")
+    monkeypatch.setenv("HEXQ_CPU_PATH", path)
+    tokens = torch.randint(1, 8192, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    logits = []
+    with Runtime(a16_artifact, dtype="fp32") as runtime:
+        assert runtime.decode_path == "native"
+        _, past = runtime._next_logits(PROMPT, None)
+        for threads in (1, 3):
+            runtime.native.kernels.threads = threads
+            runtime.native.start(past, PROMPT.shape[1], PROMPT.shape[1] + len(tokens))
+            logits.append(torch.stack([runtime.native.step(token) for token in tokens]))
+    assert torch.equal(*logits)
+
+
 @pytest.fixture(scope="module")
 def symmetric_g128_artifact(tmp_path_factory):
     """Experts quantized symmetric in groups of 128 (a Qwen3-MoE 128 wide), widths 1-8 allowed and the allocation

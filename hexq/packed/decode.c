@@ -634,12 +634,23 @@ static void add_product(phase* p, input_set* set, const float* src, int64_t cols
 
 /* ------------------------------------------------------------------------------------------ attention */
 
+#define MAX_GROUP 64 /* query heads per KV head the step takes */
+
 typedef struct {
     const hexq_model* m;
     const scratch* s;
     int layer;
     int64_t pos, start;
+    int64_t per; /* query heads per pool item: a divisor of the group */
 } attention_ctx;
+
+/* Query heads per attention item: the whole group of a KV head (its rows read once), halved while that leaves
+   fewer items than threads. */
+static int64_t heads_per_item(const hexq_model* m, int threads) {
+    int64_t per = m->heads / m->kv_heads;
+    while (per % 2 == 0 && m->heads / per < threads) per /= 2;
+    return per;
+}
 
 /* a . b over n floats in 8 independent partial sums (so the compiler vectorizes it for the ISA of its caller). */
 static inline __attribute__((always_inline)) float dot8(const float* a, const float* b, int64_t n) {
@@ -651,38 +662,200 @@ static inline __attribute__((always_inline)) float dot8(const float* a, const fl
     return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
 }
 
-/* One query head over positions [start, pos] of its KV head: softmax(q k^T * scaling) v. */
-static inline __attribute__((always_inline)) void attention_body(const attention_ctx* c, int64_t head) {
-    const hexq_model* m = c->m;
-    const int64_t D = m->head_dim, group = m->heads / m->kv_heads, kvh = head / group;
-    const float* q = c->s->q + head * D;
-    const float* keys = m->k_cache + (((int64_t)c->layer * m->kv_heads + kvh) * m->max_pos) * D;
-    const float* values = m->v_cache + (((int64_t)c->layer * m->kv_heads + kvh) * m->max_pos) * D;
-    float* scores = c->s->scores + head * m->max_pos;
-    float top = -INFINITY;
-    for (int64_t t = c->start; t <= c->pos; t++) {
-        scores[t] = dot8(q, keys + t * D, D) * m->scaling;
-        top = fmaxf(top, scores[t]);
+#ifdef DECODE_X86
+/* e^x on 8 lanes for x in [-87.3, 88] (the caller clamps): x = n ln2 + r with |r| <= ln2 / 2 (ln2 in two parts, so
+   that n ln2 is exact to float32), e^r by Cephes' degree-7 polynomial for expf (relative error ~1e-7, a float32
+   ulp), 2^n into the exponent field. */
+static AVX2 __m256 exp8(__m256 x) {
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+/* scores[t] = e^(scores[t] - top) for t in [0, n), returning their sum (in 8 partial sums, then in order): exp8 on 8
+   lanes where libm's expf per position took most of the attention phase (32 heads x every position per layer);
+   scores[t] - top <= 0, clamped below at -87.3, where e^x is under 1.2e-38 of the largest. */
+static AVX2 float softmax_exp_avx2(float* scores, int64_t n, float top) {
+    __m256 sum = _mm256_setzero_ps();
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8) {
+        const __m256 x = _mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(scores + t), _mm256_set1_ps(top)),
+                                       _mm256_set1_ps(-87.3f));
+        const __m256 e = exp8(x);
+        _mm256_storeu_ps(scores + t, e);
+        sum = _mm256_add_ps(sum, e);
     }
-    float total = 0.0f;
-    for (int64_t t = c->start; t <= c->pos; t++) {
+    float lanes[8], total = 0.0f;
+    _mm256_storeu_ps(lanes, sum);
+    for (int j = 0; j < 8; j++) total += lanes[j];
+    for (; t < n; t++) {
         scores[t] = expf(scores[t] - top);
         total += scores[t];
     }
-    float* out = c->s->att + head * D;
-    for (int64_t i = 0; i < D; i++) out[i] = 0.0f;
-    const float inv = 1.0f / total;
-    for (int64_t t = c->start; t <= c->pos; t++) {
-        const float p = scores[t] * inv;
-        const float* v = values + t * D;
-        for (int64_t i = 0; i < D; i++) out[i] += p * v[i];
+    return total;
+}
+#endif
+
+/* Query heads [first, first + c->per) of one KV head over positions [start, pos]: softmax(q k^T * scaling) v for
+   each, on the portable path. The heads of an item share their KV head (per divides the group), and each key and
+   value row is read once for all of them. */
+static void attention_heads(void* arg, int64_t item) {
+    const attention_ctx* c = (const attention_ctx*)arg;
+    const hexq_model* m = c->m;
+    const int64_t D = m->head_dim, per = c->per, first = item * per, kvh = first / (m->heads / m->kv_heads);
+    const float* keys = m->k_cache + (((int64_t)c->layer * m->kv_heads + kvh) * m->max_pos) * D;
+    const float* values = m->v_cache + (((int64_t)c->layer * m->kv_heads + kvh) * m->max_pos) * D;
+    float top[MAX_GROUP], inv[MAX_GROUP];
+    for (int64_t g = 0; g < per; g++) top[g] = -INFINITY;
+    for (int64_t t = c->start; t <= c->pos; t++)
+        for (int64_t g = 0; g < per; g++) {
+            float* scores = c->s->scores + (first + g) * m->max_pos;
+            scores[t] = dot8(c->s->q + (first + g) * D, keys + t * D, D) * m->scaling;
+            top[g] = scores[t] > top[g] ? scores[t] : top[g]; /* not fmaxf: a libm call per position */
+        }
+    for (int64_t g = 0; g < per; g++) {
+        float* scores = c->s->scores + (first + g) * m->max_pos;
+        float total = 0.0f;
+        for (int64_t t = c->start; t <= c->pos; t++) {
+            scores[t] = expf(scores[t] - top[g]);
+            total += scores[t];
+        }
+        inv[g] = 1.0f / total;
+        float* out = c->s->att + (first + g) * D;
+        for (int64_t i = 0; i < D; i++) out[i] = 0.0f;
+    }
+    for (int64_t t = c->start; t <= c->pos; t++)
+        for (int64_t g = 0; g < per; g++) {
+            const float p = c->s->scores[(first + g) * m->max_pos + t] * inv[g];
+            float* out = c->s->att + (first + g) * D;
+            for (int64_t i = 0; i < D; i++) out[i] += p * values[t * D + i];
+        }
+}
+
+#ifdef DECODE_X86
+/* The sums of 8 vectors' lanes, one per lane: [sum a[0], ..., sum a[7]]. */
+static AVX2 __m256 sums8(const __m256 a[8]) {
+    const __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
+}
+
+#define KV_BLOCK 32 /* positions whose value rows (16 KB at head_dim 128) stay in L1 while every head reads them */
+
+/* out[h] += sum over positions u in [block, stop) of p[h][u] v[u], for `heads` (a constant: 1, 2 or 4) heads whose
+   outputs and weights lie D and stride floats apart: 8 lanes of every head's output in registers, in two
+   accumulators each (even and odd positions, so that the multiply-adds are not one chain), each value vector loaded
+   once for them all. A head's arithmetic does not depend on how many heads share the call, so the step's result
+   does not depend on the thread count (heads_per_item). */
+static AVX2 inline __attribute__((always_inline)) void weighted_values(const float* values, const float* p,
+                                                                        int64_t stride, float* out, int64_t D,
+                                                                        int64_t block, int64_t stop,
+                                                                        const int heads) {
+    for (int64_t d = 0; d < D; d += 8) {
+        __m256 even[4], odd[4];
+        for (int h = 0; h < heads; h++) {
+            even[h] = _mm256_loadu_ps(out + h * D + d);
+            odd[h] = _mm256_setzero_ps();
+        }
+        int64_t u = block;
+        for (; u + 2 <= stop; u += 2) {
+            if (d % 16 == 0) { /* the next block's rows, a line each: they arrive while this block is computed (one
+                                  row per 512 bytes of stride is too sparse for the hardware's prefetch) */
+                __builtin_prefetch(values + (u + KV_BLOCK) * D + d, 0, 3);
+                __builtin_prefetch(values + (u + 1 + KV_BLOCK) * D + d, 0, 3);
+            }
+            const __m256 v0 = _mm256_loadu_ps(values + u * D + d), v1 = _mm256_loadu_ps(values + (u + 1) * D + d);
+            for (int h = 0; h < heads; h++) {
+                even[h] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + h * stride + u), v0, even[h]);
+                odd[h] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + h * stride + u + 1), v1, odd[h]);
+            }
+        }
+        if (u < stop) {
+            const __m256 v = _mm256_loadu_ps(values + u * D + d);
+            for (int h = 0; h < heads; h++)
+                even[h] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + h * stride + u), v, even[h]);
+        }
+        for (int h = 0; h < heads; h++) _mm256_storeu_ps(out + h * D + d, _mm256_add_ps(even[h], odd[h]));
     }
 }
 
-static void attention_head(void* arg, int64_t head) { attention_body((const attention_ctx*)arg, head); }
-#ifdef DECODE_X86
-static AVX2 void attention_head_avx2(void* arg, int64_t head) { attention_body((const attention_ctx*)arg, head); }
+/* attention_heads on AVX2, for head_dim a multiple of 8, computed in register blocks: the scores of 8 positions for
+   one head at a time (8 accumulators over head_dim, summed across lanes once per 8 positions, where a dot product
+   per position spent a horizontal sum on each), the key rows of those 8 positions read from memory once and from L1
+   by every head of the item; then each head's softmax (softmax_exp_avx2); then the output 8 lanes x up to 8 heads in
+   registers, each value vector loaded once for them all, a block of KV_BLOCK positions at a time. One thread read
+   ~4 GB/s of KV cache one head at a time, compute-bound (a 6-layer Qwen3-30B-A3B-shaped step at 4096 positions:
+   ~25 ms of attention on one thread). */
+static AVX2 void attention_heads_avx2(void* arg, int64_t item) {
+    const attention_ctx* c = (const attention_ctx*)arg;
+    const hexq_model* m = c->m;
+    const int64_t D = m->head_dim, per = c->per, first = item * per, kvh = first / (m->heads / m->kv_heads);
+    if (D % 8) {
+        attention_heads(arg, item);
+        return;
+    }
+    const float* keys = m->k_cache + (((int64_t)c->layer * m->kv_heads + kvh) * m->max_pos) * D;
+    const float* values = m->v_cache + (((int64_t)c->layer * m->kv_heads + kvh) * m->max_pos) * D;
+    const int64_t start = c->start, end = c->pos + 1;
+    const __m256 scaling = _mm256_set1_ps(m->scaling);
+    __m256 top[MAX_GROUP];
+    for (int64_t g = 0; g < per; g++) top[g] = _mm256_set1_ps(-INFINITY);
+    int64_t t = start;
+    for (; t + 8 <= end; t += 8)
+        for (int64_t g = 0; g < per; g++) {
+            const float* q = c->s->q + (first + g) * D;
+            __m256 acc[8];
+            for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+            for (int64_t d = 0; d < D; d += 8) {
+                if (g == 0 && d % 16 == 0) /* the next 8 key rows, a line each: every head reads them next */
+                    for (int j = 0; j < 8; j++) __builtin_prefetch(keys + (t + 8 + j) * D + d, 0, 3);
+                const __m256 qd = _mm256_loadu_ps(q + d);
+                for (int j = 0; j < 8; j++)
+                    acc[j] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(keys + (t + j) * D + d), acc[j]);
+            }
+            const __m256 scores = _mm256_mul_ps(sums8(acc), scaling);
+            _mm256_storeu_ps(c->s->scores + (first + g) * m->max_pos + t, scores);
+            top[g] = _mm256_max_ps(scores, top[g]);
+        }
+    float inv[MAX_GROUP];
+    for (int64_t g = 0; g < per; g++) {
+        float* scores = c->s->scores + (first + g) * m->max_pos;
+        float lanes[8], most = -INFINITY;
+        _mm256_storeu_ps(lanes, top[g]);
+        for (int j = 0; j < 8; j++) most = lanes[j] > most ? lanes[j] : most;
+        for (int64_t u = t; u < end; u++) { /* the last (end - start) % 8 positions */
+            scores[u] = dot8(c->s->q + (first + g) * D, keys + u * D, D) * m->scaling;
+            most = scores[u] > most ? scores[u] : most;
+        }
+        inv[g] = 1.0f / softmax_exp_avx2(scores + start, end - start, most);
+        for (int64_t u = start; u < end; u++) scores[u] *= inv[g];
+        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(c->s->att + (first + g) * D + d, _mm256_setzero_ps());
+    }
+    for (int64_t block = start; block < end; block += KV_BLOCK) {
+        const int64_t stop = block + KV_BLOCK < end ? block + KV_BLOCK : end;
+        for (int64_t g = 0, n; g < per; g += n) { /* 4, 2 or 1 heads at a time: a constant count keeps the
+                                                    accumulators in registers */
+            n = per - g >= 4 ? 4 : per - g >= 2 ? 2 : 1;
+            float* out = c->s->att + (first + g) * D;
+            const float* p = c->s->scores + (first + g) * m->max_pos;
+            if (n == 4) weighted_values(values, p, m->max_pos, out, D, block, stop, 4);
+            else if (n == 2) weighted_values(values, p, m->max_pos, out, D, block, stop, 2);
+            else weighted_values(values, p, m->max_pos, out, D, block, stop, 1);
+        }
+    }
+}
 #endif
+
 
 /* RoPE on one head's D values (rotate_half convention: pairs (i, i + D/2)) with the position's cos and sin [D/2]
    (the same for every head and layer: computed once per step). */
@@ -747,25 +920,6 @@ static int route_token(const hexq_model* m, const hexq_layer* L, const float* lo
 /* ------------------------------------------------------------------------------------------ the step */
 
 #ifdef DECODE_X86
-/* e^x on 8 lanes for x in [-87.3, 88] (the caller clamps): x = n ln2 + r with |r| <= ln2 / 2 (ln2 in two parts, so
-   that n ln2 is exact to float32), e^r by Cephes' degree-7 polynomial for expf (relative error ~1e-7, a float32
-   ulp), 2^n into the exponent field. */
-static AVX2 __m256 exp8(__m256 x) {
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
-
 /* gated on 8 lanes: silu(g) = g / (1 + e^-g) with e^-g from exp8, -g clamped to [-87.3, 88] (beyond it silu(g) is g,
    or 0 to under 1e-36, as expf's answer gives). libm's expf per value took ~100 us of a 6-layer Qwen3-30B-A3B-shaped
    step (8 experts x 768 per layer), a tenth of what ran outside the pool. */
@@ -927,12 +1081,12 @@ static void layer_attention(const hexq_model* m, const hexq_layer* L, int layer,
         memcpy(m->v_cache + at, s->v + h * D, (size_t)D * 4);
     }
     const int64_t start = m->sliding_window > 0 && pos - m->sliding_window + 1 > 0 ? pos - m->sliding_window + 1 : 0;
-    attention_ctx ctx = {m, s, layer, pos, start};
+    attention_ctx ctx = {m, s, layer, pos, start, heads_per_item(m, threads)};
     const double began = now();
 #ifdef DECODE_X86
-    parallel(path == PATH_SCALAR ? attention_head : attention_head_avx2, &ctx, m->heads, threads);
+    parallel(path == PATH_SCALAR ? attention_heads : attention_heads_avx2, &ctx, m->heads / ctx.per, threads);
 #else
-    parallel(attention_head, &ctx, m->heads, threads);
+    parallel(attention_heads, &ctx, m->heads / ctx.per, threads);
 #endif
     profile.attention += now() - began;
     s->in_att.used = 0;
@@ -963,7 +1117,7 @@ static void token_start(const hexq_model* m, scratch* s, int32_t token, int64_t 
 int hexq_decode(const hexq_model* m, int32_t token, int64_t pos, float* logits, int path, int threads,
                 uint8_t* scratch_bytes, hexq_resume* r) {
     if (!(hexq_paths() >> path & 1) || pos < 0 || pos >= m->max_pos || token < 0 || token >= m->vocab
-        || m->top_k > 64 || m->num_experts > 1024 || r->layer >= m->layers)
+        || m->top_k > 64 || m->num_experts > 1024 || m->heads / m->kv_heads > MAX_GROUP || r->layer >= m->layers)
         return -1;
     scratch s;
     scratch_layout(m, (uint8_t*)(((uintptr_t)scratch_bytes + 63) / 64 * 64), &s);

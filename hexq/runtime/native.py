@@ -51,7 +51,7 @@ from hexq.runtime.residency import ExpertWeights
 
 MAT_NONE, MAT_PACKED, MAT_F32, MAT_BF16, MAT_ABSENT = 0, 1, 2, 3, 4
 QK_NONE, QK_HEAD, QK_WHOLE = 0, 1, 2
-MAX_TOP_K, MAX_EXPERTS = 64, 1024  # decode.c's fixed arrays
+MAX_TOP_K, MAX_EXPERTS, MAX_GROUP = 64, 1024, 64  # decode.c's fixed arrays (MAX_GROUP: query heads per KV head)
 AHEAD_RANGES = 4  # decode.c: byte ranges per expert it can read ahead
 
 
@@ -422,6 +422,9 @@ def unsupported(runtime) -> None:
                         "(a layer's top-k must fit while the step loads its misses)")
     if model_config.num_experts_per_tok > MAX_TOP_K or runtime.artifact.num_experts > MAX_EXPERTS:
         raise NotNative(f"top-{model_config.num_experts_per_tok} of {runtime.artifact.num_experts} experts")
+    heads, kv_heads = model_config.num_attention_heads, model_config.num_key_value_heads
+    if heads // kv_heads > MAX_GROUP:
+        raise NotNative(f"{heads} query heads on {kv_heads} KV heads")
     # a matrix of another dtype or off the kernels' grid is named while the model is described (NativeDecoder._matrix)
 
 
