@@ -19,6 +19,8 @@ What runs (every row a fresh process, --threads threads, nothing else running; t
                           and Q3_K_S) and hexq's GGUF export of the 4-bit artifact (experts Q4_1 holding its codes,
                           attention Q8_0), timed by llama-bench: decode tg --decode at depth 128 (the KV cache holding
                           a prompt's worth of positions, as for hexq), prefill pp128
+  long context            hexq 3-bit (native decode) and llama.cpp Q4_0 once more with a --depth-token held-out
+                          prompt (2048 by default) prefilled: decode only (llama-bench tg at depth --depth)
 Artifacts: the checkpoint calibrated with round-to-nearest replicas (decode speed does not depend on how the codes
 were chosen) on 16 windows, packed at 3.0 and 4.0 bits (the 4-bit one with `--bank export`: the 4-bit replica of
 every 8-bit expert, which the GGUF export writes for it) and at 2.5 bits (2, 3, 4 and 8-bit experts mixed in every
@@ -60,6 +62,9 @@ PROMPT_TOKENS = 128
 # What a `hexq run` process holds beyond --memory: interpreter, torch, transformers and the model skeleton (measured:
 # peak RSS 951 MiB at --memory 567 MiB, AMD EPYC) plus room for the page cache its reads go through.
 OVERHEAD = 450 * 2**20
+# The long-context pair's prompt: the KV cache then holds 16x the main rows' positions and attention is a large part
+# of a step (hexq's float32 cache: 24 KB per position of the 6-layer checkpoint, 50 MB at 2048 positions)
+LONG_CONTEXT = 2048
 MMAP = ["--repack", "0", "-lm", "mmap"]  # llama.cpp reading its weights through mmap, as under a memory limit
 DENSE4 = "hexq 3-bit, dense W4A16 g32, head 8-bit"
 MIXED = "hexq mixed 2.5-bit"  # the allocation's 2, 3, 4 and 8-bit experts side by side in every layer
@@ -103,13 +108,13 @@ pack: {widths: [3]}
 # ------------------------------------------------------------------------------------------ children
 
 
-def prompt_ids(artifact: Path) -> list[int]:
+def prompt_ids(artifact: Path, tokens: int = PROMPT_TOKENS) -> list[int]:
     from hexq.artifact.reader import Artifact
     from hexq.base.data import eval_text, tokenize
     from hexq.runtime.model import artifact_tokenizer
 
     ids = tokenize(artifact_tokenizer(Artifact(artifact)), eval_text("austen"))
-    return ids[-PROMPT_TOKENS:].tolist()  # held-out text the perplexity windows do not use
+    return ids[-tokens:].tolist()  # held-out text the perplexity windows do not use
 
 
 def child_hexq(spec: dict) -> dict:
@@ -135,21 +140,25 @@ def child_hexq(spec: dict) -> dict:
 
 
 def child_llama(spec: dict) -> dict:
-    """llama.cpp's own benchmark tool on one GGUF: decode (tg at depth PROMPT_TOKENS: the KV cache holds a prompt's
-    worth of positions, as in the hexq rows) and prefill (pp of PROMPT_TOKENS), one repetition each (the process is
-    repeated by `repeated`); peak RSS of the tool's processes."""
+    """llama.cpp's own benchmark tool on one GGUF: decode (tg at depth `depth`, PROMPT_TOKENS unless given: the KV
+    cache holds a prompt's worth of positions, as in the hexq rows) and prefill (pp of PROMPT_TOKENS; not for a
+    `depth` row), one repetition each (the process is repeated by `repeated`); peak RSS of the tool's processes."""
     import resource
 
     if spec["cold"]:
         drop_page_cache([Path(spec["gguf"])])
     bench = [str(Path(spec["llama_bin"]) / "llama-bench"), "-m", spec["gguf"], "-t", str(spec["threads"]), "-r",
              "1", "-o", "json", *spec.get("args", [])]
-    decode = json.loads(subprocess.run([*bench, "-p", "0", "-n", str(spec["decode"]), "-d", str(PROMPT_TOKENS)],
+    depth = spec.get("depth", PROMPT_TOKENS)
+    decode = json.loads(subprocess.run([*bench, "-p", "0", "-n", str(spec["decode"]), "-d", str(depth)],
                                        capture_output=True, text=True, check=True).stdout)
-    prefill = json.loads(subprocess.run([*bench, "-p", str(PROMPT_TOKENS), "-n", "0"], capture_output=True,
-                                        text=True, check=True).stdout)
+    row = {"tpot_ms": 1000 / decode[0]["avg_ts"]}
+    if "depth" not in spec:
+        prefill = json.loads(subprocess.run([*bench, "-p", str(PROMPT_TOKENS), "-n", "0"], capture_output=True,
+                                            text=True, check=True).stdout)
+        row["prefill_tps"] = prefill[0]["avg_ts"]
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
-    return {"tpot_ms": 1000 / decode[0]["avg_ts"], "prefill_tps": prefill[0]["avg_ts"], "peak_rss_mib": peak / 2**20}
+    return row | {"peak_rss_mib": peak / 2**20}
 
 
 def child_bandwidth(spec: dict) -> dict:
@@ -302,6 +311,8 @@ def main() -> int:
     parser.add_argument("--cgroup", action="store_true")
     parser.add_argument("--cgroup-fraction", type=float, default=0.5, help="of llama.cpp's Q4_0 file")
     parser.add_argument("--cgroup-repeats", type=int, default=1)
+    parser.add_argument("--depth", type=int, default=LONG_CONTEXT,
+                        help="the long-context pair's prompt tokens (hexq 3-bit and llama.cpp Q4_0; 0: none)")
     parser.add_argument("-o", "--out", type=Path, default=ROOT / "benchmarks" / "results" / "engines.json")
     args = parser.parse_args()
     if args.child:
@@ -337,6 +348,18 @@ def main() -> int:
         results["rows"].append(row | {"engine": name, "bytes_per_token_mb": traffic["total"] / 1e6,
                                       "file_mib": gguf.stat().st_size / 2**20})
         write_results(args.out, results, run)
+    if args.depth:  # the same two engines with a long prompt's keys and values in the cache
+        results["depth"] = args.depth
+        long_prompt = prompt_ids(artifacts["hexq 3-bit"], args.depth)
+        pair = {f"hexq 3-bit, native decode, depth {args.depth}": {
+                    "kind": "hexq", "artifact": str(artifacts["hexq 3-bit"]), "cache": "packed", "path": "native",
+                    "prompt": long_prompt},
+                f"llama.cpp Q4_0, depth {args.depth}": {
+                    "kind": "llama", "gguf": str(ggufs["llama.cpp Q4_0"]), "llama_bin": str(llama_bin),
+                    "depth": args.depth}}
+        for name, spec in pair.items():
+            results["rows"].append(repeated(base | spec, args.repeats) | {"engine": name})
+            write_results(args.out, results, run)
     if args.cgroup:
         root = cgroup_root()
         limit = int(ggufs["llama.cpp Q4_0"].stat().st_size * args.cgroup_fraction)
@@ -377,6 +400,11 @@ def ratios(results: dict) -> dict:
     if q4:
         out["llama.cpp Q4_0: share of the read bandwidth"] = (q4["bytes_per_token_mb"] * 1e6 * q4["tokens_per_s"]
                                                               / (results["bandwidth_gbps"] * 1e9))
+    depth = results.get("depth")
+    ours, theirs = rows.get(f"hexq 3-bit, native decode, depth {depth}"), rows.get(f"llama.cpp Q4_0, depth {depth}")
+    if ours and theirs:
+        out[f"depth {depth}: hexq 3-bit, native decode / llama.cpp Q4_0 tokens/s"] = (ours["tokens_per_s"]
+                                                                                    / theirs["tokens_per_s"])
     for name in ("llama.cpp Q4_0, mmap", "llama.cpp Q3_K_S, mmap"):
         if rows.get(CGROUP_HEXQ) and rows.get(name):
             out[f"cgroup: {CGROUP_HEXQ} / {name} tokens/s"] = (rows[CGROUP_HEXQ]["tokens_per_s"]
