@@ -297,9 +297,8 @@ MUTANTS = [
     Mutant("native-w8a8-integer-zero-term-off-by-one", "hexq/packed/decode.c",
            "const double dot = qc + (128.0 - zx) * qsum", "const double dot = qc + (127.0 - zx) * qsum",
            ("tests/test_native_decode.py",), path="avx512"),
-    Mutant("native-w8a8-256-zero-term-off-by-one", "hexq/packed/decode.c",
-           "const double dot = (double)qc + (128.0 - zx) * (double)qsum",
-           "const double dot = (double)qc + (127.0 - zx) * (double)qsum",
+    Mutant("native-w8a8-256-code-sum-dropped", "hexq/packed/w8a8_256.h",
+           "w8a8_row((double)qc, (double)qsum,", "w8a8_row((double)qc, 0.0,",
            ("tests/test_native_decode.py::test_w8a8_attention_on_every_kernel_path",), path="avxvnni"),
     Mutant("avx-vnni-copy-built-for-avx512", "hexq/packed/kernels.c",
            '#define VNNI256 __attribute__((target("avx2,fma,f16c,bmi2,avxvnni")))\n'

@@ -198,18 +198,21 @@ static inline __attribute__((always_inline)) void act_quant_body(const hexq_act*
     float scale, zero;
     grid_of(a, lo, hi, amax, &scale, &zero);
     const float qmax = (float)((1 << a->bits) - 1);
-    /* two loops without a branch or a store through `codes` inside, so that the compiler vectorizes both */
-    for (int64_t i = 0; i < n; i++) {
-        float q = nearbyintf(x[i] / scale + zero);
-        q = q < 0.0f ? 0.0f : q > qmax ? qmax : q;
-        out[i] = (q - zero) * scale;
-    }
-    if (codes) {
+    /* one loop with the codes and one without, neither with a branch or a store through `codes` inside, so that
+       the compiler vectorizes both */
+    if (!codes) {
+        for (int64_t i = 0; i < n; i++) {
+            float q = nearbyintf(x[i] / scale + zero);
+            q = q < 0.0f ? 0.0f : q > qmax ? qmax : q;
+            out[i] = (q - zero) * scale;
+        }
+    } else {
         int8_t* c = codes->q;
         int32_t sum = 0; /* |codes - 128| <= 128: exact for n < 2^24 */
         for (int64_t i = 0; i < n; i++) {
             float q = nearbyintf(x[i] / scale + zero);
             q = q < 0.0f ? 0.0f : q > qmax ? qmax : q;
+            out[i] = (q - zero) * scale;
             const int32_t v = (int32_t)q - 128;
             c[i] = (int8_t)v;
             sum += v;
@@ -333,6 +336,15 @@ static AVX512 void rows_float_avx512(const hexq_matrix* m, const float* x, float
    where sum q c and sum q are exact int32 sums of vpdpbusd (q unsigned, c signed) and vpsadbw: one multiply-add per
    64 codes and no float work until the row's end, where the int16-block path spends two conversions and two float
    multiply-adds per 64 codes. The same numbers as the float product of the grid values, up to one rounding. */
+
+/* One row's output from its integer sums (above): qc = sum q c, qsum = sum q over n codes; zw and sw the row's zero
+   and scale. Every copy of the W8A8 rows (rows_w8a8_avx512, w8a8_256.h) ends here. */
+static inline float w8a8_row(double qc, double qsum, double zw, double sw, const act_codes* a, int64_t n) {
+    const double zx = a->zero;
+    const double dot = qc + (128.0 - zx) * qsum - zw * ((double)a->sum + (128.0 - zx) * (double)n);
+    return (float)(sw * (double)a->scale * dot);
+}
+
 static AVX512 void rows_w8a8_avx512(const hexq_matrix* m, const act_codes* a, float* y, int64_t r0, int64_t r1) {
     const int64_t n = m->cols;
     const int64_t ahead = prefetch_ahead(n);
@@ -355,11 +367,8 @@ static AVX512 void rows_w8a8_avx512(const hexq_matrix* m, const act_codes* a, fl
             dot0 = _mm512_dpbusd_epi32(dot0, q0, _mm512_maskz_loadu_epi8(mask, a->q + c));
             sums = _mm512_add_epi64(sums, _mm512_sad_epu8(q0, _mm512_setzero_si512()));
         }
-        const double qc = (double)_mm512_reduce_add_epi32(_mm512_add_epi32(dot0, dot1));
-        const double qsum = (double)_mm512_reduce_add_epi64(sums);
-        const double zw = _cvtsh_ss(m->zero[r]), zx = a->zero;
-        const double dot = qc + (128.0 - zx) * qsum - zw * ((double)a->sum + (128.0 - zx) * (double)n);
-        y[r] = (float)((double)_cvtsh_ss(m->scale[r]) * (double)a->scale * dot);
+        y[r] = w8a8_row((double)_mm512_reduce_add_epi32(_mm512_add_epi32(dot0, dot1)),
+                        (double)_mm512_reduce_add_epi64(sums), _cvtsh_ss(m->zero[r]), _cvtsh_ss(m->scale[r]), a, n);
     }
 }
 
@@ -636,6 +645,11 @@ static void add_product(phase* p, input_set* set, const float* src, int64_t cols
 
 #define MAX_GROUP 64 /* query heads per KV head the step takes */
 
+/* KV head kvh's rows of layer `layer` in a cache [layers, kv_heads, max_pos, D]: position t at + t * D. */
+static float* kv_rows(const hexq_model* m, float* cache, int layer, int64_t kvh) {
+    return cache + (((int64_t)layer * m->kv_heads + kvh) * m->max_pos) * m->head_dim;
+}
+
 typedef struct {
     const hexq_model* m;
     const scratch* s;
@@ -713,8 +727,7 @@ static void attention_heads(void* arg, int64_t item) {
     const attention_ctx* c = (const attention_ctx*)arg;
     const hexq_model* m = c->m;
     const int64_t D = m->head_dim, per = c->per, first = item * per, kvh = first / (m->heads / m->kv_heads);
-    const float* keys = m->k_cache + (((int64_t)c->layer * m->kv_heads + kvh) * m->max_pos) * D;
-    const float* values = m->v_cache + (((int64_t)c->layer * m->kv_heads + kvh) * m->max_pos) * D;
+    const float *keys = kv_rows(m, m->k_cache, c->layer, kvh), *values = kv_rows(m, m->v_cache, c->layer, kvh);
     float top[MAX_GROUP], inv[MAX_GROUP];
     for (int64_t g = 0; g < per; g++) top[g] = -INFINITY;
     for (int64_t t = c->start; t <= c->pos; t++)
@@ -792,10 +805,10 @@ static AVX2 inline __attribute__((always_inline)) void weighted_values(const flo
 /* attention_heads on AVX2, for head_dim a multiple of 8, computed in register blocks: the scores of 8 positions for
    one head at a time (8 accumulators over head_dim, summed across lanes once per 8 positions, where a dot product
    per position spent a horizontal sum on each), the key rows of those 8 positions read from memory once and from L1
-   by every head of the item; then each head's softmax (softmax_exp_avx2); then the output 8 lanes x up to 8 heads in
-   registers, each value vector loaded once for them all, a block of KV_BLOCK positions at a time. One thread read
-   ~4 GB/s of KV cache one head at a time, compute-bound (a 6-layer Qwen3-30B-A3B-shaped step at 4096 positions:
-   ~25 ms of attention on one thread). */
+   by every head of the item; then each head's softmax (softmax_exp_avx2); then the output 8 lanes x up to 4 heads in
+   registers (weighted_values), each value vector loaded once for them all, a block of KV_BLOCK positions at a time.
+   One thread read ~4 GB/s of KV cache one head at a time, compute-bound (a 6-layer Qwen3-30B-A3B-shaped step at 4096
+   positions: ~25 ms of attention on one thread). */
 static AVX2 void attention_heads_avx2(void* arg, int64_t item) {
     const attention_ctx* c = (const attention_ctx*)arg;
     const hexq_model* m = c->m;
@@ -804,8 +817,7 @@ static AVX2 void attention_heads_avx2(void* arg, int64_t item) {
         attention_heads(arg, item);
         return;
     }
-    const float* keys = m->k_cache + (((int64_t)c->layer * m->kv_heads + kvh) * m->max_pos) * D;
-    const float* values = m->v_cache + (((int64_t)c->layer * m->kv_heads + kvh) * m->max_pos) * D;
+    const float *keys = kv_rows(m, m->k_cache, c->layer, kvh), *values = kv_rows(m, m->v_cache, c->layer, kvh);
     const int64_t start = c->start, end = c->pos + 1;
     const __m256 scaling = _mm256_set1_ps(m->scaling);
     __m256 top[MAX_GROUP];
@@ -827,7 +839,6 @@ static AVX2 void attention_heads_avx2(void* arg, int64_t item) {
             _mm256_storeu_ps(c->s->scores + (first + g) * m->max_pos + t, scores);
             top[g] = _mm256_max_ps(scores, top[g]);
         }
-    float inv[MAX_GROUP];
     for (int64_t g = 0; g < per; g++) {
         float* scores = c->s->scores + (first + g) * m->max_pos;
         float lanes[8], most = -INFINITY;
@@ -837,8 +848,8 @@ static AVX2 void attention_heads_avx2(void* arg, int64_t item) {
             scores[u] = dot8(c->s->q + (first + g) * D, keys + u * D, D) * m->scaling;
             most = scores[u] > most ? scores[u] : most;
         }
-        inv[g] = 1.0f / softmax_exp_avx2(scores + start, end - start, most);
-        for (int64_t u = start; u < end; u++) scores[u] *= inv[g];
+        const float inv = 1.0f / softmax_exp_avx2(scores + start, end - start, most);
+        for (int64_t u = start; u < end; u++) scores[u] *= inv;
         for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(c->s->att + (first + g) * D + d, _mm256_setzero_ps());
     }
     for (int64_t block = start; block < end; block += KV_BLOCK) {
@@ -855,7 +866,6 @@ static AVX2 void attention_heads_avx2(void* arg, int64_t item) {
     }
 }
 #endif
-
 
 /* RoPE on one head's D values (rotate_half convention: pairs (i, i + D/2)) with the position's cos and sin [D/2]
    (the same for every head and layer: computed once per step). */
@@ -1076,9 +1086,8 @@ static void layer_attention(const hexq_model* m, const hexq_layer* L, int layer,
     for (int64_t h = 0; h < m->kv_heads; h++) {
         if (L->qk_norm == QK_HEAD) rms_norm(s->k + h * D, L->k_norm, s->k + h * D, D, m->eps);
         rope(s->k + h * D, D, s->cos, s->sin);
-        const int64_t at = (((int64_t)layer * m->kv_heads + h) * m->max_pos + pos) * D;
-        memcpy(m->k_cache + at, s->k + h * D, (size_t)D * 4);
-        memcpy(m->v_cache + at, s->v + h * D, (size_t)D * 4);
+        memcpy(kv_rows(m, m->k_cache, layer, h) + pos * D, s->k + h * D, (size_t)D * 4);
+        memcpy(kv_rows(m, m->v_cache, layer, h) + pos * D, s->v + h * D, (size_t)D * 4);
     }
     const int64_t start = m->sliding_window > 0 && pos - m->sliding_window + 1 > 0 ? pos - m->sliding_window + 1 : 0;
     attention_ctx ctx = {m, s, layer, pos, start, heads_per_item(m, threads)};

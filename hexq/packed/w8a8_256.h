@@ -30,8 +30,6 @@ static VNNI256 void VNNI256_NAME(rows_w8a8)(const hexq_matrix* m, const act_code
             qc += (int64_t)q[c] * a->q[c];
             qsum += q[c];
         }
-        const double zw = _cvtsh_ss(m->zero[r]), zx = a->zero;
-        const double dot = (double)qc + (128.0 - zx) * (double)qsum - zw * ((double)a->sum + (128.0 - zx) * (double)n);
-        y[r] = (float)((double)_cvtsh_ss(m->scale[r]) * (double)a->scale * dot);
+        y[r] = w8a8_row((double)qc, (double)qsum, _cvtsh_ss(m->zero[r]), _cvtsh_ss(m->scale[r]), a, n);
     }
 }
