@@ -156,8 +156,8 @@ MUTANTS = [
            "            multiplier[8 * lane + j] = (int16_t)(1 << (6 - (bit & 7) + ((bit & 7) == 7)));",
            ("tests/test_packed_cpu.py",)),
     Mutant("activation-block-scale-wrong", "hexq/packed/kernels.c",
-           "            const float dx = amax / 32767.0f, inv",
-           "            const float dx = amax / 32000.0f, inv", ("tests/test_packed_cpu.py",)),
+           "static inline float block_step(float amax) { return amax / 32767.0f; }",
+           "static inline float block_step(float amax) { return amax / 32000.0f; }", ("tests/test_packed_cpu.py",)),
     Mutant("dequant-zero-point-ignored", "hexq/packed/kernels.c",
            "            if (out_kind == 0) ((float*)out)[i] = (q - z) * s;",
            "            if (out_kind == 0) ((float*)out)[i] = q * s;", ("tests/test_packed_cpu.py",)),
@@ -307,8 +307,10 @@ MUTANTS = [
            '#define DPBUSD _mm256_dpbusd_epi32',
            ("tests/test_packed_cpu.py::test_the_avx_vnni_copy_has_no_avx512_instruction",)),
     Mutant("native-kv-cache-position", "hexq/packed/decode.c",
-           "        const int64_t at = (((int64_t)layer * m->kv_heads + h) * m->max_pos + pos) * D;",
-           "        const int64_t at = (((int64_t)layer * m->kv_heads + h) * m->max_pos + (pos ? pos - 1 : 0)) * D;",
+           "        memcpy(kv_rows(m, m->k_cache, layer, h) + pos * D, s->k + h * D, (size_t)D * 4);\n"
+           "        memcpy(kv_rows(m, m->v_cache, layer, h) + pos * D, s->v + h * D, (size_t)D * 4);",
+           "        memcpy(kv_rows(m, m->k_cache, layer, h) + (pos ? pos - 1 : 0) * D, s->k + h * D, (size_t)D * 4);\n"
+           "        memcpy(kv_rows(m, m->v_cache, layer, h) + (pos ? pos - 1 : 0) * D, s->v + h * D, (size_t)D * 4);",
            ("tests/test_native_decode.py",)),
     Mutant("native-reads-planes-as-the-stream", "hexq/runtime/native.py",
            "                      LAYOUTS.index(weight.layout))", "                      0)",

@@ -68,6 +68,9 @@ static inline int perm32(int j) { return (j >> 3 == 1 || j >> 3 == 2) ? j ^ 24 :
 /* The row functions keep their per-row arrays (w, s, z) on their own stack: a _Thread_local array in this shared
    library costs a __tls_get_addr call per use, inside the inner loop. */
 
+/* A block's step dx: its largest |x| on int16's 32767 (both copies of quantize_x). */
+static inline float block_step(float amax) { return amax / 32767.0f; }
+
 static inline __attribute__((always_inline)) void quantize_x_body(const hexq_gemv_task* t, quantized_x* out) {
     const int64_t blocks = t->cols / BLOCK;
     for (int k = 0; k < t->ntok; k++) {
@@ -78,7 +81,7 @@ static inline __attribute__((always_inline)) void quantize_x_body(const hexq_gem
                 const float a = fabsf(x[b * BLOCK + i]);
                 amax = a > amax ? a : amax; /* passes over a NaN, as fmaxf does */
             }
-            const float dx = amax / 32767.0f, inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+            const float dx = block_step(amax), inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
             int32_t sum = 0;
             for (int i = 0; i < BLOCK; i++) {
                 const int32_t v = (int32_t)nearbyintf(x[b * BLOCK + i] * inv);
@@ -125,7 +128,7 @@ __attribute__((target("avx2,fma"))) static void quantize_x_avx2(const hexq_gemv_
             h = _mm_max_ps(h, _mm_movehl_ps(h, h));
             h = _mm_max_ss(h, _mm_movehdup_ps(h));
             const float amax = _mm_cvtss_f32(h);
-            const float dx = amax / 32767.0f, inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+            const float dx = block_step(amax), inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
             __m256i q[4], sum = _mm256_setzero_si256();
             for (int i = 0; i < 4; i++) {
                 const __m256 scaled = _mm256_round_ps(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)),
