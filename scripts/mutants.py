@@ -312,6 +312,9 @@ MUTANTS = [
            "        memcpy(kv_rows(m, m->k_cache, layer, h) + (pos ? pos - 1 : 0) * D, s->k + h * D, (size_t)D * 4);\n"
            "        memcpy(kv_rows(m, m->v_cache, layer, h) + (pos ? pos - 1 : 0) * D, s->v + h * D, (size_t)D * 4);",
            ("tests/test_native_decode.py",)),
+    Mutant("prefill-passes-forget-the-earlier-ones", "hexq/runtime/engine.py",
+           "            past = out.past_key_values\n", "            past = None\n",
+           ("tests/test_runtime.py::test_prefill_in_passes_of_prefill_chunk",)),
     Mutant("native-reads-planes-as-the-stream", "hexq/runtime/native.py",
            "                      LAYOUTS.index(weight.layout))", "                      0)",
            ("tests/test_native_decode.py",)),

@@ -278,3 +278,32 @@ def test_cli_memory_option_and_stats(mixed_artifact, tmp_path):
     assert small.exit_code == 1 and "below the minimum" in small.output and len(small.output.splitlines()) == 1
     bad = runner.invoke(app, ["run", str(mixed_artifact), "--prompt", "x", "--cache", "fp8"])
     assert bad.exit_code == 1 and "--cache fp8" in bad.output and len(bad.output.splitlines()) == 1
+
+
+def test_prefill_in_passes_of_prefill_chunk(mixed_artifact, monkeypatch):
+    """A prompt is prefilled in forward passes of at most PREFILL_CHUNK tokens (a pass's activations are what the
+    plan holds: hexq.runtime.memory.prefill_scratch_nbytes), with the logits, KV cache and every position's states
+    of one pass: 11 tokens as 4 + 4 + 3 against one pass of 11, in the exact mode."""
+    import hexq.runtime.engine as engine
+
+    ids = IDS[None, :11]
+    with Runtime(mixed_artifact, **FP32) as runtime:
+        whole, whole_past = runtime._next_logits(ids, None)
+        whole_states = runtime.window_states(ids[0])
+        monkeypatch.setattr(engine, "PREFILL_CHUNK", 4)
+        passes = []
+        forward = runtime.model.model.forward
+
+        def counted(input_ids, **kwargs):
+            passes.append(input_ids.shape[1])
+            return forward(input_ids, **kwargs)
+
+        monkeypatch.setattr(runtime.model.model, "forward", counted)
+        chunked, past = runtime._next_logits(ids, None)
+        states = runtime.window_states(ids[0])
+    assert passes == [4, 4, 3, 4, 4, 3]
+    torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(states, whole_states, rtol=1e-5, atol=1e-5)
+    for layer, want in zip(past.layers, whole_past.layers, strict=True):
+        torch.testing.assert_close(layer.keys, want.keys, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(layer.values, want.values, rtol=1e-5, atol=1e-5)

@@ -56,7 +56,7 @@ from hexq.runtime.cost import admit_fill, calibration_usage, usage_update
 from hexq.runtime.coverage import NotNative
 from hexq.runtime.experts import USAGE_HORIZON, CachedExperts, RunState
 from hexq.runtime.graph import GraphDecoder
-from hexq.runtime.memory import check_memory_flags, plan_memory
+from hexq.runtime.memory import check_memory_flags, plan_memory, prefill_scratch_nbytes
 from hexq.runtime.model import build_model, dense_plan_bytes, expert_quantizers, skeleton
 from hexq.runtime.native import NativeDecoder
 from hexq.runtime.policy import check_policy_widths, make_policy, policy_context
@@ -78,6 +78,12 @@ GREEDY = Sampling()
 # Positions of one sequence the KV cache is planned for when --context is not given (llama.cpp's default context):
 # the model's own maximum can be 40960 or more, whose KV cache alone would take gigabytes.
 DEFAULT_CONTEXT = 4096
+# Prompt tokens per forward pass of a prefill (llama.cpp's batch is 512). A pass's activations grow with its tokens
+# (SDPA's scores, heads x tokens x positions, most of all): a 2,367-token prompt on a 6-layer Qwen3-30B-A3B shape took
+# 945 MiB over the loaded runtime in one pass, 187 MiB in passes of 256, which were also the fastest (10.3-10.6 s
+# against 11.7 in one pass, 11.5 in passes of 512, 11.8 of 128; AMD EPYC, 2 threads). The plan holds one pass
+# (hexq.runtime.memory.prefill_scratch_nbytes).
+PREFILL_CHUNK = 256
 
 
 @dataclass(frozen=True)
@@ -174,7 +180,8 @@ class Runtime:
             memory_bytes=config.memory_bytes, fast_tier_bytes=config.fast_tier_bytes,
             dense_bytes=dense_plan_bytes(streamed, artifact),
             scratch_bytes=sizes.scratch_nbytes + compute_scratch_nbytes(artifact, streamed, self.dtype,
-                                                                         kernels is None),
+                                                                         kernels is None)
+            + prefill_scratch_nbytes(streamed.config, artifact, PREFILL_CHUNK, context, self.dtype),
             kv_bytes=context * kv_position_bytes(streamed.config, self.dtype), context=context,
             expert_bytes=sum(allocated), largest_slot=sizes.largest_slot, cache_format=config.cache,
             cached=config.mode == "cache",
@@ -303,7 +310,7 @@ class Runtime:
         head reads."""
         self.policy.begin_sequence()
         self.state.prefill = True
-        states = self.model.model(window[None].to(self.device)).last_hidden_state[0]
+        states, _ = self._prefill(window[None], None, every=True)
         self.policy.end_prefill()
         return states
 
@@ -318,14 +325,24 @@ class Runtime:
                           EXPAND_ROWS, SCORING_DTYPE)
         return nll.double().sum()
 
+    def _prefill(self, ids: torch.Tensor, past, every: bool) -> tuple[torch.Tensor, object]:
+        """(final norm's outputs, KV cache) of `ids` [1, L] after `past`, in forward passes of at most PREFILL_CHUNK
+        tokens: every position's [L, H] (`every`), else a copy of the last one's [1, H] (on CPU, torch's linear takes
+        a path ~100x slower for a [1, 1, H] view of a longer sequence: 6 s instead of 0.06 s for Qwen3-30B-A3B's
+        151936 x 2048 head)."""
+        kept = []
+        for start in range(0, ids.shape[1], PREFILL_CHUNK):
+            out = self.model.model(ids[:, start:start + PREFILL_CHUNK].to(self.device), past_key_values=past,
+                                   use_cache=True)
+            past = out.past_key_values
+            kept.append(out.last_hidden_state[0] if every else out.last_hidden_state[0, -1:].clone())
+        return (torch.cat(kept) if every else kept[-1]), past
+
     def _next_logits(self, ids: torch.Tensor, past) -> tuple[torch.Tensor, object]:
-        """(float32 logits [vocab] at the last position, KV cache) of one forward pass. The head is applied to a copy
-        of the last position's hidden state: on CPU, torch's linear takes a path ~100x slower for a [1, 1, H] view
-        of a longer sequence (what logits_to_keep=1 gives after a prompt: 6 s instead of 0.06 s for Qwen3-30B-A3B's
-        151936 x 2048 head), and every family's causal-LM head is this one linear."""
-        out = self.model.model(ids.to(self.device), past_key_values=past, use_cache=True)
-        last = out.last_hidden_state[0, -1:].clone()
-        return self.model.lm_head(last)[0].float(), out.past_key_values
+        """(float32 logits [vocab] at the last position, KV cache) of `ids` [1, L] after `past`. Every family's
+        causal-LM head is one linear, applied to the last position alone."""
+        last, past = self._prefill(ids, past, every=False)
+        return self.model.lm_head(last)[0].float(), past
 
     def encode(self, prompt: str) -> list[int]:
         """The prompt's token ids, as every generation entry point tokenizes it."""
