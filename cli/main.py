@@ -39,6 +39,7 @@ from hexq_cli.runtime_options import (
     DtypeOpt,
     FastTierOpt,
     KernelsOpt,
+    KvCacheOpt,
     MemoryOpt,
     ModeOpt,
     PolicyOpt,
@@ -263,6 +264,7 @@ def run(
     memory: MemoryOpt = None,
     fast_tier: FastTierOpt = None,
     context: ContextOpt = None,
+    kv_cache: KvCacheOpt = "f16",
     dtype: DtypeOpt = "bf16",
     cache: CacheOpt = "packed",
     threads: ThreadsOpt = None,
@@ -293,9 +295,10 @@ def run(
     """Generate text or measure perplexity with the experts served from a mixed-precision cache."""
     if (prompt is None) == (ppl is None):
         raise HexqError("give exactly one of --prompt TEXT or --ppl DATA")
-    config = runtime_config(memory=memory, fast_tier=fast_tier, context=context, dtype=dtype, cache=cache,
-                            threads=threads, kernels=kernels, decode=decode, warm=warm, cost_model=cost_model,
-                            policy=policy, prefetch=prefetch, prefetch_top=prefetch_top, mode=mode, device=device)
+    config = runtime_config(memory=memory, fast_tier=fast_tier, context=context, kv_cache=kv_cache, dtype=dtype,
+                            cache=cache, threads=threads, kernels=kernels, decode=decode, warm=warm,
+                            cost_model=cost_model, policy=policy, prefetch=prefetch, prefetch_top=prefetch_top,
+                            mode=mode, device=device)
     from hexq.base.data import eval_text, tokenize
     from hexq.base.io import write_json_atomic
     from hexq.eval.run import runtime_divergence, runtime_perplexity

@@ -15,6 +15,8 @@ FastTierOpt = Annotated[str | None, typer.Option("--fast-tier", help="Memory for
 ContextOpt = Annotated[int | None, typer.Option("--context", "-c", help="Positions of one sequence (prompt + new "
                                                 "tokens) the KV cache is planned for (default: the model's, at "
                                                 "most 4096).", min=2)]
+KvCacheOpt = Annotated[str, typer.Option("--kv-cache", help="The native decode step's KV cache: f16 (half the bytes, "
+                                        "as llama.cpp's default) or f32.")]
 DtypeOpt = Annotated[str, typer.Option("--dtype", help="Dense part and expanded matrices: bf16 or fp32.")]
 CacheOpt = Annotated[str, typer.Option("--cache", help="What the expert cache holds: packed (the stored codes, "
                                        "computed from directly), or bf16 / fp32 matrices.")]
@@ -41,7 +43,8 @@ ModeOpt = Annotated[str, typer.Option("--mode", help="cache, or ondemand (no cac
                                       "use).")]
 
 
-def runtime_config(*, memory: str | None, fast_tier: str | None, context: int | None, dtype: str, cache: str,
+def runtime_config(*, memory: str | None, fast_tier: str | None, context: int | None, kv_cache: str, dtype: str,
+                   cache: str,
                    threads: int | None, kernels: str, decode: str, warm: str, cost_model: bool, policy: str,
                    prefetch: bool, prefetch_top: int, mode: str, device: str):
     """The RuntimeConfig of the options above (sizes parsed, the device checked before anything loads)."""
@@ -62,4 +65,4 @@ def runtime_config(*, memory: str | None, fast_tier: str | None, context: int | 
                          fast_tier_bytes=parse_bytes(fast_tier) if fast_tier is not None else None, policy=policy,
                          prefetch=prefetch, prefetch_top_t=prefetch_top, mode=mode, device=device, dtype=dtype,
                          cache=cache, warm=warm, admission=cost_model, kernels=kernels, threads=threads,
-                         decode=decode, context=context)
+                         decode=decode, context=context, kv_cache=kv_cache)

@@ -17,6 +17,7 @@ from hexq_cli.runtime_options import (
     DtypeOpt,
     FastTierOpt,
     KernelsOpt,
+    KvCacheOpt,
     MemoryOpt,
     ModeOpt,
     PolicyOpt,
@@ -50,6 +51,7 @@ def serve(
     memory: MemoryOpt = None,
     fast_tier: FastTierOpt = None,
     context: ContextOpt = None,
+    kv_cache: KvCacheOpt = "f16",
     dtype: DtypeOpt = "bf16",
     cache: CacheOpt = "packed",
     threads: ThreadsOpt = None,
@@ -65,9 +67,10 @@ def serve(
 ) -> None:
     """Serve the artifact over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
     /health, /metrics), one sequence at a time, within --memory."""
-    config = runtime_config(memory=memory, fast_tier=fast_tier, context=context, dtype=dtype, cache=cache,
-                            threads=threads, kernels=kernels, decode=decode, warm=warm, cost_model=cost_model,
-                            policy=policy, prefetch=prefetch, prefetch_top=prefetch_top, mode=mode, device=device)
+    config = runtime_config(memory=memory, fast_tier=fast_tier, context=context, kv_cache=kv_cache, dtype=dtype,
+                            cache=cache, threads=threads, kernels=kernels, decode=decode, warm=warm,
+                            cost_model=cost_model, policy=policy, prefetch=prefetch, prefetch_top=prefetch_top,
+                            mode=mode, device=device)
     from hexq.base.devices import peak_rss_bytes
     from hexq.base.units import parse_bytes
     from hexq.runtime.engine import Runtime

@@ -307,14 +307,20 @@ MUTANTS = [
            '#define DPBUSD _mm256_dpbusd_epi32',
            ("tests/test_packed_cpu.py::test_the_avx_vnni_copy_has_no_avx512_instruction",)),
     Mutant("native-kv-cache-position", "hexq/packed/decode.c",
-           "        memcpy(kv_rows(m, m->k_cache, layer, h) + pos * D, s->k + h * D, (size_t)D * 4);\n"
-           "        memcpy(kv_rows(m, m->v_cache, layer, h) + pos * D, s->v + h * D, (size_t)D * 4);",
-           "        memcpy(kv_rows(m, m->k_cache, layer, h) + (pos ? pos - 1 : 0) * D, s->k + h * D, (size_t)D * 4);\n"
-           "        memcpy(kv_rows(m, m->v_cache, layer, h) + (pos ? pos - 1 : 0) * D, s->v + h * D, (size_t)D * 4);",
+           "        kv_store(m, kv_rows(m, m->k_cache, layer, h), pos, s->k + h * D);\n"
+           "        kv_store(m, kv_rows(m, m->v_cache, layer, h), pos, s->v + h * D);",
+           "        kv_store(m, kv_rows(m, m->k_cache, layer, h), pos ? pos - 1 : 0, s->k + h * D);\n"
+           "        kv_store(m, kv_rows(m, m->v_cache, layer, h), pos ? pos - 1 : 0, s->v + h * D);",
            ("tests/test_native_decode.py",)),
     Mutant("prefill-passes-forget-the-earlier-ones", "hexq/runtime/engine.py",
            "            past = out.past_key_values\n", "            past = None\n",
            ("tests/test_runtime.py::test_prefill_in_passes_of_prefill_chunk",)),
+    Mutant("float16-kv-ties-away-from-zero", "hexq/packed/decode.c",
+           "(a - 0x38000000u + 0xfffu + (a >> 13 & 1)) >> 13", "(a - 0x38000000u + 0x1000u) >> 13",
+           ("tests/test_packed_cpu.py::test_the_float16_kv_cache_rounds_as_torch",)),
+    Mutant("float16-kv-rows-read-at-float32-stride", "hexq/packed/decode.c",
+           "_mm_loadu_si128((const __m128i*)(rows + i * 2))", "_mm_loadu_si128((const __m128i*)(rows + i * 4))",
+           ("tests/test_native_decode.py",)),
     Mutant("native-reads-planes-as-the-stream", "hexq/runtime/native.py",
            "                      LAYOUTS.index(weight.layout))", "                      0)",
            ("tests/test_native_decode.py",)),

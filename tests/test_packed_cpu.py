@@ -369,3 +369,29 @@ def test_forced_paths(monkeypatch) -> None:
     if "avx512" not in PATHS:
         with pytest.raises(ValueError, match="not available on this CPU"):
             load_cpu_kernels("avx512")
+
+
+def test_the_float16_kv_cache_rounds_as_torch():
+    """The native step's float16 KV cache (decode.c to_half / from_half): every float32 rounds to the binary16 that
+    torch's .half() gives, bit for bit (nearest, ties to even, subnormals, overflow past 65504 to infinity, signed
+    zeros), and reads back exactly: random bit patterns, every tie and boundary around the normal range, and every
+    binary16 value."""
+    import ctypes
+
+    generator = torch.Generator().manual_seed(4)
+    random = torch.randint(-(2**31), 2**31 - 1, (1 << 20,), generator=generator, dtype=torch.int64)
+    every = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
+    finite = every[torch.isfinite(every)].double().unique()  # sorted
+    middle = (finite[1:] + finite[:-1]) / 2  # every halfway point (float32 holds it exactly), both signs
+    ties = torch.cat([middle, middle.float().nextafter(torch.tensor(0.0)).double(),
+                      middle.float().nextafter(torch.tensor(float("inf"))).double()]).float()
+    edges = torch.tensor([65504.0, 65519.0, 65520.0, 65536.0, 2.0**-14, 2.0**-24, 2.0**-25, 3 * 2.0**-26, 0.0, -0.0,
+                          1e-40, float("inf"), -float("inf")])
+    x = torch.cat([random.to(torch.int32).view(torch.float32), every, ties, edges])
+    x = x[~torch.isnan(x)].contiguous()
+    half, back = torch.empty(x.numel(), dtype=torch.int16), torch.empty(x.numel())
+    KERNELS.library.hexq_kv_half(ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(x.numel()),
+                                 ctypes.c_void_p(half.data_ptr()), ctypes.c_void_p(back.data_ptr()))
+    want = x.half()
+    assert torch.equal(half, want.view(torch.int16))
+    assert torch.equal(back.view(torch.int32), want.float().view(torch.int32))

@@ -190,7 +190,7 @@ def test_memory_is_one_budget_for_dense_scratch_and_experts(mixed_artifact):
         dense, scratch, one = probe.plan.dense_bytes, probe.plan.scratch_bytes, probe.source.sizes.largest_slot
         assert dense == dense_bytes(probe.model)  # planned before materializing, exactly what was materialized
         kv = probe.plan.kv_bytes
-        assert kv == probe.plan.context * kv_position_bytes(probe.model.config, torch.bfloat16) > 0
+        assert kv == probe.plan.context * kv_position_bytes(probe.model.config, torch.bfloat16, torch.float16) > 0
     minimum = dense + scratch + kv + one
     with pytest.raises(HexqError, match=f"below the minimum of .* \\({minimum} bytes\\)"):
         Runtime(mixed_artifact, memory_bytes=minimum - 1, **BF16)

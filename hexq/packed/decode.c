@@ -96,9 +96,10 @@ typedef struct {
     const float* final_norm;  /* [H] */
     hexq_matrix head;         /* [vocab, H] */
     const hexq_layer* layer;  /* [layers] */
-    float* k_cache;           /* [layers, kv_heads, max_pos, D] */
-    float* v_cache;
+    void* k_cache;            /* [layers, kv_heads, max_pos, D] of float16 (kv_half) or float32 */
+    void* v_cache;
     int64_t max_pos;
+    int32_t kv_half;
 } hexq_model;
 
 /* Where a step stopped for experts, and resumes. Under a fast tier smaller than the experts, a token routed to an
@@ -645,9 +646,70 @@ static void add_product(phase* p, input_set* set, const float* src, int64_t cols
 
 #define MAX_GROUP 64 /* query heads per KV head the step takes */
 
-/* KV head kvh's rows of layer `layer` in a cache [layers, kv_heads, max_pos, D]: position t at + t * D. */
-static float* kv_rows(const hexq_model* m, float* cache, int layer, int64_t kvh) {
-    return cache + (((int64_t)layer * m->kv_heads + kvh) * m->max_pos) * m->head_dim;
+#define MAX_HEAD_DIM 1024 /* a float16 cache row is converted on the stack (kv_row) */
+
+/* Bytes of a cached key or value: float16 (IEEE binary16, llama.cpp's default cache type: half the bytes that
+   attention reads at long context) or float32. */
+static inline int64_t kv_size(const hexq_model* m) { return m->kv_half ? 2 : 4; }
+
+/* KV head kvh's rows of layer `layer` in a cache [layers, kv_heads, max_pos, D]: position t at + t * D elements. */
+static char* kv_rows(const hexq_model* m, void* cache, int layer, int64_t kvh) {
+    return (char*)cache + (((int64_t)layer * m->kv_heads + kvh) * m->max_pos) * m->head_dim * kv_size(m);
+}
+
+/* float32 -> binary16 rounded to nearest, ties to even (as torch's .half() and F16C): past 65504 to infinity, below
+   2^-14 a subnormal, NaN quiet. */
+static uint16_t to_half(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint16_t sign = (uint16_t)(x >> 16 & 0x8000);
+    const uint32_t a = x & 0x7fffffffu;
+    if (a > 0x7f800000u) return sign | 0x7e00;
+    if (a >= 0x477ff000u) return sign | 0x7c00; /* >= 65520, halfway to 2^16: ties to the even infinity */
+    if (a < 0x38800000u) return sign | (uint16_t)lrintf(fabsf(f) * 16777216.0f); /* units of 2^-24, exact scaling */
+    /* rebias the exponent (127 -> 15), round the fraction's 13 dropped bits to nearest even (a carry moves the
+       exponent on, as it should) */
+    return sign | (uint16_t)((a - 0x38000000u + 0xfffu + (a >> 13 & 1)) >> 13);
+}
+
+static float from_half(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = h >> 10 & 0x1f, frac = h & 0x3ff;
+    float f;
+    if (e == 0) {
+        f = (float)frac * 5.9604644775390625e-8f; /* 2^-24, exact */
+        return sign ? -f : f;
+    }
+    const uint32_t x = sign | (e == 31 ? 0x7f800000u | frac << 13 : (e + 112) << 23 | frac << 13);
+    memcpy(&f, &x, 4);
+    return f;
+}
+
+/* to_half over x[0..n) into h, then from_half of h into back (tests: the cache's conversions against torch's). */
+void hexq_kv_half(const float* x, int64_t n, uint16_t* h, float* back) {
+    for (int64_t i = 0; i < n; i++) {
+        h[i] = to_half(x[i]);
+        back[i] = from_half(h[i]);
+    }
+}
+
+/* Position t's key or value row as float32: the cache's own (float32), or converted into `tmp` (float16). */
+static const float* kv_row(const hexq_model* m, const char* rows, int64_t t, float* tmp) {
+    const int64_t D = m->head_dim;
+    if (!m->kv_half) return (const float*)rows + t * D;
+    const uint16_t* h = (const uint16_t*)rows + t * D;
+    for (int64_t i = 0; i < D; i++) tmp[i] = from_half(h[i]);
+    return tmp;
+}
+
+/* Stores x [D] as position t's row. */
+static void kv_store(const hexq_model* m, char* rows, int64_t t, const float* x) {
+    const int64_t D = m->head_dim;
+    if (!m->kv_half) {
+        memcpy((float*)rows + t * D, x, (size_t)D * 4);
+        return;
+    }
+    uint16_t* h = (uint16_t*)rows + t * D;
+    for (int64_t i = 0; i < D; i++) h[i] = to_half(x[i]);
 }
 
 typedef struct {
@@ -727,15 +789,17 @@ static void attention_heads(void* arg, int64_t item) {
     const attention_ctx* c = (const attention_ctx*)arg;
     const hexq_model* m = c->m;
     const int64_t D = m->head_dim, per = c->per, first = item * per, kvh = first / (m->heads / m->kv_heads);
-    const float *keys = kv_rows(m, m->k_cache, c->layer, kvh), *values = kv_rows(m, m->v_cache, c->layer, kvh);
-    float top[MAX_GROUP], inv[MAX_GROUP];
+    const char *keys = kv_rows(m, m->k_cache, c->layer, kvh), *values = kv_rows(m, m->v_cache, c->layer, kvh);
+    float top[MAX_GROUP], inv[MAX_GROUP], row[MAX_HEAD_DIM];
     for (int64_t g = 0; g < per; g++) top[g] = -INFINITY;
-    for (int64_t t = c->start; t <= c->pos; t++)
+    for (int64_t t = c->start; t <= c->pos; t++) {
+        const float* key = kv_row(m, keys, t, row);
         for (int64_t g = 0; g < per; g++) {
             float* scores = c->s->scores + (first + g) * m->max_pos;
-            scores[t] = dot8(c->s->q + (first + g) * D, keys + t * D, D) * m->scaling;
+            scores[t] = dot8(c->s->q + (first + g) * D, key, D) * m->scaling;
             top[g] = scores[t] > top[g] ? scores[t] : top[g]; /* not fmaxf: a libm call per position */
         }
+    }
     for (int64_t g = 0; g < per; g++) {
         float* scores = c->s->scores + (first + g) * m->max_pos;
         float total = 0.0f;
@@ -747,12 +811,14 @@ static void attention_heads(void* arg, int64_t item) {
         float* out = c->s->att + (first + g) * D;
         for (int64_t i = 0; i < D; i++) out[i] = 0.0f;
     }
-    for (int64_t t = c->start; t <= c->pos; t++)
+    for (int64_t t = c->start; t <= c->pos; t++) {
+        const float* value = kv_row(m, values, t, row);
         for (int64_t g = 0; g < per; g++) {
             const float p = c->s->scores[(first + g) * m->max_pos + t] * inv[g];
             float* out = c->s->att + (first + g) * D;
-            for (int64_t i = 0; i < D; i++) out[i] += p * values[t * D + i];
+            for (int64_t i = 0; i < D; i++) out[i] += p * value[i];
         }
+    }
 }
 
 #ifdef DECODE_X86
@@ -765,15 +831,21 @@ static AVX2 __m256 sums8(const __m256 a[8]) {
 
 #define KV_BLOCK 32 /* positions whose value rows (16 KB at head_dim 128) stay in L1 while every head reads them */
 
+/* Elements [i, i + 8) of a cache's rows as float32 (F16C's conversion for float16: exact). */
+static AVX2 inline __attribute__((always_inline)) __m256 kv8(const char* rows, int64_t i, const int half) {
+    return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(rows + i * 2)))
+                : _mm256_loadu_ps((const float*)rows + i);
+}
+
 /* out[h] += sum over positions u in [block, stop) of p[h][u] v[u], for `heads` (a constant: 1, 2 or 4) heads whose
    outputs and weights lie D and stride floats apart: 8 lanes of every head's output in registers, in two
    accumulators each (even and odd positions, so that the multiply-adds are not one chain), each value vector loaded
    once for them all. A head's arithmetic does not depend on how many heads share the call, so the step's result
    does not depend on the thread count (heads_per_item). */
-static AVX2 inline __attribute__((always_inline)) void weighted_values(const float* values, const float* p,
+static AVX2 inline __attribute__((always_inline)) void weighted_values(const char* values, const float* p,
                                                                         int64_t stride, float* out, int64_t D,
                                                                         int64_t block, int64_t stop,
-                                                                        const int heads) {
+                                                                        const int heads, const int half) {
     for (int64_t d = 0; d < D; d += 8) {
         __m256 even[4], odd[4];
         for (int h = 0; h < heads; h++) {
@@ -782,19 +854,20 @@ static AVX2 inline __attribute__((always_inline)) void weighted_values(const flo
         }
         int64_t u = block;
         for (; u + 2 <= stop; u += 2) {
-            if (d % 16 == 0) { /* the next block's rows, a line each: they arrive while this block is computed (one
-                                  row per 512 bytes of stride is too sparse for the hardware's prefetch) */
-                __builtin_prefetch(values + (u + KV_BLOCK) * D + d, 0, 3);
-                __builtin_prefetch(values + (u + 1 + KV_BLOCK) * D + d, 0, 3);
+            if (d % (half ? 32 : 16) == 0) { /* the next block's rows, a line each: they arrive while this block is
+                                                computed (one row per 256-512 bytes of stride is too sparse for the
+                                                hardware's prefetch) */
+                __builtin_prefetch(values + ((u + KV_BLOCK) * D + d) * (half ? 2 : 4), 0, 3);
+                __builtin_prefetch(values + ((u + 1 + KV_BLOCK) * D + d) * (half ? 2 : 4), 0, 3);
             }
-            const __m256 v0 = _mm256_loadu_ps(values + u * D + d), v1 = _mm256_loadu_ps(values + (u + 1) * D + d);
+            const __m256 v0 = kv8(values, u * D + d, half), v1 = kv8(values, (u + 1) * D + d, half);
             for (int h = 0; h < heads; h++) {
                 even[h] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + h * stride + u), v0, even[h]);
                 odd[h] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + h * stride + u + 1), v1, odd[h]);
             }
         }
         if (u < stop) {
-            const __m256 v = _mm256_loadu_ps(values + u * D + d);
+            const __m256 v = kv8(values, u * D + d, half);
             for (int h = 0; h < heads; h++)
                 even[h] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + h * stride + u), v, even[h]);
         }
@@ -809,15 +882,12 @@ static AVX2 inline __attribute__((always_inline)) void weighted_values(const flo
    registers (weighted_values), each value vector loaded once for them all, a block of KV_BLOCK positions at a time.
    One thread read ~4 GB/s of KV cache one head at a time, compute-bound (a 6-layer Qwen3-30B-A3B-shaped step at 4096
    positions: ~25 ms of attention on one thread). */
-static AVX2 void attention_heads_avx2(void* arg, int64_t item) {
-    const attention_ctx* c = (const attention_ctx*)arg;
+static AVX2 inline __attribute__((always_inline)) void attention_avx2_of(const attention_ctx* c, int64_t item,
+                                                                          const int half) {
     const hexq_model* m = c->m;
     const int64_t D = m->head_dim, per = c->per, first = item * per, kvh = first / (m->heads / m->kv_heads);
-    if (D % 8) {
-        attention_heads(arg, item);
-        return;
-    }
-    const float *keys = kv_rows(m, m->k_cache, c->layer, kvh), *values = kv_rows(m, m->v_cache, c->layer, kvh);
+    const int64_t line = half ? 32 : 16; /* elements per 64-byte line */
+    const char *keys = kv_rows(m, m->k_cache, c->layer, kvh), *values = kv_rows(m, m->v_cache, c->layer, kvh);
     const int64_t start = c->start, end = c->pos + 1;
     const __m256 scaling = _mm256_set1_ps(m->scaling);
     __m256 top[MAX_GROUP];
@@ -829,11 +899,10 @@ static AVX2 void attention_heads_avx2(void* arg, int64_t item) {
             __m256 acc[8];
             for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
             for (int64_t d = 0; d < D; d += 8) {
-                if (g == 0 && d % 16 == 0) /* the next 8 key rows, a line each: every head reads them next */
-                    for (int j = 0; j < 8; j++) __builtin_prefetch(keys + (t + 8 + j) * D + d, 0, 3);
+                if (g == 0 && d % line == 0) /* the next 8 key rows, a line each: every head reads them next */
+                    for (int j = 0; j < 8; j++) __builtin_prefetch(keys + ((t + 8 + j) * D + d) * (64 / line), 0, 3);
                 const __m256 qd = _mm256_loadu_ps(q + d);
-                for (int j = 0; j < 8; j++)
-                    acc[j] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(keys + (t + j) * D + d), acc[j]);
+                for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(qd, kv8(keys, (t + j) * D + d, half), acc[j]);
             }
             const __m256 scores = _mm256_mul_ps(sums8(acc), scaling);
             _mm256_storeu_ps(c->s->scores + (first + g) * m->max_pos + t, scores);
@@ -845,7 +914,8 @@ static AVX2 void attention_heads_avx2(void* arg, int64_t item) {
         _mm256_storeu_ps(lanes, top[g]);
         for (int j = 0; j < 8; j++) most = lanes[j] > most ? lanes[j] : most;
         for (int64_t u = t; u < end; u++) { /* the last (end - start) % 8 positions */
-            scores[u] = dot8(c->s->q + (first + g) * D, keys + u * D, D) * m->scaling;
+            float row[MAX_HEAD_DIM];
+            scores[u] = dot8(c->s->q + (first + g) * D, kv_row(m, keys, u, row), D) * m->scaling;
             most = scores[u] > most ? scores[u] : most;
         }
         const float inv = 1.0f / softmax_exp_avx2(scores + start, end - start, most);
@@ -859,11 +929,19 @@ static AVX2 void attention_heads_avx2(void* arg, int64_t item) {
             n = per - g >= 4 ? 4 : per - g >= 2 ? 2 : 1;
             float* out = c->s->att + (first + g) * D;
             const float* p = c->s->scores + (first + g) * m->max_pos;
-            if (n == 4) weighted_values(values, p, m->max_pos, out, D, block, stop, 4);
-            else if (n == 2) weighted_values(values, p, m->max_pos, out, D, block, stop, 2);
-            else weighted_values(values, p, m->max_pos, out, D, block, stop, 1);
+            if (n == 4) weighted_values(values, p, m->max_pos, out, D, block, stop, 4, half);
+            else if (n == 2) weighted_values(values, p, m->max_pos, out, D, block, stop, 2, half);
+            else weighted_values(values, p, m->max_pos, out, D, block, stop, 1, half);
         }
     }
+}
+
+/* attention_avx2_of for the cache's element type (a constant inside: one copy of the loops for each). */
+static AVX2 void attention_heads_avx2(void* arg, int64_t item) {
+    const attention_ctx* c = (const attention_ctx*)arg;
+    if (c->m->head_dim % 8) attention_heads(arg, item);
+    else if (c->m->kv_half) attention_avx2_of(c, item, 1);
+    else attention_avx2_of(c, item, 0);
 }
 #endif
 
@@ -1086,8 +1164,8 @@ static void layer_attention(const hexq_model* m, const hexq_layer* L, int layer,
     for (int64_t h = 0; h < m->kv_heads; h++) {
         if (L->qk_norm == QK_HEAD) rms_norm(s->k + h * D, L->k_norm, s->k + h * D, D, m->eps);
         rope(s->k + h * D, D, s->cos, s->sin);
-        memcpy(kv_rows(m, m->k_cache, layer, h) + pos * D, s->k + h * D, (size_t)D * 4);
-        memcpy(kv_rows(m, m->v_cache, layer, h) + pos * D, s->v + h * D, (size_t)D * 4);
+        kv_store(m, kv_rows(m, m->k_cache, layer, h), pos, s->k + h * D);
+        kv_store(m, kv_rows(m, m->v_cache, layer, h), pos, s->v + h * D);
     }
     const int64_t start = m->sliding_window > 0 && pos - m->sliding_window + 1 > 0 ? pos - m->sliding_window + 1 : 0;
     attention_ctx ctx = {m, s, layer, pos, start, heads_per_item(m, threads)};
@@ -1126,7 +1204,8 @@ static void token_start(const hexq_model* m, scratch* s, int32_t token, int64_t 
 int hexq_decode(const hexq_model* m, int32_t token, int64_t pos, float* logits, int path, int threads,
                 uint8_t* scratch_bytes, hexq_resume* r) {
     if (!(hexq_paths() >> path & 1) || pos < 0 || pos >= m->max_pos || token < 0 || token >= m->vocab
-        || m->top_k > 64 || m->num_experts > 1024 || m->heads / m->kv_heads > MAX_GROUP || r->layer >= m->layers)
+        || m->top_k > 64 || m->num_experts > 1024 || m->heads / m->kv_heads > MAX_GROUP || m->head_dim > MAX_HEAD_DIM
+        || r->layer >= m->layers)
         return -1;
     scratch s;
     scratch_layout(m, (uint8_t*)(((uintptr_t)scratch_bytes + 63) / 64 * 64), &s);

@@ -58,7 +58,7 @@ from hexq.runtime.experts import USAGE_HORIZON, CachedExperts, RunState
 from hexq.runtime.graph import GraphDecoder
 from hexq.runtime.memory import check_memory_flags, plan_memory, prefill_scratch_nbytes
 from hexq.runtime.model import build_model, dense_plan_bytes, expert_quantizers, skeleton
-from hexq.runtime.native import NativeDecoder
+from hexq.runtime.native import KV_CACHES, NativeDecoder
 from hexq.runtime.policy import check_policy_widths, make_policy, policy_context
 from hexq.runtime.residency import FastTier
 from hexq.runtime.sampling import Sampling, TextStream, next_token
@@ -99,7 +99,8 @@ class RuntimeConfig:
     the memory plan holds a KV cache for (None: the model's maximum, at most DEFAULT_CONTEXT). kernels: how packed
     matrices are computed - "auto" (the CPU kernels on the CPU, Triton on CUDA, where they can be had), "cpu",
     "triton" (on the CPU only under TRITON_INTERPRET=1: tests), or "torch" (expand every matrix with torch ops);
-    threads: the CPU kernels' threads (None: every core).
+    threads: the CPU kernels' threads (None: every core). kv_cache: the native step's KV cache, "f16" or "f32"
+    (KV_CACHES).
     """
 
     memory_bytes: int | None = None
@@ -119,6 +120,7 @@ class RuntimeConfig:
     threads: int | None = None
     decode: str = "auto"
     context: int | None = None
+    kv_cache: str = "f16"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -127,6 +129,8 @@ class RuntimeConfig:
             raise HexqError(f"--warm {self.warm}: choose one of {', '.join(WARM)}")
         if self.dtype not in DTYPES:
             raise HexqError(f"--dtype {self.dtype}: choose one of {', '.join(DTYPES)}")
+        if self.kv_cache not in KV_CACHES:
+            raise HexqError(f"--kv-cache {self.kv_cache}: choose one of {', '.join(KV_CACHES)}")
         if self.cache not in CACHE_FORMATS:
             raise HexqError(f"--cache {self.cache}: choose one of {', '.join(CACHE_FORMATS)}")
         check_memory_flags(self.memory_bytes, self.fast_tier_bytes)  # before anything is loaded or compiled
@@ -182,7 +186,8 @@ class Runtime:
             scratch_bytes=sizes.scratch_nbytes + compute_scratch_nbytes(artifact, streamed, self.dtype,
                                                                          kernels is None)
             + prefill_scratch_nbytes(streamed.config, artifact, PREFILL_CHUNK, context, self.dtype),
-            kv_bytes=context * kv_position_bytes(streamed.config, self.dtype), context=context,
+            kv_bytes=context * kv_position_bytes(streamed.config, self.dtype, KV_CACHES[config.kv_cache]),
+            context=context,
             expert_bytes=sum(allocated), largest_slot=sizes.largest_slot, cache_format=config.cache,
             cached=config.mode == "cache",
             # every expert on the device in one arena per layer, computed without the cache (hexq.runtime.arena)
@@ -415,15 +420,15 @@ class Runtime:
                                        generated_tokens=count)
 
 
-def kv_position_bytes(config, dtype: torch.dtype) -> int:
+def kv_position_bytes(config, dtype: torch.dtype, native: torch.dtype) -> int:
     """Bytes one position of one sequence takes in the KV caches: keys and values of every layer's key-value heads,
-    in the compute dtype (the transformers path's cache) plus float32 (the native step's, which the prompt's cache
+    in the compute dtype (the transformers path's cache) plus the native step's `native` (which the prompt's cache
     is copied into: both exist at the handover)."""
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     key_dim = getattr(config, "qk_head_dim", None) or head_dim  # deepseek's MLA caches per-head keys and values
     value_dim = getattr(config, "v_head_dim", None) or head_dim
-    return config.num_hidden_layers * heads * (key_dim + value_dim) * (dtype.itemsize + 4)
+    return config.num_hidden_layers * heads * (key_dim + value_dim) * (dtype.itemsize + native.itemsize)
 
 
 def compute_scratch_nbytes(artifact: Artifact, streamed, dtype: torch.dtype, torch_path: bool) -> int:

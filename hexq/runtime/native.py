@@ -51,7 +51,11 @@ from hexq.runtime.residency import ExpertWeights
 
 MAT_NONE, MAT_PACKED, MAT_F32, MAT_BF16, MAT_ABSENT = 0, 1, 2, 3, 4
 QK_NONE, QK_HEAD, QK_WHOLE = 0, 1, 2
-MAX_TOP_K, MAX_EXPERTS, MAX_GROUP = 64, 1024, 64  # decode.c's fixed arrays (MAX_GROUP: query heads per KV head)
+# decode.c's fixed arrays (MAX_GROUP: query heads per KV head; MAX_HEAD_DIM: a float16 cache row converted on the stack)
+MAX_TOP_K, MAX_EXPERTS, MAX_GROUP, MAX_HEAD_DIM = 64, 1024, 64, 1024
+# The native step's KV cache (`hexq run --kv-cache`): float16 by default, as llama.cpp's (half the memory, and of what
+# attention reads at long context; keys and values rounded to 11 significant bits), or float32.
+KV_CACHES = {"f16": torch.float16, "f32": torch.float32}
 AHEAD_RANGES = 4  # decode.c: byte ranges per expert it can read ahead
 
 
@@ -88,7 +92,7 @@ class Model(ctypes.Structure):
                 ("clip_qkv", ctypes.c_float), ("inv_freq", ctypes.c_void_p), ("embed_kind", ctypes.c_int32),
                 ("embed", ctypes.c_void_p), ("final_norm", ctypes.c_void_p), ("head", Matrix),
                 ("layer", ctypes.c_void_p), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
-                ("max_pos", ctypes.c_int64)]
+                ("max_pos", ctypes.c_int64), ("kv_half", ctypes.c_int32)]
 
 
 class Resume(ctypes.Structure):
@@ -332,19 +336,20 @@ class NativeDecoder:
 
     def start(self, past, positions: int, capacity: int) -> None:
         """A new sequence whose first `positions` tokens the transformers path prefilled into `past` (its KV cache):
-        room for `capacity` positions, the prompt's keys and values copied in (as float32)."""
+        room for `capacity` positions, the prompt's keys and values copied in (rounded to the cache's dtype, to nearest
+        even as decode.c's to_half rounds the step's own)."""
         m = self.model
         if capacity > m.max_pos:
-            shape = (m.layers, m.kv_heads, capacity, m.head_dim)
-            self.k_cache = torch.zeros(shape, dtype=torch.float32)
-            self.v_cache = torch.zeros(shape, dtype=torch.float32)
-            m.max_pos = capacity
+            shape, dtype = (m.layers, m.kv_heads, capacity, m.head_dim), KV_CACHES[self.runtime.config.kv_cache]
+            self.k_cache = torch.zeros(shape, dtype=dtype)
+            self.v_cache = torch.zeros(shape, dtype=dtype)
+            m.max_pos, m.kv_half = capacity, int(dtype == torch.float16)
             m.k_cache, m.v_cache = self.k_cache.data_ptr(), self.v_cache.data_ptr()
             self.scratch = torch.empty(self.library.hexq_decode_scratch(ctypes.byref(m)), dtype=torch.uint8)
         for index in range(m.layers):
             keys, values = past.layers[index].keys, past.layers[index].values
-            self.k_cache[index, :, :positions] = keys[0, :, :positions].float()
-            self.v_cache[index, :, :positions] = values[0, :, :positions].float()
+            self.k_cache[index, :, :positions] = keys[0, :, :positions].float()  # bf16 -> float16 through float32:
+            self.v_cache[index, :, :positions] = values[0, :, :positions].float()  # exact, then one rounding
         self.positions = positions
         if self.loads:
             self._adopt_resident()
@@ -425,6 +430,9 @@ def unsupported(runtime) -> None:
     heads, kv_heads = model_config.num_attention_heads, model_config.num_key_value_heads
     if heads // kv_heads > MAX_GROUP:
         raise NotNative(f"{heads} query heads on {kv_heads} KV heads")
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
+    if head_dim > MAX_HEAD_DIM:
+        raise NotNative(f"head_dim {head_dim}")
     # a matrix of another dtype or off the kernels' grid is named while the model is described (NativeDecoder._matrix)
 
 
