@@ -9,16 +9,17 @@ Every row is evaluated on the same first N windows (length 256) of the held-out 
 
 hexq rows: the model calibrated with recipe experts-mixed (HAQ W8A8 attention, a replica bank of routed experts at
 1, 2, 3, 4, 8 bits, groups of 32, asymmetric) with the bank made as each SETTINGS entry says, then evaluated with
-every expert at 2 and at 3 bits (uniform) and with the allocation `hexq pack` makes at 1.5, 2.0, 2.5 and 3.0
-average bits, by each ALLOCATORS entry (the last setting gets every allocator, the others "main" and the
-recommended one; the bundled experts-mixed recipe is setting "act+spread" with allocator "model+0"). The pieces: `fit`
-(group grids fitted to the Hessian-weighted error, hexq.algos.clipping), `act` (columns in decreasing
-Hessian-diagonal order, static groups: GPTQ's act_order), `round` (1- and 2-bit rounding optimised on routed tokens,
+every expert at 2 and at 3 bits (uniform) and with the allocation `hexq pack` makes at 1.5, 2.0, 2.5 and 3.0 average
+bits, by each ALLOCATORS entry (the last setting gets every allocator, the others "main" and the recommended one;
+the bundled experts-mixed recipe is setting "act+spread+float" with allocator "model+0"). The pieces: `fit` (group
+grids fitted to the Hessian-weighted error, hexq.algos.clipping), `act` (columns in decreasing Hessian-diagonal
+order, static groups: GPTQ's act_order), `round` (1- and 2-bit rounding optimised on routed tokens,
 hexq.algos.rounding), `spread` (1-bit levels at mean -+ 1.75 mean absolute deviations instead of min and max,
-experts.weights.one_bit), `block` (the same widths optimised against the full-precision model's output after each
-layer, experts.round_scope block); allocators: 0-bit experts (skipped, router weight renormalised), the loss
-weighted by routing mass (pack.loss layer), any width per expert (pack.order free) and one budget for all layers
-instead of one per layer (pack.schedule model).
+experts.weights.one_bit), `float` (2-bit grids spanning each group's min and max with a float zero point instead of
+widened to include 0 with an integer one, experts.weights.float_zero_bits), `block` (the same widths optimised
+against the full-precision model's output after each layer, experts.round_scope block); allocators: 0-bit experts
+(skipped, router weight renormalised), the loss weighted by routing mass (pack.loss layer), any width per expert
+(pack.order free) and one budget for all layers instead of one per layer (pack.schedule model).
 
 Peer rows (all linears but routers and the head at W2A16 or W3A16, groups of 32, asymmetric, weights only): hexq's
 GPTQ (peer_recipe: act_order, then rounding optimised over each whole layer), auto-round (signed-gradient rounding
@@ -61,20 +62,23 @@ SEQLEN = 256
 MIXED_BITS = (1.5, 2.0, 2.5, 3.0)
 
 # How the experts' replica bank is made (changes to experts-mixed's experts.weights / experts sections); "main" is
-# the bank as hexq made it before these pieces (natural column order, min/max grids), "act+spread" the bundled
+# the bank as hexq made it before these pieces (natural column order, min/max grids), "act+spread+float" the bundled
 # recipe's.
 BLOCK_STEPS = 200  # AutoRound's default steps per block (the act+block bank setting)
 # hexq's WbA16 rows: at 200 steps the layers' errors are still falling (reference Qwen3-MoE, W2A16: every layer's
 # block error lower at 400, layer 0 0.0883 -> 0.0849, layer 3 0.194 -> 0.187), for twice the stage's time
 PEER_STEPS = 400
+INTEGER_ZERO = {"float_zero_bits": ()}
 SETTINGS = {
-    "main": {"weights": {"act_order": "none", "one_bit": "minmax"}},
-    "fit": {"weights": {"act_order": "none", "one_bit": "minmax", "fit_bits": (1, 2, 3, 4, 8)}},
-    "act": {"weights": {"act_order": "sum_of_squares", "one_bit": "minmax"}},
-    "act+round": {"weights": {"act_order": "sum_of_squares", "one_bit": "minmax"}, "experts": {"round_bits": (1, 2)}},
-    "act+spread": {"weights": {"act_order": "sum_of_squares", "one_bit": "spread"}},
-    "act+block": {"weights": {"act_order": "sum_of_squares", "one_bit": "minmax"},
+    "main": {"weights": {"act_order": "none", "one_bit": "minmax", **INTEGER_ZERO}},
+    "fit": {"weights": {"act_order": "none", "one_bit": "minmax", "fit_bits": (1, 2, 3, 4, 8), **INTEGER_ZERO}},
+    "act": {"weights": {"act_order": "sum_of_squares", "one_bit": "minmax", **INTEGER_ZERO}},
+    "act+round": {"weights": {"act_order": "sum_of_squares", "one_bit": "minmax", **INTEGER_ZERO},
+                  "experts": {"round_bits": (1, 2)}},
+    "act+spread": {"weights": {"act_order": "sum_of_squares", "one_bit": "spread", **INTEGER_ZERO}},
+    "act+block": {"weights": {"act_order": "sum_of_squares", "one_bit": "minmax", **INTEGER_ZERO},
                   "experts": {"round_bits": (1, 2), "round_scope": "block", "round_steps": BLOCK_STEPS}},
+    "act+spread+float": {"weights": {"act_order": "sum_of_squares", "one_bit": "spread", "float_zero_bits": (2,)}},
 }
 # How `hexq pack` allocates (its pack section); "main" is the allocator before 0-bit experts and routing mass.
 ALLOCATORS = {

@@ -36,7 +36,7 @@ def test_fit_never_raises_the_weighted_error(symmetric, device):
     c[0] = 0  # a batch whose columns carry no weight keeps its start
     c[1, :4] = 0
     scale, zero = grids.params(w.amin(dim=1), w.amax(dim=1))
-    fitted = fit_grid(w, c, scale, zero, grids.qmax, grids.one_bit, symmetric)
+    fitted = fit_grid(w, c, scale, zero, grids.qmax, grids.one_bit, grids.float_zero, symmetric)
     before, after = grid_error(w, c, scale, zero, grids.qmax), grid_error(w, c, *fitted, grids.qmax)
     assert (after <= before).all()
     assert torch.equal(fitted[0][0], scale[0]) and torch.equal(fitted[1][0], zero[0])
@@ -58,7 +58,7 @@ def test_one_bit_fit_is_the_weighted_two_means():
     c = torch.cat([torch.rand(31, generator=g, dtype=F64) + 0.5, torch.tensor([1e-6], dtype=F64)])[None]
     grids = grids_for([1], rows=1, symmetric=False)
     scale, zero = grids.params(w.amin(dim=1), w.amax(dim=1))
-    s, z = fit_grid(w, c, scale, zero, grids.qmax, grids.one_bit, False, steps=4)
+    s, z = fit_grid(w, c, scale, zero, grids.qmax, grids.one_bit, grids.float_zero, False, steps=4)
     levels = torch.cat([-z * s, (1 - z) * s]).flatten()
     hi_mask = torch.cat([torch.zeros(15), torch.ones(17)]).bool()
     hi_mask[-1] = False  # the outlier joins the upper level but weighs nothing next to the cluster

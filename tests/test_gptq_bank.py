@@ -11,6 +11,8 @@ the quantization order up to the first difference, and that first difference is 
 
 from __future__ import annotations
 
+import dataclasses
+
 import gptq_reference as ref
 import pytest
 import torch
@@ -55,8 +57,7 @@ def check_against_reference(W: torch.Tensor, H: torch.Tensor, bank: dict[int, GP
     reference results."""
     references = {}
     for bits, result in bank.items():
-        spec = QuantSpec(bits=bits, group_size=template.group_size, symmetric=template.symmetric,
-                         one_bit=template.one_bit)
+        spec = dataclasses.replace(template, bits=bits)
         references[bits] = []
         for e in range(W.shape[0]):
             want = ref.gptq_quantize(W[e], H[e], spec, act_order=act_order,
@@ -103,6 +104,18 @@ def test_spread_one_bit_grids_equal_reference(act_order: str) -> None:
     check_against_reference(W, H, bank, factor, template, act_order, None, tie=1e-9, loss_rtol=1e-9)
     plain = gptq_bank(W, factor, [1, 2], QuantSpec(bits=4, group_size=16, symmetric=False), block_size=10)
     assert not torch.equal(bank[1].scale, plain[1].scale) and torch.equal(bank[2].codes, plain[2].codes)
+
+
+@pytest.mark.parametrize("act_order", ["none", "sum_of_squares"])
+def test_float_zero_grids_equal_reference(act_order: str) -> None:
+    """weights.float_zero_bits: those widths' grids (dynamic in natural order, static with act_order) are the
+    reference's quant.grid_params spanning [min, max] with a float zero point, the other widths as before."""
+    W, H, _importance = expert_batch(seed=3)
+    template = QuantSpec(bits=4, group_size=16, symmetric=False, float_zero=True)
+    factor = factorize_hessians(H, act_order=act_order)
+    bank = gptq_bank(W, factor, [2], template, block_size=10)
+    check_against_reference(W, H, bank, factor, template, act_order, None, tie=1e-9, loss_rtol=1e-9)
+    assert not bool((bank[2].zero == bank[2].zero.round()).all())
 
 
 @pytest.mark.parametrize("group_size", [8, 16, 24])
@@ -190,6 +203,7 @@ def test_row_grids_equal_grid_params() -> None:
     w[1] = -w[1].abs()  # all negative
     w[2] = 0.0  # all zero
     specs = [QuantSpec(bits=b, symmetric=s) for s in (True, False) for b in range(1, 9)]
+    specs += [QuantSpec(bits=b, symmetric=False, float_zero=True) for b in range(2, 9)]
     for symmetric in (True, False):
         chosen = [s for s in specs if s.symmetric == symmetric]
         grids = gptq_mod._RowGrids.build(chosen, 9, torch.float32, w.device)

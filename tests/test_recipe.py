@@ -299,7 +299,7 @@ def test_calibrations_made_before_later_switches_keep_their_fingerprint():
     data = {key: value for key, value in recipe_to_dict(recipe).items() if key not in ("pack", "head")}
     for key in ("export_target", "round_bits", "round_steps", "round_tokens", "round_scope"):
         del data["experts"][key]
-    del data["weights"]["fit_bits"], data["weights"]["one_bit"]
+    del data["weights"]["fit_bits"], data["weights"]["one_bit"], data["weights"]["float_zero_bits"]
     data["version"] = 1  # what those manifests hold (version 2 only renamed a key of pack, which is not hashed)
     before = hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
     assert calibration_hash(recipe) == before
@@ -308,5 +308,8 @@ def test_calibrations_made_before_later_switches_keep_their_fingerprint():
     assert calibration_hash(recipe_from_dict(changed)) != before
     changed = recipe_to_dict(recipe)
     changed["weights"]["one_bit"] = "spread"
+    assert calibration_hash(recipe_from_dict(changed)) != before
+    changed = recipe_to_dict(recipe)
+    changed["weights"]["float_zero_bits"] = [8]
     assert calibration_hash(recipe_from_dict(changed)) != before
     assert calibration_hash(recipe_from_dict(recipe_to_dict(recipe) | {"head": {"bits": 8}})) != before

@@ -73,9 +73,11 @@ def _one_bit_start(mean: torch.Tensor, spread: torch.Tensor, symmetric: bool) ->
 
 
 def fit_grid(w: torch.Tensor, c: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, qmax: torch.Tensor,
-             one_bit: torch.Tensor, symmetric: bool, steps: int = FIT_STEPS) -> tuple[torch.Tensor, torch.Tensor]:
+             one_bit: torch.Tensor, float_zero: torch.Tensor, symmetric: bool,
+             steps: int = FIT_STEPS) -> tuple[torch.Tensor, torch.Tensor]:
     """The grids (scale, zero) [..., R] minimising err (module docstring) for groups w [..., g, R] with column weights
-    c [..., g] >= 0, started from the min/max grids scale, zero [..., R]; qmax, one_bit [R] per row.
+    c [..., g] >= 0, started from the min/max grids scale, zero [..., R]; qmax, one_bit, float_zero (the zero point
+    stays a float: no rounding) [R] per row.
 
     A group whose columns all have weight 0 keeps its start. Every tensor is made on w's device, in w's dtype.
     """
@@ -102,7 +104,7 @@ def fit_grid(w: torch.Tensor, c: torch.Tensor, scale: torch.Tensor, zero: torch.
             line = (s0 * sqw - sq * sw) / det.clamp(min=torch.finfo(w.dtype).tiny)
             offset = (sw - line * sq) / s0.clamp(min=torch.finfo(w.dtype).tiny)
             free_zero = -offset / line.clamp(min=_TINY)
-            new_zero = torch.where(one_bit, free_zero, free_zero.round().clamp(min=0).minimum(qmax))
+            new_zero = torch.where(float_zero, free_zero, free_zero.round().clamp(min=0).minimum(qmax))
             # a group whose codes all fell on one level has no line: keep its zero point
             new_zero = torch.where(det > 0, new_zero, zero)
         r = q.sub_(new_zero[..., None, :])

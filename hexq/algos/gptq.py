@@ -112,6 +112,7 @@ class _RowGrids:
     qmax: torch.Tensor  # 2^bits - 1
     one_bit: torch.Tensor  # bool
     spread: torch.Tensor  # bool: a 1-bit asymmetric row whose levels are quant.one_bit_levels
+    float_zero: torch.Tensor  # bool: a row whose asymmetric grid spans [min, max] with a float zero (1 bit, float_zero)
     sym_divisor: torch.Tensor  # scale = 2 max|w| / divisor: qmax, or 2 for 1 bit (levels +-max|w|/2)
     sym_zero: torch.Tensor  # (qmax + 1) / 2, or 0.5 for 1 bit
     symmetric: bool
@@ -123,6 +124,7 @@ class _RowGrids:
 
         return cls(qmax=per_row([s.qmax for s in specs]),
                    one_bit=per_row([s.bits == 1 for s in specs]).bool(),
+                   float_zero=per_row([s.bits == 1 or s.float_zero for s in specs]).bool(),
                    spread=per_row([s.bits == 1 and not s.symmetric and s.one_bit == "spread"
                                    for s in specs]).bool(),
                    sym_divisor=per_row([2 if s.bits == 1 else s.qmax for s in specs]),
@@ -136,12 +138,12 @@ class _RowGrids:
             amax = torch.maximum(-lo, hi).clamp(min=1e-8)  # max |w|, exactly
             scale = 2 * amax / self.sym_divisor
             return scale, self.sym_zero.expand_as(scale).clone()
-        # 1 bit asymmetric: the two levels {min, max}; otherwise the range is widened to include 0.
-        lo = torch.where(self.one_bit, lo, lo.clamp(max=0))
-        hi = torch.where(self.one_bit, hi, hi.clamp(min=0))
+        # 1 bit asymmetric and float_zero: the range [min, max]; otherwise widened to include 0, the zero rounded.
+        lo = torch.where(self.float_zero, lo, lo.clamp(max=0))
+        hi = torch.where(self.float_zero, hi, hi.clamp(min=0))
         scale = ((hi - lo) / self.qmax).clamp(min=1e-8)
         zero = -lo / scale
-        return scale, torch.where(self.one_bit, zero, torch.round(zero))
+        return scale, torch.where(self.float_zero, zero, torch.round(zero))
 
     def bounds(self, columns: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(lo, hi) of each row's values along `dim` of columns [..., R] (R stacked rows last): min and max, or the
@@ -161,7 +163,7 @@ class _RowGrids:
         if rows is not None:
             scale[..., rows], zero[..., rows] = fit_grid(columns[..., rows], weight, scale[..., rows],
                                                          zero[..., rows], self.qmax[rows], self.one_bit[rows],
-                                                         self.symmetric)
+                                                         self.float_zero[rows], self.symmetric)
         return scale, zero
 
 

@@ -24,6 +24,7 @@ class QuantSpec:
     group_size: int | None = None  # None: per output channel
     symmetric: bool = True
     one_bit: str = "minmax"  # asymmetric 1 bit: levels at min and max, or "spread" (one_bit_levels)
+    float_zero: bool = False  # asymmetric, 2 bits and up: the grid spans [min, max] with a float zero point
 
     def __post_init__(self) -> None:
         if not 1 <= self.bits <= 8:
@@ -69,7 +70,9 @@ def grid_params(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.T
 
     Symmetric (the GPTQ reference convention): scale = 2*max|w| / qmax, zero at (qmax+1)/2, so the levels run
     from -(qmax+1)/qmax*max|w| to (qmax-1)/qmax*max|w|; 1-bit symmetric uses the sign levels +-max|w|/2.
-    Asymmetric: the grid spans [min(w,0), max(w,0)] with an integer zero point, so 0 is exact; 1-bit
+    Asymmetric: the grid spans [min(w,0), max(w,0)] with an integer zero point, so 0 is exact; with float_zero
+    it spans [min(w), max(w)] with a float zero point (every level inside the group's range: at 2 bits, widening a
+    group of 32 to include 0 and rounding its zero point put a level outside it and clipped the other end); 1-bit
     asymmetric uses the two levels {min(w), max(w)}, or with one_bit "spread" the levels of one_bit_levels.
     """
     if spec.symmetric:
@@ -84,6 +87,10 @@ def grid_params(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.T
         # Two levels {min, max}: forcing 0 into the range (below) would collapse most weights to 0.
         wmin, wmax = one_bit_levels(w) if spec.one_bit == "spread" else (w.amin(dim=-1), w.amax(dim=-1))
         scale = (wmax - wmin).clamp(min=1e-8)
+        zero = -wmin / scale
+    elif spec.float_zero:
+        wmin, wmax = w.amin(dim=-1), w.amax(dim=-1)
+        scale = ((wmax - wmin) / spec.qmax).clamp(min=1e-8)
         zero = -wmin / scale
     else:
         wmin = w.amin(dim=-1).clamp(max=0)

@@ -22,7 +22,9 @@ LATER_SETTINGS = {("experts", "export_target"): None, ("weights", "fit_bits"): [
                    ("experts", "weights", "fit_bits"): [], ("experts", "round_bits"): [],
                    ("experts", "round_steps"): 100, ("experts", "round_tokens"): 512,
                    ("experts", "round_scope"): "expert", ("weights", "one_bit"): "minmax",
-                   ("experts", "weights", "one_bit"): "minmax", ("head",): None}
+                   ("experts", "weights", "one_bit"): "minmax", ("head",): None,
+                   ("weights", "float_zero_bits"): [], ("experts", "weights", "float_zero_bits"): [],
+                   ("head", "float_zero_bits"): []}
 
 
 def calibration_hash(recipe: Recipe) -> str:

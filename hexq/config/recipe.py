@@ -74,6 +74,9 @@ class WeightQuant:
     error (hexq.algos.clipping), instead of spanning each group's min and max; for a replica bank a subset of its
     widths, for one weight its `bits` or nothing. one_bit: the two levels of an asymmetric 1-bit grid, "minmax"
     (each group's min and max) or "spread" (mean -+ 1.75 x the mean absolute deviation; hexq.algos.quant).
+    float_zero_bits (asymmetric only): the widths (2 and up) whose grids span each group's min and max with a float
+    zero point, instead of widening the range to include 0 with an integer zero point (which compressed-tensors can
+    write as it is; hexq export re-rounds a float-zero matrix onto the target's grid, as it does 1-bit ones).
     """
 
     bits: int = 8
@@ -85,12 +88,18 @@ class WeightQuant:
     block_size: int = 128  # columns per lazy-update block
     fit_bits: tuple[int, ...] = ()  # gptq only: widths whose grids are fitted (hexq.algos.clipping)
     one_bit: str = "minmax"  # "minmax" | "spread": the levels of an asymmetric 1-bit grid
+    float_zero_bits: tuple[int, ...] = ()  # asymmetric only: widths whose grids span [min, max], float zero point
 
     def __post_init__(self) -> None:
         check_types(self)
         check_bits("bits", self.bits)
         check_choice("one_bit", self.one_bit, ONE_BIT_GRIDS)
         check_width_list("fit_bits", self.fit_bits)
+        check_width_list("float_zero_bits", self.float_zero_bits)
+        if self.float_zero_bits and self.symmetric:
+            raise RecipeError("float_zero_bits", "is for asymmetric grids (symmetric: false)")
+        if 1 in self.float_zero_bits:
+            raise RecipeError("float_zero_bits", "lists 1: the 1-bit grid's zero point is a float already (one_bit)")
         if self.group_size is not None:
             check_at_least("group_size", self.group_size, 1)
         check_choice("method", self.method, WEIGHT_METHODS)
@@ -103,7 +112,8 @@ class WeightQuant:
     def spec(self, bits: int | None = None) -> QuantSpec:
         """The QuantSpec of this setting, at `bits` instead of self.bits when given (one replica of a bank)."""
         return QuantSpec(bits=self.bits if bits is None else bits, group_size=self.group_size,
-                         symmetric=self.symmetric, one_bit=self.one_bit)
+                         symmetric=self.symmetric, one_bit=self.one_bit,
+                         float_zero=(self.bits if bits is None else bits) in self.float_zero_bits)
 
 
 @dataclass(frozen=True)
@@ -356,13 +366,17 @@ class Recipe:
             raise RecipeError("name", "must not be empty")
         widths = self.experts.replica_bits if self.experts.mode == "replicas" else (self.expert_weights.bits,)
         named = [("weights.fit_bits", self.weights.fit_bits, (self.weights.bits,)),
+                 ("weights.float_zero_bits", self.weights.float_zero_bits, (self.weights.bits,)),
                  ("experts.weights.fit_bits", self.expert_weights.fit_bits, widths),
+                 ("experts.weights.float_zero_bits", self.expert_weights.float_zero_bits, widths),
                  ("experts.round_bits", self.experts.round_bits, widths)]
         if self.head is not None:
-            named.append(("head.fit_bits", self.head.fit_bits, (self.head.bits,)))
+            named += [("head.fit_bits", self.head.fit_bits, (self.head.bits,)),
+                      ("head.float_zero_bits", self.head.float_zero_bits, (self.head.bits,))]
         if self.experts.weights is None:  # the top-level weights serve the experts too: either use is fine
             named[0] = ("weights.fit_bits", self.weights.fit_bits, (self.weights.bits, *widths))
-            del named[1]
+            named[1] = ("weights.float_zero_bits", self.weights.float_zero_bits, (self.weights.bits, *widths))
+            del named[2:4]
         for key, bits, allowed in named:
             unused = [b for b in bits if b not in allowed]
             if unused:
