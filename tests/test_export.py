@@ -64,6 +64,43 @@ def test_every_width_that_fits_is_written_bit_identically(symmetric, group, targ
             assert torch.equal(ct_decompress("m", module_tensors("m", weight, scheme), scheme), expected)
 
 
+@pytest.mark.parametrize("target", [4, 8])
+def test_float_zero_points_have_no_integer_form(target):
+    """An asymmetric grid with a float zero point (WeightQuant.float_zero_bits) has no exact compressed-tensors form
+    at any width: retarget refuses it, and scheme_fits, which plans the export, says so."""
+    w = torch.randn(12, 64, generator=torch.Generator().manual_seed(1))
+    for bits in range(2, 9):
+        spec = QuantSpec(bits=bits, group_size=32, symmetric=False, float_zero_bits=(bits,))
+        packed = pack_weight(*quantize(w, spec))
+        assert retarget(packed, False, CtScheme(target, 32, False, None)) is None
+        assert not scheme_fits(bits, False, target, float_zero_bits=(bits,))
+        assert scheme_fits(bits, False, target) == (bits <= target)
+
+
+def test_float_zero_experts_take_their_export_replica(tiny_qwen3moe, tmp_path):
+    """An artifact whose 2-bit experts have float zero points (as the bundled experts-mixed makes them): a 4-bit
+    export re-rounds them onto its grid, or writes their 4-bit GPTQ replica where `hexq pack --bank export` kept one
+    (not a failure calling the artifact corrupt); every other width is written exactly."""
+    from hexq.calib.pipeline import calibrate
+    from hexq.pack.stage import Budget, pack
+
+    recipe = small_recipe("experts-mixed", weights=WeightQuant(group_size=16, symmetric=False, float_zero_bits=(2,)))
+    calibrate(tiny_qwen3moe, replace(recipe, pack=Pack()), "bundled", tmp_path / "cal")
+    for bank, source in (((), "rtn"), (("export",), "export-replica")):
+        artifact = tmp_path / f"{source}.hexq"
+        pack(tmp_path / "cal", artifact, budget=Budget(avg_bits=2.5), bank=bank)
+        stored = Artifact(artifact)
+        zeros = {bits: torch.cat([stored.packed_expert(row, e, bits, "gate_up").zero.float().flatten()
+                                  for row, widths in enumerate(stored.allocation)
+                                  for e, b in enumerate(widths) if b == bits]) for bits in (2, 3)}
+        assert not bool((zeros[2] == zeros[2].round()).all()) and bool((zeros[3] == zeros[3].round()).all())
+        choices = [c for layer in plan_export(Artifact(artifact), "w4") for c in layer.choices]
+        two = [c for c in choices if c.allocated == 2]
+        assert two and all(c.source == source and c.bits == 4 for c in two)
+        assert all(c.source == "exact" for c in choices if c.allocated in (3, 4))
+        assert exported(artifact, tmp_path / source, experts="w4").check.passed
+
+
 def test_a_different_grid_is_not_retargeted():
     w = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
     packed = pack_weight(*quantize(w, QuantSpec(bits=4, group_size=16, symmetric=True)))

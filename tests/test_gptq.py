@@ -322,12 +322,13 @@ def test_spread_one_bit_levels_are_mean_minus_and_plus_its_deviations():
 
 
 def test_float_zero_grid_spans_the_group() -> None:
-    """QuantSpec.float_zero: the 2-bit asymmetric grid spans each group's [min, max] (its end codes are the group's
+    """QuantSpec.float_zero_bits: the 2-bit asymmetric grid spans each group's [min, max] (its end codes are the group's
     extremes, no weight clipped) with a float zero point, where the integer zero point's grid, widened to include 0,
     clips one end; on Gaussian groups of 32 its round-to-nearest error is lower (measured 0.94x; under GPTQ, on the
     reference models' experts, the 2-bit replicas' KL divergence fell 11-17%: benchmarks/low_bits.py)."""
     w = torch.randn(256, 32, generator=_gen(7))
-    float_spec, integer_spec = (QuantSpec(bits=2, group_size=32, symmetric=False, float_zero=f) for f in (True, False))
+    float_spec, integer_spec = (QuantSpec(bits=2, group_size=32, symmetric=False, float_zero_bits=bits)
+                                for bits in ((2,), ()))
     scale, zero = grid_params(w, float_spec)
     torch.testing.assert_close((0 - zero) * scale, w.amin(dim=-1))
     torch.testing.assert_close((3 - zero) * scale, w.amax(dim=-1))

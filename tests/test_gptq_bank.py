@@ -111,7 +111,7 @@ def test_float_zero_grids_equal_reference(act_order: str) -> None:
     """weights.float_zero_bits: those widths' grids (dynamic in natural order, static with act_order) are the
     reference's quant.grid_params spanning [min, max] with a float zero point, the other widths as before."""
     W, H, _importance = expert_batch(seed=3)
-    template = QuantSpec(bits=4, group_size=16, symmetric=False, float_zero=True)
+    template = QuantSpec(bits=4, group_size=16, symmetric=False, float_zero_bits=(2,))
     factor = factorize_hessians(H, act_order=act_order)
     bank = gptq_bank(W, factor, [2], template, block_size=10)
     check_against_reference(W, H, bank, factor, template, act_order, None, tie=1e-9, loss_rtol=1e-9)
@@ -203,7 +203,7 @@ def test_row_grids_equal_grid_params() -> None:
     w[1] = -w[1].abs()  # all negative
     w[2] = 0.0  # all zero
     specs = [QuantSpec(bits=b, symmetric=s) for s in (True, False) for b in range(1, 9)]
-    specs += [QuantSpec(bits=b, symmetric=False, float_zero=True) for b in range(2, 9)]
+    specs += [QuantSpec(bits=b, symmetric=False, float_zero_bits=(b,)) for b in range(2, 9)]
     for symmetric in (True, False):
         chosen = [s for s in specs if s.symmetric == symmetric]
         grids = gptq_mod._RowGrids.build(chosen, 9, torch.float32, w.device)

@@ -24,7 +24,9 @@ class QuantSpec:
     group_size: int | None = None  # None: per output channel
     symmetric: bool = True
     one_bit: str = "minmax"  # asymmetric 1 bit: levels at min and max, or "spread" (one_bit_levels)
-    float_zero: bool = False  # asymmetric, 2 bits and up: the grid spans [min, max] with a float zero point
+    # asymmetric: the widths (2 and up) whose grid spans [min, max] with a float zero point; a tuple of widths, not
+    # a flag, so that a bank's specs made from one template by replace(bits=...) keep it (recipe.WeightQuant's)
+    float_zero_bits: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not 1 <= self.bits <= 8:
@@ -33,6 +35,11 @@ class QuantSpec:
             raise ValueError(f"one_bit must be one of {ONE_BIT_GRIDS}, got {self.one_bit!r}")
         if self.group_size is not None and self.group_size < 1:
             raise ValueError(f"group_size must be positive or None, got {self.group_size}")
+
+    @property
+    def float_zero(self) -> bool:
+        """Whether this width's asymmetric grid spans [min, max] with a float zero point (grid_params)."""
+        return self.bits in self.float_zero_bits
 
     @property
     def qmax(self) -> int:
@@ -70,10 +77,11 @@ def grid_params(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.T
 
     Symmetric (the GPTQ reference convention): scale = 2*max|w| / qmax, zero at (qmax+1)/2, so the levels run
     from -(qmax+1)/qmax*max|w| to (qmax-1)/qmax*max|w|; 1-bit symmetric uses the sign levels +-max|w|/2.
-    Asymmetric: the grid spans [min(w,0), max(w,0)] with an integer zero point, so 0 is exact; with float_zero
-    it spans [min(w), max(w)] with a float zero point (every level inside the group's range: at 2 bits, widening a
-    group of 32 to include 0 and rounding its zero point put a level outside it and clipped the other end); 1-bit
-    asymmetric uses the two levels {min(w), max(w)}, or with one_bit "spread" the levels of one_bit_levels.
+    Asymmetric: the grid spans [min(w,0), max(w,0)] with an integer zero point, so 0 is exact; at a width in
+    float_zero_bits it spans [min(w), max(w)] with a float zero point (every level inside the group's range: at 2
+    bits, widening a group of 32 to include 0 and rounding its zero point put a level outside it and clipped the
+    other end); 1-bit asymmetric uses the two levels {min(w), max(w)}, or with one_bit "spread" the levels of
+    one_bit_levels.
     """
     if spec.symmetric:
         amax = w.abs().amax(dim=-1).clamp(min=1e-8)

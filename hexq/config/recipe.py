@@ -112,8 +112,7 @@ class WeightQuant:
     def spec(self, bits: int | None = None) -> QuantSpec:
         """The QuantSpec of this setting, at `bits` instead of self.bits when given (one replica of a bank)."""
         return QuantSpec(bits=self.bits if bits is None else bits, group_size=self.group_size,
-                         symmetric=self.symmetric, one_bit=self.one_bit,
-                         float_zero=(self.bits if bits is None else bits) in self.float_zero_bits)
+                         symmetric=self.symmetric, one_bit=self.one_bit, float_zero_bits=self.float_zero_bits)
 
 
 @dataclass(frozen=True)

@@ -82,6 +82,8 @@ def plan_layer(artifact: Artifact, row: int, target: int, table: torch.Tensor | 
     same_grid = (extra.get("bits"), extra.get("group_size"), extra.get("symmetric")) == (target, *grid)
     extra_here = set(extra.get("replicas", {}).get(str(layer), [])) if same_grid else set()
     columns = {b: i for i, b in enumerate(artifact.replica_bits)}
+    # the stored widths whose zero points are floats have no exact form on the own grid
+    float_zero_bits = artifact.recipe.expert_weights.float_zero_bits if grid == own else ()
 
     def mse(e: int, bits: int) -> float | None:
         if table is None or bits not in columns:
@@ -90,8 +92,9 @@ def plan_layer(artifact: Artifact, row: int, target: int, table: torch.Tensor | 
 
     choices = []
     for e, b in enumerate(artifact.allocation[row]):
-        fitting = [w for w in artifact.stored_bits(row, e) if w != b and scheme_fits(w, grid[1], target)]
-        if grid == own and scheme_fits(b, grid[1], target):
+        fitting = [w for w in artifact.stored_bits(row, e)
+                   if w != b and scheme_fits(w, grid[1], target, float_zero_bits)]
+        if grid == own and scheme_fits(b, grid[1], target, float_zero_bits):
             choices.append(ExpertChoice(e, b, "exact", b, mse(e, b), mse(e, b)))
         elif e in extra_here:  # the loss table measured the export replica only when it is on the own grid
             choices.append(ExpertChoice(e, b, "export-replica", target, mse(e, b),

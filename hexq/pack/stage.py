@@ -323,7 +323,8 @@ def pack(calib_dir: str | Path, out: str | Path, settings: Pack | None = None, b
                 if not keep_export:
                     needs = []
                 elif own_grid:  # only the experts whose own width has no exact 4-bit form, unless stored anyway
-                    needs = [e for e in export_replica_experts(row, recipe.expert_weights.symmetric)
+                    weights = recipe.expert_weights
+                    needs = [e for e in export_replica_experts(row, weights.symmetric, weights.float_zero_bits)
                              if EXPORT_BITS not in widths_of[e]]
                 else:  # another grid: every expert that is not skipped takes its export replica
                     needs = [e for e, bits in enumerate(row) if bits]

@@ -9,6 +9,7 @@ layer).
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -70,10 +71,10 @@ def layer_expert_tensors(bank, layer, widths_of: list[set[int]]) -> tuple[dict, 
     return out, nbytes
 
 
-def export_replica_experts(row: list[int], symmetric: bool) -> list[int]:
-    """Experts of one MoE layer whose allocated width has no exact EXPORT_BITS-bit form: `hexq export` writes their
-    EXPORT_BITS-bit GPTQ replica in their place in a 4-bit layer."""
-    return [e for e, bits in enumerate(row) if not scheme_fits(bits, symmetric, EXPORT_BITS)]
+def export_replica_experts(row: list[int], symmetric: bool, float_zero_bits: Collection[int] = ()) -> list[int]:
+    """Experts of one MoE layer whose allocated width has no exact EXPORT_BITS-bit form (scheme_fits): `hexq export`
+    writes their EXPORT_BITS-bit GPTQ replica in their place in a 4-bit layer."""
+    return [e for e, bits in enumerate(row) if not scheme_fits(bits, symmetric, EXPORT_BITS, float_zero_bits)]
 
 
 def layer_export_tensors(bank, experts: list[int], bits: int, own_grid: bool) -> dict[str, torch.Tensor]:
