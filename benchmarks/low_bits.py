@@ -16,10 +16,11 @@ grids fitted to the Hessian-weighted error, hexq.algos.clipping), `act` (columns
 order, static groups: GPTQ's act_order), `round` (1- and 2-bit rounding optimised on routed tokens,
 hexq.algos.rounding), `spread` (1-bit levels at mean -+ 1.75 mean absolute deviations instead of min and max,
 experts.weights.one_bit), `float` (2-bit grids spanning each group's min and max with a float zero point instead of
-widened to include 0 with an integer one, experts.weights.float_zero_bits), `block` (the same widths optimised
-against the full-precision model's output after each layer, experts.round_scope block); allocators: 0-bit experts
-(skipped, router weight renormalised), the loss weighted by routing mass (pack.loss layer), any width per expert
-(pack.order free) and one budget for all layers instead of one per layer (pack.schedule model).
+widened to include 0 with an integer one, experts.weights.float_zero_bits; `float23` at 3 bits too), `block` (the
+same widths optimised against the full-precision model's output after each layer, experts.round_scope block);
+allocators: 0-bit experts (skipped, router weight renormalised), the loss weighted by routing mass (pack.loss
+layer), any width per expert (pack.order free) and one budget for all layers instead of one per layer (pack.schedule
+model).
 
 Peer rows (all linears but routers and the head at W2A16 or W3A16, groups of 32, asymmetric, weights only): hexq's
 GPTQ (peer_recipe: act_order, then rounding optimised over each whole layer), auto-round (signed-gradient rounding
@@ -79,6 +80,8 @@ SETTINGS = {
     "act+block": {"weights": {"act_order": "sum_of_squares", "one_bit": "minmax", **INTEGER_ZERO},
                   "experts": {"round_bits": (1, 2), "round_scope": "block", "round_steps": BLOCK_STEPS}},
     "act+spread+float": {"weights": {"act_order": "sum_of_squares", "one_bit": "spread", "float_zero_bits": (2,)}},
+    "act+spread+float23": {"weights": {"act_order": "sum_of_squares", "one_bit": "spread",
+                                       "float_zero_bits": (2, 3)}},
 }
 # How `hexq pack` allocates (its pack section); "main" is the allocator before 0-bit experts and routing mass.
 ALLOCATORS = {
