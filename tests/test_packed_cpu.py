@@ -372,10 +372,10 @@ def test_forced_paths(monkeypatch) -> None:
 
 
 def test_the_float16_kv_cache_rounds_as_torch():
-    """The native step's float16 KV cache (decode.c to_half / from_half): every float32 rounds to the binary16 that
-    torch's .half() gives, bit for bit (nearest, ties to even, subnormals, overflow past 65504 to infinity, signed
-    zeros), and reads back exactly: random bit patterns, every tie and boundary around the normal range, and every
-    binary16 value."""
+    """The native step's float16 KV cache (kernels.h float_to_half / half_to_float): every float32 rounds to the
+    binary16 that torch's .half() gives, bit for bit (nearest, ties to even, subnormals, overflow past 65504 to
+    infinity, signed zeros), and reads back exactly: random bit patterns, every tie and boundary around the normal
+    range, and every binary16 value."""
     import ctypes
 
     generator = torch.Generator().manual_seed(4)

@@ -91,13 +91,11 @@ def grid_params(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.T
             # Levels (q - zero) in {-1, 0} would lose the sign: centre on +-0.5 instead.
             zero = torch.full_like(scale, 0.5)
             scale = 2 * amax / 2
-    elif spec.bits == 1:
-        # Two levels {min, max}: forcing 0 into the range (below) would collapse most weights to 0.
-        wmin, wmax = one_bit_levels(w) if spec.one_bit == "spread" else (w.amin(dim=-1), w.amax(dim=-1))
-        scale = (wmax - wmin).clamp(min=1e-8)
-        zero = -wmin / scale
-    elif spec.float_zero:
-        wmin, wmax = w.amin(dim=-1), w.amax(dim=-1)
+    elif spec.bits == 1 or spec.float_zero:
+        # The range itself, the zero point a float. 1 bit: two levels {min, max} (forcing 0 into the range, below,
+        # would collapse most weights to 0), or the spread levels.
+        spread = spec.bits == 1 and spec.one_bit == "spread"
+        wmin, wmax = one_bit_levels(w) if spread else (w.amin(dim=-1), w.amax(dim=-1))
         scale = ((wmax - wmin) / spec.qmax).clamp(min=1e-8)
         zero = -wmin / scale
     else:

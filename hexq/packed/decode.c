@@ -657,38 +657,11 @@ static char* kv_rows(const hexq_model* m, void* cache, int layer, int64_t kvh) {
     return (char*)cache + (((int64_t)layer * m->kv_heads + kvh) * m->max_pos) * m->head_dim * kv_size(m);
 }
 
-/* float32 -> binary16 rounded to nearest, ties to even (as torch's .half() and F16C): past 65504 to infinity, below
-   2^-14 a subnormal, NaN quiet. */
-static uint16_t to_half(float f) {
-    uint32_t x;
-    memcpy(&x, &f, 4);
-    const uint16_t sign = (uint16_t)(x >> 16 & 0x8000);
-    const uint32_t a = x & 0x7fffffffu;
-    if (a > 0x7f800000u) return sign | 0x7e00;
-    if (a >= 0x477ff000u) return sign | 0x7c00; /* >= 65520, halfway to 2^16: ties to the even infinity */
-    if (a < 0x38800000u) return sign | (uint16_t)lrintf(fabsf(f) * 16777216.0f); /* units of 2^-24, exact scaling */
-    /* rebias the exponent (127 -> 15), round the fraction's 13 dropped bits to nearest even (a carry moves the
-       exponent on, as it should) */
-    return sign | (uint16_t)((a - 0x38000000u + 0xfffu + (a >> 13 & 1)) >> 13);
-}
-
-static float from_half(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = h >> 10 & 0x1f, frac = h & 0x3ff;
-    float f;
-    if (e == 0) {
-        f = (float)frac * 5.9604644775390625e-8f; /* 2^-24, exact */
-        return sign ? -f : f;
-    }
-    const uint32_t x = sign | (e == 31 ? 0x7f800000u | frac << 13 : (e + 112) << 23 | frac << 13);
-    memcpy(&f, &x, 4);
-    return f;
-}
-
-/* to_half over x[0..n) into h, then from_half of h into back (tests: the cache's conversions against torch's). */
+/* float_to_half over x[0..n) into h, then half_to_float of h into back (tests: the cache's conversions against torch's). */
 void hexq_kv_half(const float* x, int64_t n, uint16_t* h, float* back) {
     for (int64_t i = 0; i < n; i++) {
-        h[i] = to_half(x[i]);
-        back[i] = from_half(h[i]);
+        h[i] = float_to_half(x[i]);
+        back[i] = half_to_float(h[i]);
     }
 }
 
@@ -697,7 +670,7 @@ static const float* kv_row(const hexq_model* m, const char* rows, int64_t t, flo
     const int64_t D = m->head_dim;
     if (!m->kv_half) return (const float*)rows + t * D;
     const uint16_t* h = (const uint16_t*)rows + t * D;
-    for (int64_t i = 0; i < D; i++) tmp[i] = from_half(h[i]);
+    for (int64_t i = 0; i < D; i++) tmp[i] = half_to_float(h[i]);
     return tmp;
 }
 
@@ -709,7 +682,7 @@ static void kv_store(const hexq_model* m, char* rows, int64_t t, const float* x)
         return;
     }
     uint16_t* h = (uint16_t*)rows + t * D;
-    for (int64_t i = 0; i < D; i++) h[i] = to_half(x[i]);
+    for (int64_t i = 0; i < D; i++) h[i] = float_to_half(x[i]);
 }
 
 typedef struct {
@@ -846,6 +819,7 @@ static AVX2 inline __attribute__((always_inline)) void weighted_values(const cha
                                                                         int64_t stride, float* out, int64_t D,
                                                                         int64_t block, int64_t stop,
                                                                         const int heads, const int half) {
+    const int64_t line = half ? 32 : 16; /* elements per 64-byte line */
     for (int64_t d = 0; d < D; d += 8) {
         __m256 even[4], odd[4];
         for (int h = 0; h < heads; h++) {
@@ -854,11 +828,10 @@ static AVX2 inline __attribute__((always_inline)) void weighted_values(const cha
         }
         int64_t u = block;
         for (; u + 2 <= stop; u += 2) {
-            if (d % (half ? 32 : 16) == 0) { /* the next block's rows, a line each: they arrive while this block is
-                                                computed (one row per 256-512 bytes of stride is too sparse for the
-                                                hardware's prefetch) */
-                __builtin_prefetch(values + ((u + KV_BLOCK) * D + d) * (half ? 2 : 4), 0, 3);
-                __builtin_prefetch(values + ((u + 1 + KV_BLOCK) * D + d) * (half ? 2 : 4), 0, 3);
+            if (d % line == 0) { /* the next block's rows, a line each: they arrive while this block is computed
+                                    (one row per 256-512 bytes of stride is too sparse for the hardware's prefetch) */
+                __builtin_prefetch(values + ((u + KV_BLOCK) * D + d) * (64 / line), 0, 3);
+                __builtin_prefetch(values + ((u + 1 + KV_BLOCK) * D + d) * (64 / line), 0, 3);
             }
             const __m256 v0 = kv8(values, u * D + d, half), v1 = kv8(values, (u + 1) * D + d, half);
             for (int h = 0; h < heads; h++) {

@@ -38,28 +38,6 @@ int hexq_paths(void) {
     return paths;
 }
 
-/* ------------------------------------------------------------------------------------------ half precision */
-
-static inline float half_to_float(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
-    if (exp == 0) {
-        if (mant == 0) {
-            bits = sign;
-        } else { /* subnormal: normalise */
-            exp = 127 - 15 + 1;
-            while (!(mant & 0x400)) { mant <<= 1; exp--; }
-            bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
-        }
-    } else if (exp == 31) {
-        bits = sign | 0x7f800000 | (mant << 13);
-    } else {
-        bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
 /* ------------------------------------------------------------------------------------------ the task */
 
 #define MAX_TOK 4
@@ -1132,27 +1110,6 @@ static inline uint16_t float_to_bf16(float v) { /* round to nearest even, as tor
     memcpy(&u, &v, 4);
     if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
     return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
-}
-
-static inline uint16_t float_to_half(float f) { /* round to nearest even, IEEE binary16 */
-    uint32_t x;
-    memcpy(&x, &f, 4);
-    const uint32_t sign = (x >> 16) & 0x8000;
-    x &= 0x7fffffff;
-    if (x >= 0x7f800000) return (uint16_t)(sign | 0x7c00 | (x > 0x7f800000 ? 0x200 : 0));
-    if (x >= 0x477ff000) return (uint16_t)(sign | 0x7c00); /* overflows to infinity */
-    if (x < 0x38800000) { /* subnormal or zero in half precision */
-        if (x < 0x33000000) return (uint16_t)sign;
-        const uint32_t mant = (x & 0x7fffff) | 0x800000, shift = 126 - (x >> 23);
-        uint32_t half = mant >> shift;
-        const uint32_t rest = mant & ((1u << shift) - 1), mid = 1u << (shift - 1);
-        if (rest > mid || (rest == mid && (half & 1))) half++;
-        return (uint16_t)(sign | half);
-    }
-    uint32_t half = ((x >> 13) - (112 << 10));
-    const uint32_t rest = x & 0x1fff;
-    if (rest > 0x1000 || (rest == 0x1000 && (half & 1))) half++;
-    return (uint16_t)(sign | half);
 }
 
 static void dequant_scalar(const uint8_t* packed, int bits, const uint16_t* scale, const uint16_t* zero,

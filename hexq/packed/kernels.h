@@ -3,8 +3,53 @@
 #ifndef HEXQ_KERNELS_H
 #define HEXQ_KERNELS_H
 #include <stdint.h>
+#include <string.h>
 
 #define HIDDEN __attribute__((visibility("hidden")))
+
+/* IEEE binary16 <-> float32, portable: the scales and zeros (kernels.c) and the native step's float16 KV cache
+   (decode.c). float_to_half rounds to nearest, ties to even (as torch's .half() and F16C), past 65504 to infinity,
+   NaN quiet; half_to_float is exact. */
+static inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (mant == 0) {
+            bits = sign;
+        } else { /* subnormal: normalise */
+            exp = 127 - 15 + 1;
+            while (!(mant & 0x400)) { mant <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000 | (mant << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t float_to_half(float f) { /* round to nearest even, IEEE binary16 */
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000;
+    x &= 0x7fffffff;
+    if (x >= 0x7f800000) return (uint16_t)(sign | 0x7c00 | (x > 0x7f800000 ? 0x200 : 0));
+    if (x >= 0x477ff000) return (uint16_t)(sign | 0x7c00); /* overflows to infinity */
+    if (x < 0x38800000) { /* subnormal or zero in half precision */
+        if (x < 0x33000000) return (uint16_t)sign;
+        const uint32_t mant = (x & 0x7fffff) | 0x800000, shift = 126 - (x >> 23);
+        uint32_t half = mant >> shift;
+        const uint32_t rest = mant & ((1u << shift) - 1), mid = 1u << (shift - 1);
+        if (rest > mid || (rest == mid && (half & 1))) half++;
+        return (uint16_t)(sign | half);
+    }
+    uint32_t half = ((x >> 13) - (112 << 10));
+    const uint32_t rest = x & 0x1fff;
+    if (rest > 0x1000 || (rest == 0x1000 && (half & 1))) half++;
+    return (uint16_t)(sign | half);
+}
 
 enum { PATH_SCALAR = 0, PATH_AVX2 = 1, PATH_AVX512 = 2, PATH_AVXVNNI = 3 };
 

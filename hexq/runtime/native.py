@@ -337,7 +337,7 @@ class NativeDecoder:
     def start(self, past, positions: int, capacity: int) -> None:
         """A new sequence whose first `positions` tokens the transformers path prefilled into `past` (its KV cache):
         room for `capacity` positions, the prompt's keys and values copied in (rounded to the cache's dtype, to nearest
-        even as decode.c's to_half rounds the step's own)."""
+        even as kernels.h's float_to_half rounds the step's own)."""
         m = self.model
         if capacity > m.max_pos:
             shape, dtype = (m.layers, m.kv_heads, capacity, m.head_dim), KV_CACHES[self.runtime.config.kv_cache]
@@ -348,8 +348,8 @@ class NativeDecoder:
             self.scratch = torch.empty(self.library.hexq_decode_scratch(ctypes.byref(m)), dtype=torch.uint8)
         for index in range(m.layers):
             keys, values = past.layers[index].keys, past.layers[index].values
-            self.k_cache[index, :, :positions] = keys[0, :, :positions].float()  # bf16 -> float16 through float32:
-            self.v_cache[index, :, :positions] = values[0, :, :positions].float()  # exact, then one rounding
+            self.k_cache[index, :, :positions] = keys[0, :, :positions]  # copy_ converts (bf16 -> float16: through
+            self.v_cache[index, :, :positions] = values[0, :, :positions]  # float32, exact, then one rounding)
         self.positions = positions
         if self.loads:
             self._adopt_resident()
