@@ -123,7 +123,7 @@ def format_row(row: dict) -> str:
 def check_model(check: Check, name: str, model: Path, windows: int, seqlen: int, calib_windows: int,
                 cpu_calibration: bool, decode_tokens: int, export: bool) -> None:
     device, work = check.device, check.work
-    calibration = work / f"{name}-cal-{device}"
+    calibration = fresh(work / f"{name}-cal-{device}")
     seconds, _ = check.hexq("calibrate", str(model), "-r", "experts-mixed", "-n", str(calib_windows), "--device",
                             device, "--out", str(calibration), "--force")
     layers = json.loads((calibration / "manifest.json").read_text())["model"]["layers"]
@@ -162,7 +162,7 @@ def check_model(check: Check, name: str, model: Path, windows: int, seqlen: int,
         check.compare(name, f"greedy text on {device}: characters equal to the CPU's", same,
                       len(reference["text"]), None)
     if cpu_calibration and device != "cpu":
-        cpu_cal = work / f"{name}-cal-cpu"
+        cpu_cal = fresh(work / f"{name}-cal-cpu")
         check.hexq("calibrate", str(model), "-r", "experts-mixed", "-n", str(calib_windows), "--device", "cpu",
                    "--out", str(cpu_cal), "--force")
         cpu_artifact = work / f"{name}-cpu.hexq"
@@ -188,7 +188,7 @@ def check_ranks(check: Check, name: str, model: Path, calibration: Path, windows
     path's collectives and file handling on this device, its artifact against the plain process's (the same
     arithmetic: equal within eval's own device tolerance), and its seconds per layer."""
     device, work = check.device, check.work
-    ranked = work / f"{name}-cal-{device}-torchrun"
+    ranked = fresh(work / f"{name}-cal-{device}-torchrun")
     seconds, _ = check.hexq("calibrate", str(model), "-r", "experts-mixed", "-n", str(calib_windows), "--device",
                             device, "--out", str(ranked), "--force", ranks=1)
     layers = json.loads((ranked / "manifest.json").read_text())["model"]["layers"]
@@ -202,6 +202,14 @@ def check_ranks(check: Check, name: str, model: Path, calibration: Path, windows
     check.hexq("pack", str(ranked), "--bits", "3", "--out", str(artifact), "--force")
     check.compare(name, "  its artifact vs the plain process's (eval, CPU)", check.eval_ppl(artifact, "cpu", windows,
                   seqlen), single_eval, 1e-4)
+
+
+def fresh(calibration: Path) -> Path:
+    """The check's own calibration folder, emptied: `hexq calibrate` keeps a finished calibration of the same inputs
+    ("nothing to do", --force or not), so a second check in the same --work would time nothing and report the first
+    one's stage times."""
+    shutil.rmtree(calibration, ignore_errors=True)
+    return calibration
 
 
 def free_port() -> int:
