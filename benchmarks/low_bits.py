@@ -82,6 +82,14 @@ SETTINGS = {
     "act+spread+float": {"weights": {"act_order": "sum_of_squares", "one_bit": "spread", "float_zero_bits": (2,)}},
     "act+spread+float23": {"weights": {"act_order": "sum_of_squares", "one_bit": "spread",
                                        "float_zero_bits": (2, 3)}},
+    "act+spread+float+prop2": {"weights": {"act_order": "sum_of_squares", "one_bit": "spread", "float_zero_bits": (2,)},
+                               "experts": {"propagate_bits": 2}},
+    "act+spread+float+fit": {"weights": {"act_order": "sum_of_squares", "one_bit": "spread", "float_zero_bits": (2,),
+                                         "fit_bits": (2, 3)}},
+    "act+spread+float+round": {"weights": {"act_order": "sum_of_squares", "one_bit": "spread", "float_zero_bits": (2,)},
+                               "experts": {"round_bits": (1, 2)}},
+    "act+spread+float+block": {"weights": {"act_order": "sum_of_squares", "one_bit": "spread", "float_zero_bits": (2,)},
+                               "experts": {"round_bits": (1, 2), "round_scope": "block", "round_steps": BLOCK_STEPS}},
 }
 # How `hexq pack` allocates (its pack section); "main" is the allocator before 0-bit experts and routing mass.
 ALLOCATORS = {

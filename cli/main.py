@@ -17,7 +17,6 @@ from hexq_cli.common import (
     ActivationsOpt,
     BatchOpt,
     DeviceOpt,
-    ForceOpt,
     JsonOpt,
     ModelArg,
     RevisionOpt,
@@ -89,7 +88,9 @@ def calibrate(
     batch_size: BatchOpt = 8,
     device: DeviceOpt = "auto",
     activation_memory: ActivationsOpt = "4GiB",
-    force: ForceOpt = False,
+    force: Annotated[bool, typer.Option("--force", help="Replace an output folder holding another calibration (only "
+                                        "one hexq wrote; never an input). One of the same model, data and recipe is "
+                                        "kept: delete it to calibrate again.")] = False,
     export_target: Annotated[str | None, typer.Option("--export-target", help="Also make, for every routed expert, "
                                                       "a GPTQ replica on this serving grid for hexq export "
                                                       "(vllm: 4-bit symmetric groups of 128); sets the recipe's "

@@ -156,6 +156,8 @@ def check_model(check: Check, name: str, model: Path, windows: int, seqlen: int,
         reference_path = check.generate(artifact, device, decode_tokens, decode="transformers")["stats"]
         check.compare(name, f"run decode on {device}: ms per token (--decode transformers)",
                       1000 * reference_path["tpot_seconds"], None, None, " ms")
+    if device != "cpu":
+        profile_rows(check, name, artifact)
     if device != "cpu" and export:  # a trained model: its greedy text means something
         reference = check.generate(artifact, "cpu", decode_tokens)
         same = common_prefix(generated["text"], reference["text"])
@@ -196,12 +198,31 @@ def check_ranks(check: Check, name: str, model: Path, calibration: Path, windows
                   None, " s")
     files = sorted(calibration.glob("**/*.safetensors"))
     differing = [path for path in files if (ranked / path.relative_to(calibration)).read_bytes() != path.read_bytes()]
-    check.compare(name, f"  its tensor files differing from the plain process's (of {len(files)})", len(differing),
-                  None, None)
+    named = ", ".join(f"{path.name.removesuffix('.safetensors')} {file_difference(path, ranked / path.name)}"
+                      for path in differing)
+    check.compare(name, f"  its tensor files differing from the plain process's (of {len(files)}){': ' * bool(named)}"
+                  f"{named}", len(differing), None, None)
     artifact = work / f"{name}-{device}-torchrun.hexq"
     check.hexq("pack", str(ranked), "--bits", "3", "--out", str(artifact), "--force")
     check.compare(name, "  its artifact vs the plain process's (eval, CPU)", check.eval_ppl(artifact, "cpu", windows,
                   seqlen), single_eval, 1e-4)
+
+
+def profile_rows(check: Check, name: str, artifact: Path, top: int = 5) -> None:
+    """The decode step's kernels by device time per token (scripts/profile_decode.py): where the step's time goes."""
+    out = check.work / f"profile-{artifact.name}.json"
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "profile_decode.py"), str(artifact), "--device",
+                           check.device, "--top", str(top), "--json", str(out)], capture_output=True, text=True,
+                          cwd=ROOT, timeout=600)
+    check.log.write(f"$ profile_decode.py {artifact} (exit {done.returncode})\n{done.stdout}\n{done.stderr}\n")
+    if done.returncode != 0:
+        raise RuntimeError(f"profile_decode.py failed: {done.stderr.strip().splitlines()[-1:]}")
+    result = json.loads(out.read_text())
+    check.compare(name, f"decode step profiled ({result['profiled']}): device time per token, "
+                  f"{result['launches_per_token']:.0f} kernels", result["ms_per_token"], None, None, " ms")
+    for row in result["top"]:
+        check.compare(name, f"  of which {row['name'][:60]} ({row['per_token']:.3g} per token)", row["us_per_token"],
+                      None, None, " us")
 
 
 def fresh(calibration: Path) -> Path:
@@ -210,6 +231,25 @@ def fresh(calibration: Path) -> Path:
     one's stage times."""
     shutil.rmtree(calibration, ignore_errors=True)
     return calibration
+
+
+def file_difference(a: Path, b: Path) -> str:
+    """Where two tensor files of one calibration differ: codes changed (of all), and the largest difference of a float
+    tensor relative to its largest value."""
+    from safetensors.torch import load_file
+
+    first, second = load_file(a), load_file(b)
+    codes = changed = 0
+    worst = 0.0
+    for key, x in first.items():
+        y = second.get(key)
+        if y is None or y.shape != x.shape:
+            return f"(tensor {key} missing or reshaped)"
+        if x.is_floating_point():
+            worst = max(worst, float((x.double() - y.double()).abs().max() / x.double().abs().max().clamp(min=1e-30)))
+        else:
+            codes, changed = codes + x.numel(), changed + int((x != y).sum())
+    return f"({changed} of {codes} codes, floats {worst:.1e})"
 
 
 def free_port() -> int:

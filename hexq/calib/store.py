@@ -324,12 +324,12 @@ class ExpertBank:
         prefix, first = bank_prefix(projection, bits, export), experts[0]
         if experts != list(range(first, first + len(experts))):
             raise ValueError(f"a bank chunk must hold consecutive experts, got {experts}")
-        codes = codes.cpu()
+        # packed where GPTQ made them: on a GPU the host then receives bits / 8 of the bytes and does no packing
         if codes[0].numel() * bits % 8 == 0:  # whole bytes per expert: one stream for the chunk is identical
             packed = pack_bits(codes, bits).reshape(len(experts), -1)
         else:
             packed = torch.stack([pack_bits(matrix, bits) for matrix in codes])
-        self.writer.write_rows(f"{prefix}.codes", first, packed)
+        self.writer.write_rows(f"{prefix}.codes", first, packed.cpu())
         self.writer.write_rows(f"{prefix}.scale", first, scale.to(SCALE_DTYPE).cpu())
         self.writer.write_rows(f"{prefix}.zero", first, zero.to(SCALE_DTYPE).cpu())
 
