@@ -133,9 +133,13 @@ def check_model(check: Check, name: str, model: Path, windows: int, seqlen: int,
     walls = [seconds for name, seconds in timings.items() if name.startswith("layer_")]
     check.compare(name, "  of which the layer loop (mean per layer: load, stages, save)", sum(walls) / len(walls),
                   None, None, " s")
+    # the last layer apart: the first pays the device's one-time costs (modules loaded, libraries' handles), which a
+    # model of 60 layers amortizes
+    last = max(name for name in timings if name.startswith("layer_"))
+    check.compare(name, f"  of which the layer loop, last layer ({last})", timings[last], None, None, " s")
     stages = timings.get("stages", {})
     for stage in sorted({stage for layer in stages.values() for stage in layer}):
-        check.compare(name, f"  of which {stage} (mean per layer)",
+        check.compare(name, f"  of which {stage} (mean per layer; last layer {stages[last].get(stage, 0.0):.3g} s)",
                       sum(layer.get(stage, 0.0) for layer in stages.values()) / max(1, len(stages)), None, None, " s")
     artifact = work / f"{name}-{device}.hexq"
     check.hexq("pack", str(calibration), "--bits", "3", "--out", str(artifact), "--force")
@@ -225,6 +229,27 @@ def profile_rows(check: Check, name: str, artifact: Path, top: int = 5) -> None:
                       None, None, " us")
 
 
+def calibration_profile_rows(check: Check, name: str, model: Path, samples: int, top: int = 5) -> None:
+    """One calibration under torch's profiler (scripts/profile_calibrate.py): device time against wall time, the
+    kernels that take it, the host operators, and how often the host waited for the device."""
+    out = check.work / f"profile-calibrate-{model.name}.json"
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "profile_calibrate.py"), str(model), "--samples",
+                           str(samples), "--device", check.device, "--top", str(top), "--json", str(out)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=900)
+    check.log.write(f"$ profile_calibrate.py {model} (exit {done.returncode})\n{done.stdout}\n{done.stderr}\n")
+    if done.returncode != 0:
+        raise RuntimeError(f"profile_calibrate.py failed: {done.stderr.strip().splitlines()[-1:]}")
+    result = json.loads(out.read_text())
+    check.compare(name, f"calibration profiled ({samples} windows, {result['layers']} layers): wall time",
+                  result["wall_seconds"], None, None, " s")
+    check.compare(name, f"  of which kernels on the device ({result['kernels']} launches)", result["device_seconds"],
+                  None, None, " s")
+    for kind in ("top_kernels", "top_host", "syncs"):
+        for row in result[kind]:
+            what = {"top_kernels": "kernel", "top_host": "host operator", "syncs": "host waits in"}[kind]
+            check.compare(name, f"  {what} {row['name'][:60]} (x{row['count']})", row["seconds"], None, None, " s")
+
+
 def fresh(calibration: Path) -> Path:
     """The check's own calibration folder, emptied: `hexq calibrate` keeps a finished calibration of the same inputs
     ("nothing to do", --force or not), so a second check in the same --work would time nothing and report the first
@@ -269,6 +294,9 @@ def main() -> int:
                         help="real: the reference model and a 2-layer Qwen3-30B-A3B-shaped checkpoint; tiny: the "
                              "reference model at a few windows (to check the script).")
     parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile the real-shaped checkpoint's calibration (scripts/profile_calibrate.py; "
+                             "about a minute more on a GPU); with --size tiny, the reference model's")
     args = parser.parse_args()
     device = os.environ.get("DEVICE", "cuda")
     args.work.mkdir(parents=True, exist_ok=True)
@@ -281,6 +309,11 @@ def main() -> int:
                     decode_tokens=16 if tiny else 64, export=True)
     except Exception as exc:  # noqa: BLE001 - any failure is a row; the check goes on
         check.failed("qwen3moe", exc)
+    if tiny and args.profile:
+        try:
+            calibration_profile_rows(check, "qwen3moe", ROOT / "models" / "hexq-tiny-qwen3moe", samples=8)
+        except Exception as exc:  # noqa: BLE001 - any failure is a row; the check goes on
+            check.failed("qwen3moe", exc)
     if not tiny:
         checkpoint = args.work / "qwen3-30b-a3b-2layers"
         try:
@@ -292,6 +325,8 @@ def main() -> int:
             # its text and an export check do not (the export at real size is measured on the CPU: README)
             check_model(check, "qwen3-30b-a3b x2", checkpoint, windows=4, seqlen=256, calib_windows=128,
                         cpu_calibration=False, decode_tokens=32, export=False)
+            if args.profile:
+                calibration_profile_rows(check, "qwen3-30b-a3b x2", checkpoint, samples=128)
         except Exception as exc:  # noqa: BLE001 - any failure is a row; the check goes on
             check.failed("qwen3-30b-a3b x2", exc)
         shutil.rmtree(checkpoint, ignore_errors=True)
