@@ -15,10 +15,11 @@ from hexq.artifact.reader import Artifact
 from hexq.base.errors import HexqError
 from hexq.base.io import write_sealed_json
 from hexq.calib.calibrated import calibrated_model
-from hexq.calib.store import bank_weights
+from hexq.calib.store import bank_prefix, bank_weights
 from hexq.config.recipe import Pack
 from hexq.pack.stage import Budget, pack
 from hexq.packed.bitpack import packed_nbytes
+from hexq.packed.weight import PackedWeight, dequantize_packed
 from hexq.runtime.model import artifact_model
 from hexq_cli.main import app
 from tests.conftest import mixed_recipe
@@ -101,6 +102,21 @@ def test_stored_replicas_dequantize_to_the_calibration_weights(mixed_calibration
     for bits in (1, 3, 8):
         want = bank_weights(tensors, "down", bits, [5], (32, 16))[0]
         assert torch.equal(artifact.expert_weights(1, 5, bits)[1], want)
+
+
+def test_a_chunk_of_replicas_dequantizes_as_its_experts_one_by_one(mixed_calibration):
+    """bank_weights reads consecutive experts' whole-byte streams as one matrix: the same values as each expert's own
+    stream, at every width (1 and 3 bits: codes packed across byte boundaries)."""
+    tensors = load_file(mixed_calibration[0] / "layer_001.bank.safetensors")
+    experts = [2, 3, 4, 5]
+    for bits in (1, 2, 3, 4, 8):
+        for projection, shape in (("gate_up", (32, 32)), ("down", (32, 16))):
+            chunk = bank_weights(tensors, projection, bits, experts, shape)
+            prefix = bank_prefix(projection, bits)
+            one_by_one = torch.stack([dequantize_packed(PackedWeight(
+                *(tensors[f"{prefix}.{part}"][e] for part in ("codes", "scale", "zero")), bits, shape))
+                for e in experts])
+            assert chunk.shape == (len(experts), *shape) and torch.equal(chunk, one_by_one), (bits, projection)
 
 
 def test_same_inputs_give_the_same_bytes(mixed_calibration, artifact_25, tmp_path):

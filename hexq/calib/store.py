@@ -388,5 +388,10 @@ def bank_weights(bank, projection: str, bits: int, experts: list[int], shape: tu
     # every expert on the CPU before)
     codes, scale, zero = (bank_rows(bank, f"{prefix}.{part}", experts).to(device)
                           for part in ("codes", "scale", "zero"))
+    rows, cols = shape
+    if rows * cols * bits % 8 == 0:  # whole bytes per expert: the experts' rows are one stream (as `put` wrote them)
+        stacked = PackedWeight(codes.reshape(-1), scale.flatten(0, 1), zero.flatten(0, 1), bits, (len(experts) * rows,
+                                                                                                  cols))
+        return dequantize_packed(stacked, dtype).view(len(experts), rows, cols)
     return torch.stack([dequantize_packed(PackedWeight(codes[j], scale[j], zero[j], bits, tuple(shape)), dtype)
                         for j in range(len(experts))])
