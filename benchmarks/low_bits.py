@@ -101,6 +101,7 @@ ALLOCATORS = {
 RECOMMENDED = "model+0"
 PEER_WIDTHS = (2, 3)
 PEERS = ("hexq", "auto-round", "llmcompressor")
+PEER_METHODS = (*PEERS, "hexq-float")  # hexq-float: hexq's peer row with float zero points (--peers hexq-float)
 
 
 def bank_recipe(setting: str, samples: int, seed: int = 0) -> Recipe:
@@ -113,11 +114,14 @@ def bank_recipe(setting: str, samples: int, seed: int = 0) -> Recipe:
                                calibration=dataclasses.replace(recipe.calibration, num_samples=samples, seed=seed))
 
 
-def peer_recipe(bits: int, samples: int, seed: int = 0) -> Recipe:
+def peer_recipe(bits: int, samples: int, seed: int = 0, float_zero: bool = False) -> Recipe:
     """hexq at WbA16 g32 on every linear (attention too), like the peers: GPTQ with act_order (static min/max
     grids: fitted ones lose there), then every matrix's rounding and scales optimised against each decoder layer's
-    full-precision output (experts.round_scope block, PEER_STEPS steps, as auto-round tunes its blocks)."""
-    weights = WeightQuant(bits=bits, group_size=32, symmetric=False, act_order="sum_of_squares")
+    full-precision output (experts.round_scope block, PEER_STEPS steps, as auto-round tunes its blocks).
+    float_zero: the grids span each group's min and max with a float zero point (weights.float_zero_bits), as
+    auto-round's do, instead of an integer one."""
+    weights = WeightQuant(bits=bits, group_size=32, symmetric=False, act_order="sum_of_squares",
+                          float_zero_bits=(bits,) if float_zero else ())
     experts = Experts(mode="uniform", round_bits=(bits,), round_scope="block", round_steps=PEER_STEPS)
     return recipe_from_dict({
         "name": f"w{bits}a16-g32", "smoothing": {"method": "none"}, "weights": dataclasses.asdict(weights),
@@ -220,13 +224,16 @@ def peer_rows(name: str, bits: int, evaluator: Evaluator, work: Path, samples: i
     from llmcompressor_peer import PeerScheme, run_peer
 
     ids = calibration_windows(evaluator.tokenizer, "bundled", samples, SEQLEN, seed=seed).ids
-    if "hexq" in methods:
-        out = work / f"{name}-w{bits}"
+    for method in ("hexq", "hexq-float"):
+        if method not in methods:
+            continue
+        out = work / f"{name}-w{bits}-{method}"
         started = time.time()
-        calibrate(MODELS[name], peer_recipe(bits, samples, seed), "bundled", out, force=True)
+        calibrate(MODELS[name], peer_recipe(bits, samples, seed, float_zero=method == "hexq-float"), "bundled", out,
+                  force=True)
         seconds = round(time.time() - started, 1)
         streamed, _tokenizer, prepare = calibrated_model(out, torch.device("cpu"))
-        add({"setting": f"w{bits}a16-g32", "allocator": "hexq", "bits": bits, "calib_seconds": seconds,
+        add({"setting": f"w{bits}a16-g32", "allocator": method, "bits": bits, "calib_seconds": seconds,
              **evaluator.streamed(streamed, prepare)})
         shutil.rmtree(out, ignore_errors=True)
     for method, run in (("auto-round", lambda: auto_round_model(MODELS[name], bits, ids, iters, lr)),
@@ -287,8 +294,7 @@ def render(results: dict) -> str:
         lines.append("|---|---|" + "---|" * len(EVAL_DATA) + "---|")
         lines.append("| full precision | 16 | " + " | ".join(f"{fp[s]:.3f}" for s in EVAL_DATA) + " | |")
         for row in result["rows"]:
-            what = (f"{row['setting']}, {row['allocator']}" if row["allocator"] not in ("hexq", "auto-round",
-                                                                                         "llmcompressor")
+            what = (f"{row['setting']}, {row['allocator']}" if row["allocator"] not in PEER_METHODS
                     else f"{row['allocator']} {row['setting']} (all linears)")
             widths = ", ".join(f"{b}: {n}" for b, n in row.get("widths", {}).items())
             lines.append(f"| {what} | {row['bits']} | " + " | ".join(cell(row, fp, s) for s in EVAL_DATA)
@@ -308,7 +314,8 @@ def main() -> None:
     parser.add_argument("--no-peers", action="store_true", help="skip the W2A16 / W3A16 g32 peer rows")
     parser.add_argument("--peer-bits", type=int, nargs="+", default=list(PEER_WIDTHS), choices=PEER_WIDTHS,
                         help="the peer rows' widths")
-    parser.add_argument("--peers", nargs="+", default=list(PEERS), choices=PEERS, help="the peer rows' methods")
+    parser.add_argument("--peers", nargs="+", default=list(PEERS), choices=PEER_METHODS,
+                        help="the peer rows' methods (hexq-float: hexq's with float zero points)")
     parser.add_argument("--merge", action="store_true",
                         help="keep the rows of the output file that this run does not measure again (same samples and "
                              "windows), and their runs' records")
