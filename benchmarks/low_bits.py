@@ -70,6 +70,7 @@ BLOCK_STEPS = 200  # AutoRound's default steps per block (the act+block bank set
 # block error lower at 400, layer 0 0.0883 -> 0.0849, layer 3 0.194 -> 0.187), for twice the stage's time
 PEER_STEPS = 400
 INTEGER_ZERO = {"float_zero_bits": ()}
+BUNDLED_BANK = {"act_order": "sum_of_squares", "one_bit": "spread", "float_zero_bits": (2,)}  # experts-mixed's
 SETTINGS = {
     "main": {"weights": {"act_order": "none", "one_bit": "minmax", **INTEGER_ZERO}},
     "fit": {"weights": {"act_order": "none", "one_bit": "minmax", "fit_bits": (1, 2, 3, 4, 8), **INTEGER_ZERO}},
@@ -79,17 +80,14 @@ SETTINGS = {
     "act+spread": {"weights": {"act_order": "sum_of_squares", "one_bit": "spread", **INTEGER_ZERO}},
     "act+block": {"weights": {"act_order": "sum_of_squares", "one_bit": "minmax", **INTEGER_ZERO},
                   "experts": {"round_bits": (1, 2), "round_scope": "block", "round_steps": BLOCK_STEPS}},
-    "act+spread+float": {"weights": {"act_order": "sum_of_squares", "one_bit": "spread", "float_zero_bits": (2,)}},
-    "act+spread+float23": {"weights": {"act_order": "sum_of_squares", "one_bit": "spread",
-                                       "float_zero_bits": (2, 3)}},
-    "act+spread+float+prop2": {"weights": {"act_order": "sum_of_squares", "one_bit": "spread", "float_zero_bits": (2,)},
-                               "experts": {"propagate_bits": 2}},
-    "act+spread+float+fit": {"weights": {"act_order": "sum_of_squares", "one_bit": "spread", "float_zero_bits": (2,),
-                                         "fit_bits": (2, 3)}},
-    "act+spread+float+round": {"weights": {"act_order": "sum_of_squares", "one_bit": "spread", "float_zero_bits": (2,)},
-                               "experts": {"round_bits": (1, 2)}},
-    "act+spread+float+block": {"weights": {"act_order": "sum_of_squares", "one_bit": "spread", "float_zero_bits": (2,)},
-                               "experts": {"round_bits": (1, 2), "round_scope": "block", "round_steps": BLOCK_STEPS}},
+    "act+spread+float": {"weights": BUNDLED_BANK},
+    "act+spread+float23": {"weights": {**BUNDLED_BANK, "float_zero_bits": (2, 3)}},
+    # changes measured on top of the bundled bank
+    "act+spread+float+prop2": {"weights": BUNDLED_BANK, "experts": {"propagate_bits": 2}},
+    "act+spread+float+fit": {"weights": {**BUNDLED_BANK, "fit_bits": (2, 3)}},
+    "act+spread+float+round": {"weights": BUNDLED_BANK, "experts": {"round_bits": (1, 2)}},
+    "act+spread+float+block": {"weights": BUNDLED_BANK, "experts": {"round_bits": (1, 2), "round_scope": "block",
+                                                                    "round_steps": BLOCK_STEPS}},
 }
 # How `hexq pack` allocates (its pack section); "main" is the allocator before 0-bit experts and routing mass.
 ALLOCATORS = {

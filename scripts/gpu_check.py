@@ -46,15 +46,23 @@ class Check:
         many processes started by torchrun (torch.distributed.run) on this machine instead of one plain process."""
         launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
                     str(free_port())] if ranks else [sys.executable]
+        return self.command([*launcher, *HEXQ[1:], *args], f"hexq {' '.join(args)}", timeout)
+
+    def profile(self, *args: str, out: Path, timeout: int = 900) -> dict:
+        """scripts/hexq_profile.py with these arguments, its result written to `out` and returned."""
+        self.command([sys.executable, str(ROOT / "scripts" / "hexq_profile.py"), *args, "--json", str(out)],
+                     f"hexq_profile.py {' '.join(args)}", timeout)
+        return json.loads(out.read_text())
+
+    def command(self, argv: list[str], label: str, timeout: int) -> tuple[float, str]:
+        """Run argv in the repository, logged under `label`; (seconds, output). A failed command raises."""
         started = time.perf_counter()
-        done = subprocess.run([*launcher, *HEXQ[1:], *args], capture_output=True, text=True, timeout=timeout,
-                              cwd=ROOT)
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
         seconds = time.perf_counter() - started
-        self.log.write(f"$ hexq {' '.join(args)}  ({seconds:.1f} s, exit {done.returncode})\n{done.stdout}\n"
-                       f"{done.stderr}\n")
+        self.log.write(f"$ {label}  ({seconds:.1f} s, exit {done.returncode})\n{done.stdout}\n{done.stderr}\n")
         self.log.flush()
         if done.returncode != 0:
-            raise RuntimeError(f"hexq {' '.join(args)} failed: {done.stderr.strip().splitlines()[-1:]}")
+            raise RuntimeError(f"{label} failed: {done.stderr.strip().splitlines()[-1:]}")
         return seconds, done.stdout
 
     def compare(self, model: str, what: str, value: float, reference: float | None, tolerance: float | None,
@@ -213,41 +221,28 @@ def check_ranks(check: Check, name: str, model: Path, calibration: Path, windows
 
 
 def profile_rows(check: Check, name: str, artifact: Path, top: int = 5) -> None:
-    """The decode step's kernels by device time per token (scripts/profile_decode.py): where the step's time goes."""
-    out = check.work / f"profile-{artifact.name}.json"
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "profile_decode.py"), str(artifact), "--device",
-                           check.device, "--top", str(top), "--json", str(out)], capture_output=True, text=True,
-                          cwd=ROOT, timeout=600)
-    check.log.write(f"$ profile_decode.py {artifact} (exit {done.returncode})\n{done.stdout}\n{done.stderr}\n")
-    if done.returncode != 0:
-        raise RuntimeError(f"profile_decode.py failed: {done.stderr.strip().splitlines()[-1:]}")
-    result = json.loads(out.read_text())
+    """The decode step's kernels by device time per token (scripts/hexq_profile.py decode): where its time goes."""
+    result = check.profile("decode", str(artifact), "--device", check.device, "--top", str(top),
+                           out=check.work / f"profile-{artifact.name}.json", timeout=600)
     check.compare(name, f"decode step profiled ({result['profiled']}): device time per token, "
                   f"{result['launches_per_token']:.0f} kernels", result["ms_per_token"], None, None, " ms")
     for row in result["top"]:
-        check.compare(name, f"  of which {row['name'][:60]} ({row['per_token']:.3g} per token)", row["us_per_token"],
+        check.compare(name, f"  of which {row['name'][:60]} ({row['count']:.3g} per token)", 1e6 * row["seconds"],
                       None, None, " us")
 
 
 def calibration_profile_rows(check: Check, name: str, model: Path, samples: int, top: int = 5) -> None:
-    """One calibration under torch's profiler (scripts/profile_calibrate.py): device time against wall time, the
+    """One calibration under torch's profiler (scripts/hexq_profile.py calibrate): device time against wall time, the
     kernels that take it, the host operators, and how often the host waited for the device."""
-    out = check.work / f"profile-calibrate-{model.name}.json"
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "profile_calibrate.py"), str(model), "--samples",
-                           str(samples), "--device", check.device, "--top", str(top), "--json", str(out)],
-                          capture_output=True, text=True, cwd=ROOT, timeout=900)
-    check.log.write(f"$ profile_calibrate.py {model} (exit {done.returncode})\n{done.stdout}\n{done.stderr}\n")
-    if done.returncode != 0:
-        raise RuntimeError(f"profile_calibrate.py failed: {done.stderr.strip().splitlines()[-1:]}")
-    result = json.loads(out.read_text())
+    result = check.profile("calibrate", str(model), "--samples", str(samples), "--device", check.device, "--top",
+                           str(top), out=check.work / f"profile-calibrate-{model.name}.json")
     check.compare(name, f"calibration profiled ({samples} windows, {result['layers']} layers): wall time",
                   result["wall_seconds"], None, None, " s")
-    check.compare(name, f"  of which kernels on the device ({result['kernels']} launches)", result["device_seconds"],
-                  None, None, " s")
-    for kind in ("top_kernels", "top_host", "syncs"):
+    check.compare(name, f"  of which kernels on the device ({result['kernels']:.0f} launches)",
+                  result["device_seconds"], None, None, " s")
+    for kind, what in (("top_kernels", "kernel"), ("top_host", "host operator"), ("syncs", "host waits in")):
         for row in result[kind]:
-            what = {"top_kernels": "kernel", "top_host": "host operator", "syncs": "host waits in"}[kind]
-            check.compare(name, f"  {what} {row['name'][:60]} (x{row['count']})", row["seconds"], None, None, " s")
+            check.compare(name, f"  {what} {row['name'][:60]} (x{row['count']:.0f})", row["seconds"], None, None, " s")
 
 
 def fresh(calibration: Path) -> Path:
@@ -295,8 +290,8 @@ def main() -> int:
                              "reference model at a few windows (to check the script).")
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--profile", action="store_true",
-                        help="also profile the real-shaped checkpoint's calibration (scripts/profile_calibrate.py; "
-                             "about a minute more on a GPU); with --size tiny, the reference model's")
+                        help="also profile the real-shaped checkpoint's calibration (scripts/hexq_profile.py "
+                             "calibrate; about a minute more on a GPU); with --size tiny, the reference model's")
     args = parser.parse_args()
     device = os.environ.get("DEVICE", "cuda")
     args.work.mkdir(parents=True, exist_ok=True)

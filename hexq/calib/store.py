@@ -325,7 +325,7 @@ class ExpertBank:
         if experts != list(range(first, first + len(experts))):
             raise ValueError(f"a bank chunk must hold consecutive experts, got {experts}")
         # packed where GPTQ made them: on a GPU the host then receives bits / 8 of the bytes and does no packing
-        if codes[0].numel() * bits % 8 == 0:  # whole bytes per expert: one stream for the chunk is identical
+        if one_stream(codes[0].numel(), bits):
             packed = pack_bits(codes, bits).reshape(len(experts), -1)
         else:
             packed = torch.stack([pack_bits(matrix, bits) for matrix in codes])
@@ -379,6 +379,12 @@ def bank_rows(bank, key: str, experts: list[int]) -> torch.Tensor:
     return torch.stack([bank.get_slice(key)[e] for e in experts])
 
 
+def one_stream(numel: int, bits: int) -> bool:
+    """Whether consecutive experts' codes of `numel` each packed as one stream are their own streams end to end: when
+    each takes whole bytes (ExpertBank.put writes a chunk so, bank_weights reads it so)."""
+    return numel * bits % 8 == 0
+
+
 def bank_weights(bank, projection: str, bits: int, experts: list[int], shape: tuple[int, int],
                  dtype: torch.dtype = torch.float32, device: torch.device | None = None) -> torch.Tensor:
     """The experts' replica at `bits`, dequantized [n, rows, cols] in `dtype` on `device`; `bank` is an open bank
@@ -389,7 +395,7 @@ def bank_weights(bank, projection: str, bits: int, experts: list[int], shape: tu
     codes, scale, zero = (bank_rows(bank, f"{prefix}.{part}", experts).to(device)
                           for part in ("codes", "scale", "zero"))
     rows, cols = shape
-    if rows * cols * bits % 8 == 0:  # whole bytes per expert: the experts' rows are one stream (as `put` wrote them)
+    if one_stream(rows * cols, bits):
         stacked = PackedWeight(codes.reshape(-1), scale.flatten(0, 1), zero.flatten(0, 1), bits, (len(experts) * rows,
                                                                                                   cols))
         return dequantize_packed(stacked, dtype).view(len(experts), rows, cols)
