@@ -11,13 +11,14 @@ hexq rows: the model calibrated with recipe experts-mixed (HAQ W8A8 attention, a
 1, 2, 3, 4, 8 bits, groups of 32, asymmetric) with the bank made as each SETTINGS entry says, then evaluated with
 every expert at 2 and at 3 bits (uniform) and with the allocation `hexq pack` makes at 1.5, 2.0, 2.5 and 3.0 average
 bits, by each ALLOCATORS entry (the last setting gets every allocator, the others "main" and the recommended one;
-the bundled experts-mixed recipe is setting "act+spread+float" with allocator "model+0"). The pieces: `fit` (group
+the bundled experts-mixed recipe is setting "act+spread+float+down" with allocator "model+0"). The pieces: `fit` (group
 grids fitted to the Hessian-weighted error, hexq.algos.clipping), `act` (columns in decreasing Hessian-diagonal
 order, static groups: GPTQ's act_order), `round` (1- and 2-bit rounding optimised on routed tokens,
 hexq.algos.rounding), `spread` (1-bit levels at mean -+ 1.75 mean absolute deviations instead of min and max,
 experts.weights.one_bit), `float` (2-bit grids spanning each group's min and max with a float zero point instead of
 widened to include 0 with an integer one, experts.weights.float_zero_bits; `float23` at 3 bits too), `block` (the
-same widths optimised against the full-precision model's output after each layer, experts.round_scope block);
+same widths optimised against the full-precision model's output after each layer, experts.round_scope block),
+`down` (each width's down projection fitted to its own gate_up replica's intermediate, experts.down_fit replica);
 allocators: 0-bit experts (skipped, router weight renormalised), the loss weighted by routing mass (pack.loss
 layer), any width per expert (pack.order free) and one budget for all layers instead of one per layer (pack.schedule
 model).
@@ -62,9 +63,9 @@ EVAL_DATA = ("austen", "pydocs", "foldoc")
 SEQLEN = 256
 MIXED_BITS = (1.5, 2.0, 2.5, 3.0)
 
-# How the experts' replica bank is made (changes to experts-mixed's experts.weights / experts sections); "main" is
-# the bank as hexq made it before these pieces (natural column order, min/max grids), "act+spread+float" the bundled
-# recipe's.
+# How the experts' replica bank is made (changes to experts-mixed's experts.weights / experts sections, from
+# experts.down_fit full_precision); "main" is the bank as hexq made it before these pieces (natural column order,
+# min/max grids), "act+spread+float+down" the bundled recipe's.
 BLOCK_STEPS = 200  # AutoRound's default steps per block (the act+block bank setting)
 # hexq's WbA16 rows: at 200 steps the layers' errors are still falling (reference Qwen3-MoE, W2A16: every layer's
 # block error lower at 400, layer 0 0.0883 -> 0.0849, layer 3 0.194 -> 0.187), for twice the stage's time
@@ -88,6 +89,7 @@ SETTINGS = {
     "act+spread+float+round": {"weights": BUNDLED_BANK, "experts": {"round_bits": (1, 2)}},
     "act+spread+float+block": {"weights": BUNDLED_BANK, "experts": {"round_bits": (1, 2), "round_scope": "block",
                                                                     "round_steps": BLOCK_STEPS}},
+    "act+spread+float+down": {"weights": BUNDLED_BANK, "experts": {"down_fit": "replica"}},
 }
 # How `hexq pack` allocates (its pack section); "main" is the allocator before 0-bit experts and routing mass.
 ALLOCATORS = {
@@ -105,7 +107,7 @@ PEER_METHODS = (*PEERS, "hexq-float")  # hexq-float: hexq's peer row with float 
 def bank_recipe(setting: str, samples: int, seed: int = 0) -> Recipe:
     recipe = load_recipe("experts-mixed")
     change = SETTINGS[setting]
-    experts = recipe.experts
+    experts = dataclasses.replace(recipe.experts, down_fit="full_precision")  # the settings add it ("+down")
     weights = dataclasses.replace(experts.weights, **change.get("weights", {}))
     experts = dataclasses.replace(experts, weights=weights, **change.get("experts", {}))
     return dataclasses.replace(recipe, name=f"experts-mixed-{setting}", experts=experts,

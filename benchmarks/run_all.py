@@ -49,8 +49,9 @@ BENCHMARKS = {
 # benchmarks that need arguments only the user can give (inputs of tens of GB, a GPU) or hours more than the rest;
 # run_all renders their results but does not run them
 RUN_BY_HAND = {"scale": "python benchmarks/scale.py --work DIR",
-               "low_bits_full": "python benchmarks/low_bits.py --settings act+spread+float --no-peers -o A.json, "
-                                "then --settings --peer-bits 2 3 -o B.json; B's peer rows merged into A as "
+               "low_bits_full": "python benchmarks/low_bits.py --settings act+spread+float act+spread+float+down "
+                                "--no-peers -o A.json, then --settings --peer-bits 2 3 -o B.json; B's peer rows merged "
+                                "into A as "
                                 "benchmarks/results/low_bits_full.json (--merge)",
                "distributed": "python benchmarks/distributed.py --checkpoint CKPT",
                "distributed_haq": "python benchmarks/distributed.py --checkpoint CKPT --recipe haq-w8a8 "

@@ -297,7 +297,7 @@ def test_calibrations_made_before_later_switches_keep_their_fingerprint():
 
     recipe = load_recipe("haq-w8a8")
     data = {key: value for key, value in recipe_to_dict(recipe).items() if key not in ("pack", "head")}
-    for key in ("export_target", "round_bits", "round_steps", "round_tokens", "round_scope"):
+    for key in ("export_target", "round_bits", "round_steps", "round_tokens", "round_scope", "down_fit"):
         del data["experts"][key]
     del data["weights"]["fit_bits"], data["weights"]["one_bit"], data["weights"]["float_zero_bits"]
     data["version"] = 1  # what those manifests hold (version 2 only renamed a key of pack, which is not hashed)
@@ -313,3 +313,7 @@ def test_calibrations_made_before_later_switches_keep_their_fingerprint():
     changed["weights"]["float_zero_bits"] = [8]
     assert calibration_hash(recipe_from_dict(changed)) != before
     assert calibration_hash(recipe_from_dict(recipe_to_dict(recipe) | {"head": {"bits": 8}})) != before
+    mixed = recipe_to_dict(load_recipe("experts-mixed"))
+    fitted = recipe_to_dict(load_recipe("experts-mixed"))
+    fitted["experts"]["down_fit"] = "replica" if mixed["experts"]["down_fit"] == "full_precision" else "full_precision"
+    assert calibration_hash(recipe_from_dict(fitted)) != calibration_hash(recipe_from_dict(mixed))

@@ -25,6 +25,7 @@ from hexq.calib.capture import (
     expert_statistics,
     quantized_linears,
 )
+from hexq.calib.down_fit import dequantized, fitted_map, output_scale, replica_statistics
 from hexq.calib.ranks import SINGLE, Ranks, expert_ranges
 from hexq.calib.rounding import round_replicas
 from hexq.calib.store import (
@@ -112,6 +113,36 @@ def quantize_expert_chunk(weights: torch.Tensor, hessians: torch.Tensor, setting
     out = {bits: tuple(torch.cat([getattr(part[bits], name) for part in parts], dim=1)
                        for name in ("codes", "scale", "zero")) for bits in bits_list}
     report = {"damp": factor.damp_used.tolist(), "float64": factor.float64_used.tolist()}
+    return out, report
+
+
+def fitted_down(down: torch.Tensor, h_down: torch.Tensor, gate_up: torch.Tensor, gate_up_replicas: dict,
+                routed: RoutedTokens, experts: list[int], warm: list[int], act_fn, setting: WeightQuant,
+                channel_max: torch.Tensor, budget: int, limit: int) -> tuple[dict, dict]:
+    """experts.down_fit "replica" (hexq.calib.down_fit): each width's down replicas of a chunk quantized from the map
+    fitted to the intermediate of the same width's gate_up replicas (gate_up_replicas {bits: (codes, scale, zero)}), on
+    that intermediate's Hessian, each row's gain then refitted, on at most `limit` routed tokens per expert
+    (experts.loss_tokens); the `warm` positions only, the cold experts from the full-precision target and h_down as
+    with one Hessian. Returns quantize_expert_chunk's ({bits: (codes, scale,
+    zero)}, report), the report the most any width's factorization needed."""
+    widths = tuple(gate_up_replicas)
+    hessian, cross, tokens = replica_statistics(routed, experts, warm, gate_up,
+                                                torch.stack([dequantized(*gate_up_replicas[b]) for b in widths]),
+                                                act_fn, limit)
+    out, report = {}, {"damp": [0.0] * len(experts), "float64": [False] * len(experts)}
+    for b, bits in enumerate(widths):
+        target, h = down.clone(), h_down.clone()
+        target[warm] = fitted_map(down[warm], cross[b, warm], hessian[b, warm], tokens[warm])
+        h[warm] = hessian[b, warm]
+        result, factored = quantize_expert_chunk(target, h, setting, (bits,), channel_max, budget)
+        codes, scale, zero = result[bits]
+        gain = output_scale(down[warm], dequantized(codes[warm], scale[warm], zero[warm]), cross[b, warm],
+                            hessian[b, warm])
+        scale[warm] *= gain[..., None].to(scale.dtype)
+        out[bits] = (codes, scale, zero)
+        for j in range(len(experts)) if factored else ():
+            report["damp"][j] = max(report["damp"][j], factored["damp"][j])
+            report["float64"][j] = report["float64"][j] or factored["float64"][j]
     return out, report
 
 
@@ -307,12 +338,18 @@ def fill_bank(bank: ExpertBank, loaded: LoadedLayer, routed: RoutedTokens, weigh
                 h_down[j], _ = blend_cold_hessian(stats.down[j], n, h_layer_down, moe_sample.shape[0], min_tokens,
                                                   blend)
         replicas = {}
+        warm = [j for j, expert in enumerate(experts) if expert not in fallback]
         for projection, weight, hessian, channel_max in (("gate_up", gate_up, h_in, stats.input_abs_max),
                                                          ("down", down, h_down, stats.mid_abs_max)):
             kinds = kquants.get(projection, ())
             shared = expert_factor(hessian, setting, channel_max) if kinds and setting.method == "gptq" else None
-            replicas[projection], factor = quantize_expert_chunk(weight, hessian, setting, bits_list, channel_max,
-                                                                 budget, shared)
+            if projection == "down" and recipe.experts.down_fit == "replica":
+                replicas[projection], factor = fitted_down(weight, hessian, gate_up, replicas["gate_up"], routed,
+                                                           experts, warm, loaded.act_fn, setting, channel_max, budget,
+                                                           recipe.experts.loss_tokens)
+            else:
+                replicas[projection], factor = quantize_expert_chunk(weight, hessian, setting, bits_list, channel_max,
+                                                                     budget, shared)
             for kind in kinds:  # llama.cpp's K-quant grids, from the same Hessian and factor
                 bank.put_blocks(projection, kind, experts, kquant_replicas(weight, hessian, shared, setting, kind))
             if extra is not None:  # the same Hessian, factorized the same way (deterministic), on the export grid
@@ -323,7 +360,6 @@ def fill_bank(bank: ExpertBank, loaded: LoadedLayer, routed: RoutedTokens, weigh
             for j, expert in enumerate(experts):  # record what the Cholesky factorization needed beyond the recipe
                 if factor and (factor["float64"][j] or factor["damp"][j] > setting.damp):
                     escalated[f"{projection}.{expert}"] = {"damp": factor["damp"][j], "float64": factor["float64"][j]}
-        warm = [j for j, expert in enumerate(experts) if expert not in fallback]
         for bits in recipe.experts.round_bits if recipe.experts.round_scope == "expert" else ():
             round_replicas(replicas, bits, routed, [experts[j] for j in warm], warm, gate_up, down, loaded.act_fn,
                            recipe.experts)

@@ -53,6 +53,7 @@ SMOOTHING_GROUPS = ("attention", "moe")  # input norm -> q,k,v; post-attention n
 EXPERT_MODES = ("uniform", "replicas")
 EXPORT_TARGETS = ("vllm", "gguf")  # experts.export_target: the grid hexq export writes routed experts on
 ROUND_SCOPES = ("expert", "block")  # experts.round_scope: what a replica's rounding is optimised against
+DOWN_FITS = ("full_precision", "replica")  # experts.down_fit: the input a replica's down projection is fitted to
 MOE_OBJECTIVES = ("routed", "all")  # HAQ's MoE-group objective: experts on their routed tokens, or on every token
 PLACEMENT_SCHEMES = tuple(SCHEMES.values())  # 003 Algorithm 2: schemes 1, 2 and 3
 # How the budget is split across layers: the same per layer, 004 §4.3's cosine (a byte budget), or not split at all
@@ -213,6 +214,13 @@ class Experts:
     once, with the layer's weight-only dense linears tuned alongside in the pass at propagate_bits
     (hexq.calib.block_rounding); it holds the layer's replicas at those widths in memory, carries the
     full-precision model's activations beside the quantized ones, and runs in one process.
+
+    down_fit (replicas only): what each width's down projection is quantized against. "full_precision": the
+    full-precision intermediate, one Hessian for every width (002 Alg. 1). "replica": the intermediate that the same
+    width's gate_up replica produces, with the target the full-precision expert's output (the least-squares map from
+    one to the other, then GPTQ on that intermediate's Hessian and each row's gain refitted; hexq.calib.down_fit);
+    cold experts keep "full_precision". Costs one forward of every gate_up replica on the routed tokens and a
+    factorization of the down projection's Hessian per width.
     """
 
     mode: str = "uniform"  # "uniform" | "replicas"
@@ -228,6 +236,7 @@ class Experts:
     round_steps: int = 100
     round_tokens: int = 512
     round_scope: str = "expert"  # "expert" | "block" (hexq.calib.block_rounding)
+    down_fit: str = "full_precision"  # replicas only: "full_precision" | "replica" (hexq.calib.down_fit)
 
     def __post_init__(self) -> None:
         check_types(self)
@@ -242,6 +251,7 @@ class Experts:
         check_at_least("round_steps", self.round_steps, 1)
         check_at_least("round_tokens", self.round_tokens, 1)
         check_choice("round_scope", self.round_scope, ROUND_SCOPES)
+        check_choice("down_fit", self.down_fit, DOWN_FITS)
         for name in ("round_steps", "round_tokens", "round_scope") if not self.round_bits else ():
             if getattr(self, name) != getattr(Experts, name):
                 raise RecipeError(name, "is used only with round_bits; remove it")
@@ -249,7 +259,8 @@ class Experts:
             raise RecipeError("round_tokens", "is not used with round_scope block (it tunes on every calibration "
                                               "batch); remove it")
         check_unused_at_default(self, "mode", {"replica_bits": ("replicas",), "propagate_bits": ("replicas",),
-                                                "export_target": ("replicas",), "loss_tokens": ("replicas",)})
+                                                "export_target": ("replicas",), "loss_tokens": ("replicas",),
+                                                "down_fit": ("replicas",)})
         if self.mode == "replicas" and self.weights is not None and self.weights.bits != WeightQuant.bits:
             raise RecipeError("weights.bits", f"is not used in mode 'replicas' (each replica takes one of "
                                               f"replica_bits {list(self.replica_bits)}); remove it")
