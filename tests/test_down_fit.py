@@ -92,7 +92,10 @@ def test_replica_fit_changes_only_the_warm_experts_down_replicas_and_lowers_thei
         assert changed == warm.tolist(), bits
     loss_before = load_file(plain / "layer_000.safetensors")["loss_table"]
     loss_after = load_file(fitted / "layer_000.safetensors")["loss_table"]
-    assert loss_after[warm, :2].sum() < loss_before[warm, :2].sum()  # 1 and 2 bits
+    # the warm experts' loss at every width (1, 2, 3, 4, 8 bits): 0.04, 0.70, 0.74, 0.75, 0.73 of one Hessian's; with
+    # the map fitted to the full-precision intermediate instead of the replica's, 0.27, 0.88, 0.95, 0.98, 0.97
+    ratio = loss_after[warm].sum(dim=0) / loss_before[warm].sum(dim=0)
+    assert float(ratio[0]) < 0.15 and bool((ratio[1:] < 0.8).all()), ratio
     assert torch.equal(loss_after[~warm], loss_before[~warm])
 
 
