@@ -3,19 +3,18 @@ intermediate that the same width's gate_up replica produces, instead of to the f
 
 With one Hessian for every width (002 Alg. 1) a replica's down projection is quantized as if its input were the
 full-precision intermediate m = act(x W_g) * (x W_u), but it receives q_b = act(x Q_g,b) * (x Q_u,b), which at 1-2 bits
-is far from m. GPTQ's objective for the down projection at width b is then the error of the output the expert must
-reproduce, W_d m, from the input it gets, q_b (the asymmetric target of GPTAQ):
+is far from m. The down projection at width b is instead aimed at the output the expert must reproduce, W_d m, from
+the input it gets, q_b (the asymmetric target of GPTAQ), with a ridge towards per-channel gains:
 
-    min_V sum_t ||W_d m_t - V q_t||^2 + lambda ||V||^2  =>  V_b = W_d C_b (H_b + lambda I)^-1,
+    min_V sum_t ||W_d m_t - V q_t||^2 + lambda ||V - W_d D||^2  =>  V_b = W_d (C_b + lambda D) (H_b + lambda I)^-1,
 
-C_b = sum_t m_t q_t^T, H_b = sum_t q_t q_t^T, lambda = damp * mean(diag H_b) (GPTQ's relative damping), then GPTQ of
-V_b on H_b. The ridge pulls V towards 0, not towards W_d: in directions where q_b carries little of m the map
-shrinks, which is the least-squares answer to a noisy input. Reference Qwen3-MoE, every expert with >= 64 routed tokens
-of 128 calibration windows, output error on held-out routed tokens against one Hessian: 1 bit -16%, 2 bits -13%,
-3 bits -6% (with the per-row output scale the fit leaves, below: the map alone gave -10 / -12 / -4%).
+C_b = sum_t m_t q_t^T, H_b = sum_t q_t q_t^T, D = diag(C_b) / diag(H_b) (each channel's least-squares gain from q_b
+to m), lambda = (in / tokens) mean diag H_b. The pure least-squares map (a ridge towards 0) over-fits an expert's
+in x in values on few tokens; pulled towards W_d D it needs only `in` gains where tokens are few and becomes the
+least-squares map as they grow. Then GPTQ of V_b on H_b, and each output row's gain refitted (output_scale). What it
+gains, at what cost: docs/packing-and-export.md "Below 3 bits".
 
-Cold experts (fewer than experts.min_tokens routed tokens) keep the full-precision target: too few tokens to fit a
-map of in x in values."""
+Cold experts (fewer than experts.min_tokens routed tokens) keep the full-precision target and Hessian."""
 
 from __future__ import annotations
 
@@ -59,8 +58,9 @@ def output_scale(weight: torch.Tensor, quantized: torch.Tensor, cross: torch.Ten
                  hessian: torch.Tensor) -> torch.Tensor:
     """Per output channel r, the factor a_r minimising sum_t ((W m_t)_r - a_r (Q q_t)_r)^2, from the statistics alone:
     a = diag(W C Q^T) / diag(Q H Q^T) for weights W and Q [..., out, in], C and H [..., in, in]; 1 where Q's output is
-    zero. GPTQ leaves each row's gain slightly off (its rounding errors are not independent of the row); folded into
-    the row's group scales the factor is exact: (c - z) s a."""
+    zero. The map is fitted before GPTQ rounds it; refitting each row's gain after rounding takes back part of the
+    rounding error (on the reference models' layers it lowered the replicas' output error at every width). Folded
+    into the row's group scales the factor is exact: (c - z) s a."""
     w, q = weight.double(), quantized.double()
     energy = ((q @ hessian.double()) * q).sum(dim=-1)
     scale = ((w @ cross.double()) * q).sum(dim=-1) / energy.clamp_min(torch.finfo(torch.float64).tiny)

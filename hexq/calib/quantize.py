@@ -1,6 +1,7 @@
 """Pass B of calibration (hexq.calib.pipeline): Hessians captured on the smoothed layer, then GPTQ (003 eq. 4-6) or
 RTN for the dense quantized linears and, chunk by chunk, one replica per width for every routed expert from one
-Hessian and one factorization (002 Alg. 1), written to the layer's bank file as soon as they exist."""
+Hessian and one factorization (002 Alg. 1; with experts.down_fit replica the down projection per width,
+hexq.calib.down_fit), written to the layer's bank file as soon as they exist."""
 
 from __future__ import annotations
 

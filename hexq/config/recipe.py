@@ -213,14 +213,9 @@ class Experts:
     full-precision model's output after the layer on every calibration batch, all routed experts at that width at
     once, with the layer's weight-only dense linears tuned alongside in the pass at propagate_bits
     (hexq.calib.block_rounding); it holds the layer's replicas at those widths in memory, carries the
-    full-precision model's activations beside the quantized ones, and runs in one process.
-
-    down_fit (replicas only): what each width's down projection is quantized against. "full_precision": the
-    full-precision intermediate, one Hessian for every width (002 Alg. 1). "replica": the intermediate that the same
-    width's gate_up replica produces, with the target the full-precision expert's output (the least-squares map from
-    one to the other, then GPTQ on that intermediate's Hessian and each row's gain refitted; hexq.calib.down_fit);
-    cold experts keep "full_precision". Costs one forward of every gate_up replica on the routed tokens and a
-    factorization of the down projection's Hessian per width.
+    full-precision model's activations beside the quantized ones, and runs in one process. down_fit (replicas
+    only): each width's down projection fitted to the full-precision intermediate ("full_precision", with one
+    Hessian for every width) or to the one that width's gate_up replica produces ("replica", hexq.calib.down_fit).
     """
 
     mode: str = "uniform"  # "uniform" | "replicas"
@@ -258,9 +253,8 @@ class Experts:
         if self.round_scope == "block" and self.round_tokens != Experts.round_tokens:
             raise RecipeError("round_tokens", "is not used with round_scope block (it tunes on every calibration "
                                               "batch); remove it")
-        check_unused_at_default(self, "mode", {"replica_bits": ("replicas",), "propagate_bits": ("replicas",),
-                                                "export_target": ("replicas",), "loss_tokens": ("replicas",),
-                                                "down_fit": ("replicas",)})
+        check_unused_at_default(self, "mode", {name: ("replicas",) for name in (
+            "replica_bits", "propagate_bits", "export_target", "loss_tokens", "down_fit")})
         if self.mode == "replicas" and self.weights is not None and self.weights.bits != WeightQuant.bits:
             raise RecipeError("weights.bits", f"is not used in mode 'replicas' (each replica takes one of "
                                               f"replica_bits {list(self.replica_bits)}); remove it")
