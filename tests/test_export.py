@@ -376,8 +376,8 @@ def test_an_artifact_that_skips_experts_is_refused(mixed_calibration, tmp_path):
     cannot express: the export names the skipped experts and what to pack instead, and writes nothing."""
     from hexq.pack.stage import Budget, pack
 
-    pack(mixed_calibration[0], tmp_path / "skips.hexq", Pack(widths=(0, 1, 2, 3, 4), avg_bits=1.0),
-         Budget(avg_bits=1.0))
+    pack(mixed_calibration[0], tmp_path / "skips.hexq", Pack(widths=(0, 1, 2, 3, 4), avg_bits=0.75),
+         Budget(avg_bits=0.75, allow_skipping=True))  # below 1 bit: some experts must be skipped
     skipped = sum(b == 0 for row in Artifact(tmp_path / "skips.hexq").allocation for b in row)
     assert skipped
     with pytest.raises(HexqError, match=f"skips {skipped} routed expert.*pack.widths without 0"):

@@ -27,7 +27,7 @@ from hexq.model.simulate import RoutedTokens, expert_intermediate, loss_sample
 def dequantized(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     """Float32 weights [n, rows, cols] of a chunk of replicas: codes [n, rows, cols], scale, zero [n, rows, groups]."""
     n, rows, cols = codes.shape
-    grouped = codes.float().reshape(n, rows, scale.shape[-1], -1)
+    grouped = codes.float().reshape(n, rows, scale.shape[-1], cols // scale.shape[-1])
     return ((grouped - zero.float()[..., None]) * scale.float()[..., None]).reshape(n, rows, cols)
 
 
@@ -47,10 +47,12 @@ def fitted_map(weight: torch.Tensor, cross: torch.Tensor, hessian: torch.Tensor,
     h_diagonal, c_diagonal = torch.diagonal(h, dim1=-2, dim2=-1), torch.diagonal(c, dim1=-2, dim2=-1)
     gains = torch.where(h_diagonal > 0, c_diagonal / h_diagonal.clamp_min(torch.finfo(torch.float64).tiny), 1.0)
     ridge = h.shape[-1] / tokens.double().clamp_min(1) * h_diagonal.mean(dim=-1)
+    ridge = torch.where(ridge > 0, ridge, 1.0)  # H = C = 0 (no signal): any ridge gives V = W D = W
     eye = torch.eye(h.shape[-1], dtype=h.dtype, device=h.device)
     rhs = c + ridge[..., None, None] * torch.diag_embed(gains)  # W (C + lambda D)
-    # V^T = (H + lambda I)^-1 (C + lambda D)^T W^T: H is symmetric
-    return torch.linalg.solve(h + ridge[..., None, None] * eye, rhs.transpose(-2, -1) @ w.transpose(-2, -1)) \
+    # V^T = (H + lambda I)^-1 (C + lambda D)^T W^T, H + lambda I symmetric positive definite: a Cholesky solve
+    factor = torch.linalg.cholesky(h + ridge[..., None, None] * eye)
+    return torch.cholesky_solve((rhs.transpose(-2, -1) @ w.transpose(-2, -1)).contiguous(), factor) \
         .transpose(-2, -1).to(weight.dtype)
 
 

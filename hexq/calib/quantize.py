@@ -127,6 +127,8 @@ def fitted_down(down: torch.Tensor, h_down: torch.Tensor, gate_up: torch.Tensor,
     with one Hessian. Returns quantize_expert_chunk's ({bits: (codes, scale,
     zero)}, report), the report the most any width's factorization needed."""
     widths = tuple(gate_up_replicas)
+    if not warm:  # every expert of the chunk cold: one Hessian for every width
+        return quantize_expert_chunk(down, h_down, setting, widths, channel_max, budget)
     hessian, cross, tokens = replica_statistics(routed, experts, warm, gate_up,
                                                 torch.stack([dequantized(*gate_up_replicas[b]) for b in widths]),
                                                 act_fn, limit)
