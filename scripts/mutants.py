@@ -325,7 +325,7 @@ MUTANTS = [
            "    rhs = c + ridge[..., None, None] * torch.diag_embed(gains)",
            "    rhs = c + ridge[..., None, None] * eye", ("tests/test_down_fit.py",)),
     Mutant("down-fit-gain-from-the-hessian", "hexq/calib/down_fit.py",
-           "    scale = ((w @ cross.double()) * q).sum(dim=-1)", "    scale = ((w @ hessian.double()) * q).sum(dim=-1)",
+           "    aligned = ((weight @ cross.to(weight.dtype))", "    aligned = ((weight @ hessian.to(weight.dtype))",
            ("tests/test_down_fit.py",)),
     Mutant("down-fit-to-the-full-precision-intermediate", "hexq/calib/down_fit.py",
            "            got = replica_intermediates(x, replica_gate_ups[:, j], act_fn)",

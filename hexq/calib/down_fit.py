@@ -42,18 +42,19 @@ def fitted_map(weight: torch.Tensor, cross: torch.Tensor, hessian: torch.Tensor,
     a batch of weights W [..., out, in], cross-products C and Hessians H [..., in, in] summed over `tokens` [...]
     routed tokens: V = (W C + lambda W D) (H + lambda I)^-1, the least-squares map with a ridge towards W D, D the
     per-channel gains diag(C) / diag(H) (in parameters where the map has out x in), lambda = (in / tokens) mean diag H.
-    In float64, returned in W's dtype."""
-    w, c, h = weight.double(), cross.double(), hessian.double()
+    The in x in map M = (C + lambda D)(H + lambda I)^-1 in float64, then V = W M in W's dtype (a layer's experts
+    at real size: the product is most of the work)."""
+    c, h = cross.double(), hessian.double()
     h_diagonal, c_diagonal = torch.diagonal(h, dim1=-2, dim2=-1), torch.diagonal(c, dim1=-2, dim2=-1)
     gains = torch.where(h_diagonal > 0, c_diagonal / h_diagonal.clamp_min(torch.finfo(torch.float64).tiny), 1.0)
     ridge = h.shape[-1] / tokens.double().clamp_min(1) * h_diagonal.mean(dim=-1)
     ridge = torch.where(ridge > 0, ridge, 1.0)  # H = C = 0 (no signal): any ridge gives V = W D = W
     eye = torch.eye(h.shape[-1], dtype=h.dtype, device=h.device)
-    rhs = c + ridge[..., None, None] * torch.diag_embed(gains)  # W (C + lambda D)
-    # V^T = (H + lambda I)^-1 (C + lambda D)^T W^T, H + lambda I symmetric positive definite: a Cholesky solve
+    rhs = c + ridge[..., None, None] * torch.diag_embed(gains)  # C + lambda D
+    # M^T = (H + lambda I)^-1 (C + lambda D)^T, H + lambda I symmetric positive definite: a Cholesky solve
     factor = torch.linalg.cholesky(h + ridge[..., None, None] * eye)
-    return torch.cholesky_solve((rhs.transpose(-2, -1) @ w.transpose(-2, -1)).contiguous(), factor) \
-        .transpose(-2, -1).to(weight.dtype)
+    mapping = torch.cholesky_solve(rhs.transpose(-2, -1).contiguous(), factor).transpose(-2, -1)
+    return weight @ mapping.to(weight.dtype)
 
 
 def output_scale(weight: torch.Tensor, quantized: torch.Tensor, cross: torch.Tensor,
@@ -63,10 +64,10 @@ def output_scale(weight: torch.Tensor, quantized: torch.Tensor, cross: torch.Ten
     zero. The map is fitted before GPTQ rounds it; refitting each row's gain after rounding takes back part of the
     rounding error (on the reference models' layers it lowered the replicas' output error at every width). Folded
     into the row's group scales the factor is exact: (c - z) s a."""
-    w, q = weight.double(), quantized.double()
-    energy = ((q @ hessian.double()) * q).sum(dim=-1)
-    scale = ((w @ cross.double()) * q).sum(dim=-1) / energy.clamp_min(torch.finfo(torch.float64).tiny)
-    return torch.where(energy > 0, scale, torch.ones_like(scale)).to(weight.dtype)
+    energy = ((quantized @ hessian.to(quantized.dtype)) * quantized).sum(dim=-1)
+    aligned = ((weight @ cross.to(weight.dtype)) * quantized).sum(dim=-1)
+    scale = aligned / energy.clamp_min(torch.finfo(energy.dtype).tiny)
+    return torch.where(energy > 0, scale, torch.ones_like(scale))
 
 
 def replica_statistics(routed: RoutedTokens, experts: list[int], warm: list[int], gate_up: torch.Tensor,
