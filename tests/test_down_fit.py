@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hexq.calib.down_fit import fitted_map, output_scale
+from hexq.calib.down_fit import FIT_BELOW, fitted_map, output_scale
 from hexq.calib.pipeline import calibrate
 from hexq.config.recipe import RecipeError
 from tests.conftest import mixed_recipe
@@ -89,19 +89,19 @@ def test_replica_fit_changes_only_the_warm_experts_down_replicas_and_lowers_thei
         down = [(before[f"experts.down.b{bits}.{part}"], after[f"experts.down.b{bits}.{part}"])
                 for part in ("codes", "scale", "zero")]
         changed = [not all(torch.equal(a[e], b[e]) for a, b in down) for e in range(len(warm))]
-        assert changed == warm.tolist(), bits
+        assert changed == (warm.tolist() if bits < FIT_BELOW else [False] * len(warm)), bits
     loss_before = load_file(plain / "layer_000.safetensors")["loss_table"]
     loss_after = load_file(fitted / "layer_000.safetensors")["loss_table"]
-    # the warm experts' loss at every width (1, 2, 3, 4, 8 bits): 0.04, 0.70, 0.74, 0.75, 0.73 of one Hessian's; with
-    # the map fitted to the full-precision intermediate instead of the replica's, 0.27, 0.88, 0.95, 0.98, 0.97
+    # the warm experts' loss at 1, 2, 3 and 4 bits: 0.04, 0.70, 0.74, 0.75 of one Hessian's; with the map fitted to
+    # the full-precision intermediate instead of the replica's, 0.27, 0.88, 0.95, 0.98; 8 bits keep one Hessian
     ratio = loss_after[warm].sum(dim=0) / loss_before[warm].sum(dim=0)
-    assert float(ratio[0]) < 0.15 and bool((ratio[1:] < 0.8).all()), ratio
+    assert float(ratio[0]) < 0.15 and bool((ratio[1:4] < 0.8).all()) and float(ratio[4]) == 1.0, ratio
     assert torch.equal(loss_after[~warm], loss_before[~warm])
 
 
 def test_the_fit_is_made_on_the_loss_tables_sample(tiny_qwen3moe, tmp_path):
     """experts.loss_tokens caps the tokens each expert's map is fitted on: at 4 the same gate_up replicas of layer 0,
-    every expert's down replicas different."""
+    every expert's down replicas below 8 bits different."""
     recipe = mixed_recipe()
     banks = []
     for limit in (2048, 4):
@@ -110,7 +110,8 @@ def test_the_fit_is_made_on_the_loss_tables_sample(tiny_qwen3moe, tmp_path):
         calibrate(tiny_qwen3moe, replace(recipe, experts=experts), "bundled", folder)
         banks.append(load_file(folder / "layer_000.bank.safetensors"))
     for key in banks[0]:
-        assert torch.equal(banks[0][key], banks[1][key]) == key.startswith("experts.gate_up."), key
+        same = key.startswith("experts.gate_up.") or key.startswith(f"experts.down.b{FIT_BELOW}.")
+        assert torch.equal(banks[0][key], banks[1][key]) == same, key
 
 
 def test_down_fit_is_checked():

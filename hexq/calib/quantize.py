@@ -26,7 +26,7 @@ from hexq.calib.capture import (
     expert_statistics,
     quantized_linears,
 )
-from hexq.calib.down_fit import dequantized, fitted_map, output_scale, replica_statistics
+from hexq.calib.down_fit import FIT_BELOW, dequantized, fitted_map, output_scale, replica_statistics
 from hexq.calib.ranks import SINGLE, Ranks, expert_ranges
 from hexq.calib.rounding import round_replicas
 from hexq.calib.store import (
@@ -120,20 +120,22 @@ def quantize_expert_chunk(weights: torch.Tensor, hessians: torch.Tensor, setting
 def fitted_down(down: torch.Tensor, h_down: torch.Tensor, gate_up: torch.Tensor, gate_up_replicas: dict,
                 routed: RoutedTokens, experts: list[int], warm: list[int], act_fn, setting: WeightQuant,
                 channel_max: torch.Tensor, budget: int, limit: int) -> tuple[dict, dict]:
-    """experts.down_fit "replica" (hexq.calib.down_fit): each width's down replicas of a chunk quantized from the map
-    fitted to the intermediate of the same width's gate_up replicas (gate_up_replicas {bits: (codes, scale, zero)}), on
-    that intermediate's Hessian, each row's gain then refitted, on at most `limit` routed tokens per expert
-    (experts.loss_tokens); the `warm` positions only, the cold experts from the full-precision target and h_down as
-    with one Hessian. Returns quantize_expert_chunk's ({bits: (codes, scale,
-    zero)}, report), the report the most any width's factorization needed."""
-    widths = tuple(gate_up_replicas)
-    if not warm:  # every expert of the chunk cold: one Hessian for every width
-        return quantize_expert_chunk(down, h_down, setting, widths, channel_max, budget)
-    hessian, cross, tokens = replica_statistics(routed, experts, warm, gate_up,
-                                                torch.stack([dequantized(*gate_up_replicas[b]) for b in widths]),
-                                                act_fn, limit)
-    out, report = {}, {"damp": [0.0] * len(experts), "float64": [False] * len(experts)}
-    for b, bits in enumerate(widths):
+    """experts.down_fit "replica" (hexq.calib.down_fit): the down replicas of a chunk at the widths below FIT_BELOW
+    quantized from the map fitted to the intermediate of the same width's gate_up replicas (gate_up_replicas {bits:
+    (codes, scale, zero)}), on that intermediate's Hessian, each row's gain then refitted, on at most `limit` routed
+    tokens per expert (experts.loss_tokens); the `warm` positions only, the cold experts (and the widths from
+    FIT_BELOW up) from the full-precision target and h_down as with one Hessian. Returns quantize_expert_chunk's
+    ({bits: (codes, scale, zero)}, report), the report the most any width's factorization needed."""
+    fitted = tuple(b for b in gate_up_replicas if b < FIT_BELOW) if warm else ()
+    rest = tuple(b for b in gate_up_replicas if b not in fitted)
+    out, report = quantize_expert_chunk(down, h_down, setting, rest, channel_max, budget) if rest else ({}, {})
+    report = {"damp": list(report.get("damp", [0.0] * len(experts))),
+              "float64": list(report.get("float64", [False] * len(experts)))}
+    if fitted:
+        hessian, cross, tokens = replica_statistics(
+            routed, experts, warm, gate_up, torch.stack([dequantized(*gate_up_replicas[b]) for b in fitted]), act_fn,
+            limit)
+    for b, bits in enumerate(fitted):
         target, h = down.clone(), h_down.clone()
         target[warm] = fitted_map(down[warm], cross[b, warm], hessian[b, warm], tokens[warm])
         h[warm] = hessian[b, warm]
@@ -146,7 +148,7 @@ def fitted_down(down: torch.Tensor, h_down: torch.Tensor, gate_up: torch.Tensor,
         for j in range(len(experts)) if factored else ():
             report["damp"][j] = max(report["damp"][j], factored["damp"][j])
             report["float64"][j] = report["float64"][j] or factored["float64"][j]
-    return out, report
+    return {bits: out[bits] for bits in gate_up_replicas}, report
 
 
 def expert_factor(hessians: torch.Tensor, setting: WeightQuant, channel_max: torch.Tensor) -> HessianFactor:
