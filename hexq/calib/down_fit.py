@@ -25,7 +25,7 @@ from hexq.model.simulate import RoutedTokens, expert_intermediate, loss_sample
 
 # Widths from here up keep one Hessian: an 8-bit gate_up replica's intermediate is the full-precision one to within
 # its rounding, so a fit would change little, for a fifth of the fit's cost (a real-shaped layer: 1.53x the
-# calibration time with every width fitted, 1.4x without the 8-bit one).
+# calibration time with every width fitted, 1.39x without the 8-bit one).
 FIT_BELOW = 8
 
 
