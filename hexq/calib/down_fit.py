@@ -23,9 +23,9 @@ import torch
 from hexq.calib.capture import TOKEN_CHUNK
 from hexq.model.simulate import RoutedTokens, expert_intermediate, loss_sample
 
-# Widths from here up keep one Hessian: an 8-bit gate_up replica's intermediate is the full-precision one to within
-# its rounding, so a fit would change little, for a fifth of the fit's cost (a real-shaped layer: 1.53x the
-# calibration time with every width fitted, 1.39x without the 8-bit one).
+# Widths from here up keep one Hessian: the fit is for the low widths (the reference models' allocations at 1.5-2.5
+# bits hold no 8-bit expert, at 3.0 one or two), and fitting 8 bits too costs a fifth more of it (a real-shaped
+# layer: 1.53x the calibration time with every width fitted, 1.39x without the 8-bit one).
 FIT_BELOW = 8
 
 
