@@ -124,10 +124,11 @@ def quantize(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, QuantMeta]
 
 
 def dequantize(codes: torch.Tensor, meta: QuantMeta) -> torch.Tensor:
-    """Float weights [out, in] from integer codes and their QuantMeta."""
-    out_features, in_features = codes.shape
-    grouped = codes.float().reshape(out_features, in_features // meta.group_size, meta.group_size)
-    return ((grouped - meta.zero[..., None]) * meta.scale[..., None]).reshape(out_features, in_features)
+    """Float weights [..., out, in] from integer codes and their QuantMeta (scale and zero [..., out, n_groups]: a
+    batch of matrices, e.g. a chunk of experts' replicas, takes leading dimensions)."""
+    *lead, in_features = codes.shape
+    grouped = codes.float().reshape(*lead, in_features // meta.group_size, meta.group_size)
+    return ((grouped - meta.zero[..., None]) * meta.scale[..., None]).reshape(*lead, in_features)
 
 
 def fake_quantize(w: torch.Tensor, spec: QuantSpec) -> torch.Tensor:

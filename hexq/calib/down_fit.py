@@ -29,13 +29,6 @@ from hexq.model.simulate import RoutedTokens, expert_intermediate, loss_sample
 FIT_BELOW = 8
 
 
-def dequantized(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    """Float32 weights [n, rows, cols] of a chunk of replicas: codes [n, rows, cols], scale, zero [n, rows, groups]."""
-    n, rows, cols = codes.shape
-    grouped = codes.float().reshape(n, rows, scale.shape[-1], cols // scale.shape[-1])
-    return ((grouped - zero.float()[..., None]) * scale.float()[..., None]).reshape(n, rows, cols)
-
-
 def replica_intermediates(x: torch.Tensor, gate_ups: torch.Tensor, act_fn) -> torch.Tensor:
     """The down projection's inputs [B, n, I] of x [n, H] through B gate_up replicas [B, 2I, H] at once."""
     gate, up = torch.matmul(x, gate_ups.transpose(1, 2)).chunk(2, dim=-1)

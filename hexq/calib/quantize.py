@@ -15,7 +15,7 @@ import torch
 from hexq.algos.gptq import gptq_bank, gptq_replicas
 from hexq.algos.hessian import HessianFactor, blend_cold_hessian, factorize_hessians
 from hexq.algos.kquant import KQUANTS, SUPER, gptq_kquant, kquant_blocks, rtn_kquant
-from hexq.algos.quant import QuantMeta, QuantSpec, quantize
+from hexq.algos.quant import QuantMeta, QuantSpec, dequantize, quantize
 from hexq.base.errors import HexqError
 from hexq.base.hidden import HiddenStore
 from hexq.calib.block_rounding import kept_widths, round_block
@@ -26,7 +26,7 @@ from hexq.calib.capture import (
     expert_statistics,
     quantized_linears,
 )
-from hexq.calib.down_fit import FIT_BELOW, dequantized, fitted_map, output_scale, replica_statistics
+from hexq.calib.down_fit import FIT_BELOW, fitted_map, output_scale, replica_statistics
 from hexq.calib.ranks import SINGLE, Ranks, expert_ranges
 from hexq.calib.rounding import round_replicas
 from hexq.calib.store import (
@@ -131,9 +131,13 @@ def fitted_down(down: torch.Tensor, h_down: torch.Tensor, gate_up: torch.Tensor,
     out, report = quantize_expert_chunk(down, h_down, setting, rest, channel_max, budget) if rest else ({}, {})
     report = {"damp": list(report.get("damp", [0.0] * len(experts))),
               "float64": list(report.get("float64", [False] * len(experts)))}
+
+    def weights(bits: int, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+        return dequantize(codes, QuantMeta(scale, zero, codes.shape[-1] // scale.shape[-1], bits))
+
     if fitted:
         hessian, cross, tokens = replica_statistics(
-            routed, experts, warm, gate_up, torch.stack([dequantized(*gate_up_replicas[b]) for b in fitted]), act_fn,
+            routed, experts, warm, gate_up, torch.stack([weights(b, *gate_up_replicas[b]) for b in fitted]), act_fn,
             limit)
     for b, bits in enumerate(fitted):
         target, h = down.clone(), h_down.clone()
@@ -141,7 +145,7 @@ def fitted_down(down: torch.Tensor, h_down: torch.Tensor, gate_up: torch.Tensor,
         h[warm] = hessian[b, warm]
         result, factored = quantize_expert_chunk(target, h, setting, (bits,), channel_max, budget)
         codes, scale, zero = result[bits]
-        gain = output_scale(down[warm], dequantized(codes[warm], scale[warm], zero[warm]), cross[b, warm],
+        gain = output_scale(down[warm], weights(bits, codes[warm], scale[warm], zero[warm]), cross[b, warm],
                             hessian[b, warm])
         scale[warm] *= gain[..., None].to(scale.dtype)
         out[bits] = (codes, scale, zero)
