@@ -21,12 +21,13 @@ What runs (every row a fresh process, --threads threads, nothing else running; t
                           a prompt's worth of positions, as for hexq), prefill pp128
   long context            hexq 3-bit (native decode) and llama.cpp Q4_0 once more with a --depth-token held-out
                           prompt (2048 by default) prefilled: decode only (llama-bench tg at depth --depth)
-Artifacts: the checkpoint calibrated with round-to-nearest replicas (decode speed does not depend on how the codes
-were chosen) on 16 windows, packed at 3.0 and 4.0 bits (the 4-bit one with `--bank export`: the 4-bit replica of
-every 8-bit expert, which the GGUF export writes for it) and at 2.5 bits (2, 3, 4 and 8-bit experts mixed in every
-layer by the allocation; native decode row only); and once more with the dense linears at 4 bits in groups
-of 32 with full-precision activations (W4A16, attention at Q4_0's width) and the head at 8 bits per channel (Q4_0
-keeps its head at Q6_K; DENSE4_RECIPE), packed at 3.0 bits (native decode row only).
+Artifacts: the checkpoint calibrated as the bundled experts-mixed stores it (W8A8 attention, the head at 8 bits per
+channel) but by round-to-nearest (decode speed does not depend on how the codes were chosen) on 16 windows, packed
+at 3.0 and 4.0 bits (the 4-bit one with `--bank export`: the 4-bit replica of every 8-bit expert, which the GGUF
+export writes for it) and at 2.5 bits (2, 3, 4 and 8-bit experts mixed in every layer by the allocation; native
+decode row only); and once more with the dense linears at 4 bits in groups of 32 with full-precision activations
+(W4A16, attention at Q4_0's width; Q4_0 keeps its head at Q6_K; DENSE4_RECIPE), packed at 3.0 bits (native decode
+row only).
 
 Bytes per decoded token (from the files, not timed): what one decode step reads - every dense tensor a token uses
 (attention, norms, routers, the head row-block it multiplies: the whole head; the embedding row aside) plus top_k of
@@ -81,6 +82,7 @@ experts:
   propagate_bits: 4
   weights: {group_size: 32, symmetric: false, method: rtn}
   activations: {bits: null}
+head: {bits: 8, method: rtn}
 calibration: {num_samples: 16, seqlen: 256, seed: 0}
 pack: {widths: [2, 3, 4, 8]}
 """

@@ -253,7 +253,7 @@ def test_cli_pack_and_inspect(mixed_calibration, tmp_path):
     assert result.exit_code == 0, result.output
     info = json.loads(report.read_text())
     assert info["checksums_ok"] and info["allocation"]["average_bits"] <= 3.0
-    assert info["accounting"]["head"] == "as stored" and "(head as stored)" in result.output  # an untied bf16 head
+    assert info["accounting"]["head"] == "8-bit codes" and "(head 8-bit codes)" in result.output  # experts-mixed's
     assert sum(sum(row["histogram"].values()) for row in info["allocation"]["layers"]) == 2 * 8
     bad = runner.invoke(app, ["pack", str(mixed_calibration[0]), "-o", str(tmp_path / "b"), "--expert-bytes", "lots"])
     assert bad.exit_code == 1 and "cannot read 'lots' as a size" in bad.output

@@ -14,7 +14,6 @@ from hexq.artifact.format import HEAD_WEIGHT
 from hexq.artifact.inspect import summarize
 from hexq.artifact.reader import Artifact
 from hexq.base.data import eval_text, tokenize
-from hexq.base.errors import HexqError
 from hexq.calib.head import HEAD_ROWS, quantize_rows
 from hexq.calib.pipeline import calibrate
 from hexq.config.recipe import RecipeError, WeightQuant, recipe_from_dict, validate_for_model
@@ -30,10 +29,11 @@ WIDE = dict(hidden_size=64, moe_intermediate_size=64, intermediate_size=128, hea
 
 @pytest.fixture(scope="module")
 def head_artifact(tmp_path_factory):
-    """A tied tiny Qwen3-MoE (as the reference models are) calibrated with experts-mixed plus a 4-bit head in groups
-    of 32 (GPTQ); attention W8A8 as bundled, the head weight-only; (model folder, calibration, artifact)."""
+    """A tied tiny Qwen3-MoE (as the reference models are; top-k renormalised, as llama.cpp's qwen3moe graph needs)
+    calibrated with experts-mixed and a 4-bit head in groups of 32 (GPTQ) in place of its 8-bit one; attention W8A8
+    as bundled, the head weight-only; (model folder, calibration, artifact)."""
     folder = tmp_path_factory.mktemp("head")
-    model = save_tiny_model(folder / "model", "qwen3_moe", tie_word_embeddings=True, **WIDE)
+    model = save_tiny_model(folder / "model", "qwen3_moe", tie_word_embeddings=True, norm_topk_prob=True, **WIDE)
     recipe = replace(small_recipe("experts-mixed"), head=WeightQuant(bits=4, group_size=32))
     calibrate(model, recipe, "bundled", folder / "cal")
     pack(folder / "cal", folder / "model.hexq", budget=Budget(avg_bits=3))
@@ -122,16 +122,38 @@ def test_native_step_reads_the_packed_head(head_artifact):
     assert agrees(compare(path))
 
 
-def test_exports_refuse_a_quantized_head(head_artifact, tmp_path):
+def test_exports_write_the_quantized_head(head_artifact, tmp_path):
+    """compressed-tensors: lm_head.weight is the served head's codes dequantized, in the embeddings' dtype (its
+    checkpoints keep the head in full precision); GGUF: output.weight on the block type that holds the codes (4-bit
+    groups of 32, asymmetric: Q4_1, exact). Each file passes its export's own check (llama.cpp's logits when
+    llama-cpp-python is there), which compares every model through the exported head."""
+    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf.quants import dequantize
+    from safetensors import safe_open
+
     from hexq.export.command import export_artifact
+    from hexq.export.gguf.check import llama_available
     from hexq.export.gguf.command import export_gguf
 
     _model, _cal, path = head_artifact
-    with pytest.raises(HexqError, match="LM head quantized"):
-        export_artifact(path, tmp_path / "ct")
-    with pytest.raises(HexqError, match="LM head quantized"):
-        export_gguf(path, tmp_path / "m.gguf")
-    assert not (tmp_path / "ct").exists() and not (tmp_path / "m.gguf").exists()
+    artifact = Artifact(path)
+    config = artifact_config(artifact)
+    served = artifact.read_param(HEAD_WEIGHT, (config.vocab_size, config.hidden_size))
+    summary = export_artifact(path, tmp_path / "ct")
+    assert summary.check.passed
+    index = tmp_path / "ct" / "model.safetensors"
+    with safe_open(str(index), framework="pt") as handle:
+        exported = handle.get_tensor(HEAD_WEIGHT)
+        assert exported.dtype == handle.get_tensor("model.embed_tokens.weight").dtype  # float32 in this test model
+    assert torch.equal(exported, served.to(exported.dtype))
+    assert not any(HEAD_WEIGHT in name for name in json.loads(
+        (tmp_path / "ct" / "config.json").read_text())["quantization_config"].get("config_groups", {}))
+    gguf = export_gguf(path, tmp_path / "m.gguf")
+    assert gguf.check.passed and gguf.check.engine == ("llama.cpp" if llama_available() else "gguf-py")
+    output = next(t for t in GGUFReader(tmp_path / "m.gguf").tensors if t.name == "output.weight")
+    assert output.tensor_type == GGMLQuantizationType.Q4_1
+    written = torch.from_numpy(dequantize(output.data, output.tensor_type).copy()).reshape(served.shape)
+    assert (written - served).abs().max() <= 1e-3 * served.abs().max()  # Q4_1's float16 d and m hold s and -z s
 
 
 def test_served_head_is_weight_only(head_artifact):

@@ -124,7 +124,7 @@ def calibrated_model(calib_dir: str | Path, device: torch.device, expert_bits: i
     manifest, bits = calibration_plan(calib_dir, expert_bits)
     recipe = manifest.recipe
     streamed, tokenizer = open_model(manifest.model_path, device)
-    head = load_head(calib_dir)
+    head = load_head(calib_dir, recipe)
     if head is not None:
         shape = (streamed.config.vocab_size, streamed.config.hidden_size)
         streamed.source = QuantizedHead(streamed.source, packed_matrix(head, HEAD_PREFIX, shape, recipe.head.bits))

@@ -59,10 +59,10 @@ def save_head(out: Path, tensors: dict[str, torch.Tensor]) -> dict[str, dict]:
     return {HEAD_FILE: file_record(Path(out) / HEAD_FILE)}
 
 
-def load_head(out: Path) -> dict[str, torch.Tensor] | None:
-    """The quantized head's tensors of a finished calibration (checked against its record), or None when its recipe
-    keeps the head as stored."""
-    if not (Path(out) / HEAD_FILE).is_file():
+def load_head(out: Path, recipe: Recipe) -> dict[str, torch.Tensor] | None:
+    """The quantized head's tensors of a finished calibration made with `recipe` (checked against its record: a
+    missing or altered file is named), or None when the recipe keeps the head as stored."""
+    if recipe.head is None:
         return None
     path = checked(out, HEAD_FILE)
     try:

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from hexq.artifact.format import HEAD_WEIGHT
 from hexq.artifact.reader import Artifact
 from hexq.base.data import eval_text, tokenize
 from hexq.base.errors import HexqError
@@ -321,8 +322,16 @@ def check_export(artifact: Artifact, folder: Path, windows: int = 8, seqlen: int
                     progress(f"check: {list(models)[step]}", done, total)
 
             hidden[name] = stream_layers(streamed, ids, batch_size, prepare, progress=report)
-        shapes = {"model.norm.weight": tuple(exported.model.model.norm.weight.shape),
-                  "lm_head.weight": tuple(exported.model.lm_head.weight.shape)}
+        head_shape = tuple(exported.model.lm_head.weight.shape)
+        shapes = {"model.norm.weight": tuple(exported.model.model.norm.weight.shape)}
+        if HEAD_WEIGHT in artifact.quantized_linears:
+            # the export's head must be the served one's codes dequantized (hexq.export.write.top_specs); every model's
+            # logits below are computed with it, so the comparisons measure the decoder layers, not the head
+            written = _read_top(exported.source, HEAD_WEIGHT, head_shape)
+            if not _same_tensor(written, artifact.read_param(HEAD_WEIGHT, head_shape).to(written.dtype)):
+                raise HexqError(f"{HEAD_WEIGHT} of the export is not the served head's codes dequantized")
+        else:
+            shapes[HEAD_WEIGHT] = head_shape
         _same_head({name: streamed.source for name, (streamed, _p) in models.items()}, shapes)
         served_acc, fp_acc = LogitAccumulator(), LogitAccumulator()
         with exported.parts("model.norm", "lm_head"):

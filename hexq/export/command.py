@@ -16,7 +16,7 @@ from hexq.export.codec import (
     CtScheme,
     vllm_support,
 )
-from hexq.export.plan import LayerExport, check_exportable
+from hexq.export.plan import LayerExport
 from hexq.export.write import DEFAULT_SHARD_BYTES, WritePlan, write_export
 from hexq.model.folder import source_state
 
@@ -64,7 +64,6 @@ def export_artifact(path: str | Path, out: str | Path, experts: str = "auto", fo
     sibling renamed into place only after the check passed), and check it (see the module docstring)."""
     started = time.time()
     artifact = Artifact(path)
-    check_exportable(artifact)
     fp_path, note = source_model(artifact, source)
     inputs = [artifact.path] + ([fp_path] if fp_path is not None else [])
     with output_folder(out, kind="checkpoint", force=force, inputs=inputs) as folder:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hexq.artifact.format import HEAD_WEIGHT, STATS_SHARD
+from hexq.artifact.format import STATS_SHARD
 from hexq.artifact.reader import Artifact
 from hexq.base.errors import HexqError
 from hexq.export.codec import (
@@ -43,14 +43,6 @@ class LayerExport:
     @property
     def projected(self) -> list[ExpertChoice]:
         return [c for c in self.choices if c.source != "exact"]
-
-
-def check_exportable(artifact: Artifact) -> None:
-    """Refuse, in one line, an artifact no export writes: one whose LM head is quantized (hexq.calib.head), a tensor
-    neither the compressed-tensors nor the GGUF writer places yet."""
-    if HEAD_WEIGHT in artifact.quantized_linears:
-        raise HexqError(f"{artifact.path} stores the LM head quantized (its recipe's head section), which hexq export "
-                        "does not write yet; export an artifact packed from a calibration without a head section")
 
 
 def activation_spec(setting, what: str) -> ActSpec | None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from hexq.artifact.format import MODEL_FILES, TOP_SHARD, dense_shard, export_shard, replica_key
+from hexq.artifact.format import HEAD_WEIGHT, MODEL_FILES, TOP_SHARD, dense_shard, export_shard, replica_key
 from hexq.artifact.reader import Artifact
 from hexq.base.errors import HexqError
 from hexq.base.io import SafetensorsWriter, write_json_atomic
@@ -186,12 +186,33 @@ def _dense_keys(artifact: Artifact, shard: str, quantized: dict[str, int]) -> tu
     return plain, modules
 
 
+def top_specs(artifact: Artifact, streamed) -> dict[str, tuple[torch.dtype, tuple]]:
+    """The top shard's tensors as the export writes them. A quantized head (the recipe's head section) becomes one
+    float lm_head.weight in the embeddings' dtype, its codes dequantized: compressed-tensors checkpoints keep the LM
+    head in full precision (llm-compressor's leave it unquantized, and vLLM applies their schemes to linear layers,
+    which its vocabulary-parallel head is not)."""
+    top = _header_specs(artifact, TOP_SHARD)
+    if HEAD_WEIGHT in artifact.quantized_linears:
+        for part in ("codes", "scale", "zero"):
+            del top[f"{HEAD_WEIGHT}.{part}"]
+        shape = tuple(streamed.model.get_parameter(HEAD_WEIGHT).shape)
+        top[HEAD_WEIGHT] = (top["model.embed_tokens.weight"][0], shape)
+    return top
+
+
+def top_tensor(artifact: Artifact, key: str, spec: tuple[torch.dtype, tuple]) -> torch.Tensor:
+    """One tensor of top_specs: as stored, or the quantized head dequantized into its spec's dtype."""
+    if key == HEAD_WEIGHT and key in artifact.quantized_linears:
+        return artifact.read_param(key, spec[1]).to(spec[0])
+    return artifact.tensor(TOP_SHARD, key)
+
+
 def make_write_plan(artifact: Artifact, streamed, layers: list[LayerExport], adapter: MoEAdapter) -> WritePlan:
     dense = dense_scheme(artifact)
     quantized = artifact.quantized_linears
     specs: dict[str, tuple[torch.dtype, tuple]] = {}
     groups: dict[CtScheme, list[str]] = {}
-    top = _header_specs(artifact, TOP_SHARD)
+    top = top_specs(artifact, streamed)
     first = [key for key in top if key.startswith("model.embed_tokens")]
     specs |= {key: top[key] for key in first}
     by_layer = {plan.layer: plan for plan in layers}
@@ -257,17 +278,17 @@ def write_export(artifact: Artifact, folder: Path, experts: str = "auto", shard_
     plan = make_write_plan(artifact, streamed, plan_export(artifact, experts), adapter)
     writer = ShardedWriter(folder, plan.specs, shard_bytes)
     try:
-        top = [key for key in artifact.keys(TOP_SHARD)]
-        for key in top:
+        top = top_specs(artifact, streamed)
+        for key, spec in top.items():
             if key.startswith("model.embed_tokens"):
-                writer.write(key, artifact.tensor(TOP_SHARD, key))
+                writer.write(key, top_tensor(artifact, key, spec))
         for index in range(artifact.num_layers):
             write_layer(artifact, streamed, writer, index, plan, adapter)
             if progress:
                 progress("write", index + 1, artifact.num_layers)
-        for key in top:
+        for key, spec in top.items():
             if not key.startswith("model.embed_tokens"):
-                writer.write(key, artifact.tensor(TOP_SHARD, key))
+                writer.write(key, top_tensor(artifact, key, spec))
         writer.finish()
     except BaseException:
         writer.abort()

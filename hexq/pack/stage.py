@@ -346,7 +346,7 @@ def pack(calib_dir: str | Path, out: str | Path, settings: Pack | None = None, b
                     stored_bytes[b] = stored_bytes.get(b, 0) + n
             if progress:
                 progress("pack", index + 1, num_layers)
-        head = load_head(calib_dir)
+        head = load_head(calib_dir, recipe)
         top, aliases = top_tensors(streamed, head)
         if head is not None:
             quantized[HEAD_WEIGHT] = recipe.head.bits

@@ -27,7 +27,6 @@ from hexq.export.gguf.check import (
     llama_check,
 )
 from hexq.export.gguf.write import GgufPlan, plan_gguf, write_gguf
-from hexq.export.plan import check_exportable
 
 Progress = Callable[[str, int, int], None]
 GGUF_MAGIC = b"GGUF"
@@ -108,7 +107,6 @@ def export_gguf(path: str | Path, out: str | Path, experts: str = "auto", force:
     """Write the artifact at `path` as the GGUF file `out` and check it (module docstring)."""
     started = time.time()
     artifact = Artifact(path)
-    check_exportable(artifact)
     plan = plan_gguf(artifact, experts)
     with output_file(Path(out), force, [artifact.path]) as tmp:
         write_gguf(artifact, tmp, plan, progress)

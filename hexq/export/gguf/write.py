@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hexq.artifact.format import TOP_SHARD, dense_shard, export_shard, kquant_key, replica_key
+from hexq.artifact.format import HEAD_WEIGHT, TOP_SHARD, dense_shard, export_shard, kquant_key, replica_key
 from hexq.artifact.reader import Artifact
 from hexq.artifact.spans import safetensors_spans
 from hexq.base.errors import HexqError
@@ -213,9 +213,13 @@ def plan_gguf(artifact: Artifact, experts: str = "auto") -> GgufPlan:
             plan.tensors += _expert_tensors(artifact, by_layer[index])
     plan.tensors.append(_float_tensor("output_norm.weight", artifact, TOP_SHARD, "model.norm.weight",
                                       *top["model.norm.weight"]))
-    if "lm_head.weight" in top:
-        plan.tensors.append(_float_tensor("output.weight", artifact, TOP_SHARD, "lm_head.weight",
-                                          *top["lm_head.weight"]))
+    if HEAD_WEIGHT in artifact.quantized_linears:  # the recipe's head section: its codes on a GGUF block type
+        bits, head = artifact.quantized_linears[HEAD_WEIGHT], artifact.recipe.head
+        shape = (_rows_of(artifact, TOP_SHARD, HEAD_WEIGHT), _cols_of(artifact, TOP_SHARD, HEAD_WEIGHT, bits))
+        plan.tensors.append(_quantized_tensor("output.weight", artifact, TOP_SHARD, HEAD_WEIGHT, bits, shape,
+                                              head.symmetric, head.group_size, None))
+    elif HEAD_WEIGHT in top:
+        plan.tensors.append(_float_tensor("output.weight", artifact, TOP_SHARD, HEAD_WEIGHT, *top[HEAD_WEIGHT]))
     elif family.output_required:  # tied: the loader still wants its own copy
         plan.tensors.append(_float_tensor("output.weight", artifact, TOP_SHARD, embed, *top[embed]))
     return plan
