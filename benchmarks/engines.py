@@ -202,19 +202,24 @@ def repeated(spec: dict, repeats: int, cgroup_limit: int | None = None, root: Pa
 # ------------------------------------------------------------------------------------------ preparing
 
 
+def older(made: Path, source: Path) -> bool:
+    """Whether `made` is missing or older than `source` (then it is made again from it)."""
+    return not made.exists() or made.stat().st_mtime_ns < source.stat().st_mtime_ns
+
+
 def calibrated(checkpoint: Path, work: Path, name: str, text: str) -> tuple[Path, Path]:
-    """(recipe file, calibration folder) of `checkpoint` calibrated with recipe `text` (once per work folder)."""
+    """(recipe file, calibration folder) of `checkpoint` calibrated with recipe `text`: hexq calibrate leaves a
+    folder holding this very calibration as it is and replaces one made from another recipe or checkpoint."""
     recipe = work / f"{name}.yaml"
     recipe.write_text(text)
     calibration = work / ("calibration" if name == "experts-rtn" else f"calibration-{name}")
-    if not (calibration / "manifest.json").exists():
-        subprocess.run([sys.executable, "-m", "hexq_cli.main", "calibrate", str(checkpoint), "-r", str(recipe), "-o",
-                        str(calibration)], check=True, cwd=ROOT)
+    subprocess.run([sys.executable, "-m", "hexq_cli.main", "calibrate", str(checkpoint), "-r", str(recipe), "-o",
+                    str(calibration), "--force"], check=True, cwd=ROOT)
     return recipe, calibration
 
 
 def packed(calibration: Path, recipe: Path, out: Path, bits: float, *extra: str) -> Path:
-    if not (out / "manifest.json").exists():
+    if older(out / "manifest.json", calibration / "manifest.json"):
         subprocess.run([sys.executable, "-m", "hexq_cli.main", "pack", str(calibration), "-r", str(recipe), "--bits",
                         str(bits), "-o", str(out), "--force", *extra], check=True, cwd=ROOT)
     return out
@@ -256,7 +261,7 @@ def llama_ggufs(checkpoint: Path, llama: Path, work: Path) -> dict[str, Path]:
 def hexq_gguf(artifact: Path, work: Path) -> Path:
     """hexq's GGUF export of an artifact (`hexq export --format gguf`, written once per work folder)."""
     out = work / f"{artifact.stem}.gguf"
-    if not out.exists():
+    if older(out, artifact / "manifest.json"):
         subprocess.run([sys.executable, "-m", "hexq_cli.main", "export", str(artifact), "--format", "gguf", "-o",
                         str(out), "--no-check"], check=True, cwd=ROOT)
     return out
