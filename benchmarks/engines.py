@@ -263,7 +263,7 @@ def hexq_gguf(artifact: Path, work: Path) -> Path:
     out = work / f"{artifact.stem}.gguf"
     if older(out, artifact / "manifest.json"):
         subprocess.run([sys.executable, "-m", "hexq_cli.main", "export", str(artifact), "--format", "gguf", "-o",
-                        str(out), "--no-check"], check=True, cwd=ROOT)
+                        str(out), "--no-check", "--force"], check=True, cwd=ROOT)
     return out
 
 
