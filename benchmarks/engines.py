@@ -259,7 +259,7 @@ def llama_ggufs(checkpoint: Path, llama: Path, work: Path) -> dict[str, Path]:
 
 
 def hexq_gguf(artifact: Path, work: Path) -> Path:
-    """hexq's GGUF export of an artifact (`hexq export --format gguf`, written once per work folder)."""
+    """hexq's GGUF export of an artifact (`hexq export --format gguf`), written again when older than the artifact."""
     out = work / f"{artifact.stem}.gguf"
     if older(out, artifact / "manifest.json"):
         subprocess.run([sys.executable, "-m", "hexq_cli.main", "export", str(artifact), "--format", "gguf", "-o",
