@@ -122,23 +122,45 @@ def test_native_step_reads_the_packed_head(head_artifact):
     assert agrees(compare(path))
 
 
-def test_exports_write_the_quantized_head(head_artifact, tmp_path):
+def test_exports_write_the_quantized_head(head_artifact, tmp_path, monkeypatch):
     """compressed-tensors: lm_head.weight is the served head's codes dequantized, in the embeddings' dtype (its
     checkpoints keep the head in full precision); GGUF: output.weight on the block type that holds the codes (4-bit
     groups of 32, asymmetric: Q4_1, exact). Each file passes its export's own check (llama.cpp's logits when
-    llama-cpp-python is there), which compares every model through the exported head."""
+    llama-cpp-python is there), which compares every model through the exported head. Neither the GGUF writer and
+    block check nor the compressed-tensors check unpacks more than a block of the head's rows at a time (at
+    151,936 x 2048 its float32 copy is 1.2 GB): here blocks of 16 rows."""
     from gguf import GGMLQuantizationType, GGUFReader
     from gguf.quants import dequantize
     from safetensors import safe_open
 
+    import hexq.export.check as ct_check
+    import hexq.export.gguf.write as gguf_write
     from hexq.export.command import export_artifact
     from hexq.export.gguf.check import llama_available
     from hexq.export.gguf.command import export_gguf
+    from hexq.packed import ggml
 
     _model, _cal, path = head_artifact
     artifact = Artifact(path)
     config = artifact_config(artifact)
     served = artifact.read_param(HEAD_WEIGHT, (config.vocab_size, config.hidden_size))
+    assert config.vocab_size > 2 * WIDE["moe_intermediate_size"]  # no expert matrix has the head's rows
+    rows_read = []
+
+    def spy(module, name):
+        real = getattr(module, name)
+
+        def counted(weight, *args, **kwargs):
+            rows_read.append(weight.shape[0])
+            return real(weight, *args, **kwargs)
+        monkeypatch.setattr(module, name, counted)
+
+    monkeypatch.setattr(gguf_write, "ROW_ELEMENTS", 16 * config.hidden_size)
+    monkeypatch.setattr(ct_check, "HEAD_ROWS", 16)
+    for module, name in ((gguf_write, "dequantize_packed"), (gguf_write, "packed_blocks"),
+                         (ct_check, "dequantize_packed")):
+        spy(module, name)
+    whole = ggml.packed_blocks(artifact.packed_param(HEAD_WEIGHT, tuple(served.shape)), False, ggml.Q4_1)
     summary = export_artifact(path, tmp_path / "ct")
     assert summary.check.passed
     index = tmp_path / "ct" / "model.safetensors"
@@ -152,6 +174,9 @@ def test_exports_write_the_quantized_head(head_artifact, tmp_path):
     assert gguf.check.passed and gguf.check.engine == ("llama.cpp" if llama_available() else "gguf-py")
     output = next(t for t in GGUFReader(tmp_path / "m.gguf").tensors if t.name == "output.weight")
     assert output.tensor_type == GGMLQuantizationType.Q4_1
+    assert torch.equal(torch.from_numpy(output.data.copy()).reshape(whole.shape), whole)  # blocks of rows, one matrix
+    # the head 16 rows at a time; every other matrix read has at most an expert's gate_up rows
+    assert min(rows_read) <= 16 and max(rows_read) <= 2 * WIDE["moe_intermediate_size"], sorted(set(rows_read))
     written = torch.from_numpy(dequantize(output.data, output.tensor_type).copy()).reshape(served.shape)
     assert (written - served).abs().max() <= 1e-3 * served.abs().max()  # Q4_1's float16 d and m hold s and -z s
 

@@ -283,16 +283,23 @@ class Artifact:
         shard = self._dense_file(name)
         return shard in self.files and (name in self.keys(shard) or f"{name}.codes" in self.keys(shard))
 
-    def read_param(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def packed_param(self, name: str, shape: tuple[int, ...]) -> PackedWeight:
+        """A quantized dense linear (or head) as stored, its tensors read where they lie in the shard."""
+        name = self.aliases.get(name, name)
+        bits = self.quantized_linears.get(name)
+        if bits is None:
+            raise HexqError(f"{self.path}: {name} is not a quantized linear")
+        shard = self._dense_file(name)
+        return PackedWeight(self.tensor(shard, f"{name}.codes"), self.tensor(shard, f"{name}.scale"),
+                            self.tensor(shard, f"{name}.zero"), bits, tuple(shape))
+
+    def read_param(self, name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """A non-expert parameter by its model name: stored tensors as they are, quantized linears dequantized
-        (float32), tied parameters through their alias."""
+        (into `dtype`, directly: no float32 copy of a bfloat16 result), tied parameters through their alias."""
         name = self.aliases.get(name, name)
         shard = self._dense_file(name)
-        bits = self.quantized_linears.get(name)
-        if bits is not None:
-            weight = PackedWeight(self.tensor(shard, f"{name}.codes"), self.tensor(shard, f"{name}.scale"),
-                                  self.tensor(shard, f"{name}.zero"), bits, tuple(shape))
-            return dequantize_packed(weight)
+        if name in self.quantized_linears:
+            return dequantize_packed(self.packed_param(name, shape), dtype)
         if shard not in self.files or name not in self.keys(shard):
             raise HexqError(f"{self.path}: tensor {name} is not in {shard}")
         tensor = self.tensor(shard, name)

@@ -27,6 +27,7 @@ from hexq.model.adapters import MoEAdapter, adapter_for
 from hexq.model.checkpoint import safetensors_dtype
 from hexq.model.layer_pass import ExpertCompute, expert_chunk, full_precision_plan, stream_layers
 from hexq.model.streaming import LoadedLayer, StreamedModel, open_model
+from hexq.packed.weight import PackedWeight, dequantize_packed
 from hexq.runtime.model import artifact_model
 
 Progress = Callable[[str, int, int], None]
@@ -40,9 +41,11 @@ class Thresholds:
 
 
 THRESHOLDS = Thresholds()
-# Logits computed at once per compared model ([positions, vocabulary] float32, 256 MiB): the positions per step shrink
-# with the vocabulary, so the check's memory does not grow with it.
-LOGIT_ELEMENTS = 1 << 26
+# Logits computed at once per compared model ([positions, vocabulary] float32, 64 MiB; three models and the
+# comparison's temporaries take ~10 such blocks): the positions per step shrink with the vocabulary, so the check's
+# memory does not grow with it (110 positions per step at 151,936 tokens).
+LOGIT_ELEMENTS = 1 << 24
+HEAD_ROWS = 4096  # rows of a quantized head dequantized at a time to compare it with the export's
 
 
 
@@ -288,6 +291,16 @@ def _same_tensor(a: torch.Tensor, b: torch.Tensor, rows: int = 4096) -> bool:
                                       for i in range(0, max(a.shape[0], 1), rows))
 
 
+def _same_dequantized(written: torch.Tensor, packed: PackedWeight) -> bool:
+    """Whether `written` holds the packed matrix dequantized into its dtype, HEAD_ROWS rows at a time (whole, a
+    float32 copy of a 151,936-token head would be 1.2 GB)."""
+    # rows that do not end on a byte cannot be cut out: then one block
+    rows = packed.shape[0] if packed.shape[1] * packed.bits % 8 else HEAD_ROWS
+    return tuple(written.shape) == tuple(packed.shape) and all(
+        torch.equal(written[i:i + rows], dequantize_packed(packed.rows(i, i + rows), written.dtype))
+        for i in range(0, packed.shape[0], rows))
+
+
 def _same_head(sources: dict[str, object], shapes: dict[str, tuple]) -> None:
     """The final norm and head read from every model's own source must be the same tensors (the comparison then
     computes every model's logits with one materialized head)."""
@@ -328,7 +341,7 @@ def check_export(artifact: Artifact, folder: Path, windows: int = 8, seqlen: int
             # the export's head must be the served one's codes dequantized (hexq.export.write.top_specs); every model's
             # logits below are computed with it, so the comparisons measure the decoder layers, not the head
             written = _read_top(exported.source, HEAD_WEIGHT, head_shape)
-            if not _same_tensor(written, artifact.read_param(HEAD_WEIGHT, head_shape).to(written.dtype)):
+            if not _same_dequantized(written, artifact.packed_param(HEAD_WEIGHT, head_shape)):
                 raise HexqError(f"{HEAD_WEIGHT} of the export is not the served head's codes dequantized")
         else:
             shapes[HEAD_WEIGHT] = head_shape

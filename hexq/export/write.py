@@ -203,7 +203,7 @@ def top_specs(artifact: Artifact, streamed) -> dict[str, tuple[torch.dtype, tupl
 def top_tensor(artifact: Artifact, key: str, spec: tuple[torch.dtype, tuple]) -> torch.Tensor:
     """One tensor of top_specs: as stored, or the quantized head dequantized into its spec's dtype."""
     if key == HEAD_WEIGHT and key in artifact.quantized_linears:
-        return artifact.read_param(key, spec[1]).to(spec[0])
+        return artifact.read_param(key, spec[1], spec[0])  # 622 MB in bfloat16 at a 151,936-token vocabulary
     return artifact.tensor(TOP_SHARD, key)
 
 

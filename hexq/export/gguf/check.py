@@ -29,7 +29,7 @@ from hexq.base.data import eval_text, tokenize
 from hexq.base.errors import HexqError
 from hexq.eval.perplexity import make_windows
 from hexq.export.check import LogitAccumulator
-from hexq.export.gguf.write import GgufPlan, reference_expert
+from hexq.export.gguf.write import GgufPlan, reference_expert, row_chunks
 from hexq.model.layer_pass import stream_layers
 from hexq.packed.ggml import Q4_1, Q8_0
 from hexq.packed.weight import PROJECTIONS
@@ -127,10 +127,11 @@ def block_check(artifact: Artifact, plan: GgufPlan, path: Path, progress: Progre
                 failed.append(name)
             continue
         kind = entry.type_name if entry.exact else "Q8_0-rtn"
-        raw = np.asarray(tensor.data).reshape(entry.parts, -1)
-        for part in range(entry.parts):
-            reference = entry.reference(part).float()
-            blocks = raw[part].reshape(reference.shape[0], -1)
+        rows, cols = entry.shape[-2:]
+        raw = np.asarray(tensor.data).reshape(entry.parts, rows, -1)
+        for part, chunk in ((p, c) for p in range(entry.parts) for c in row_chunks((rows, cols))):
+            reference = entry.reference(part, chunk).float()
+            blocks = raw[part, chunk]
             written = torch.from_numpy(np.array(quants.dequantize(blocks, tensor.tensor_type), dtype=np.float32))
             written = written.reshape(reference.shape)
             if torch.equal(written, reference):

@@ -44,6 +44,8 @@ from hexq.packed.bitpack import packed_nbytes
 from hexq.packed.ggml import decode, packed_blocks
 from hexq.packed.weight import PROJECTIONS, PackedWeight, dequantize_packed
 
+ROW_ELEMENTS = 1 << 24  # weights per chunk of a 2-D tensor's rows (row_chunks): 64 MB in float32
+
 Progress = Callable[[str, int, int], None]
 FLOAT_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}  # GGMLQuantizationType of stored floats
 
@@ -59,9 +61,9 @@ class TensorPlan:
     make: Callable[[], torch.Tensor]
     exact: bool = True  # False: re-rounded (an asymmetric code in Q8_0)
     type_name: str = ""
-    # float32 weights hexq computes with, of one part: expert e of a 3-D tensor, the whole of a 2-D one (part 0);
+    # float32 weights hexq computes with, of rows `rows` of one part: expert e of a 3-D tensor, a 2-D one as part 0;
     # None for tensors stored in float, which are written as they are stored
-    reference: Callable[[int], torch.Tensor] | None = None
+    reference: Callable[[int, slice], torch.Tensor] | None = None
 
     @property
     def parts(self) -> int:
@@ -101,6 +103,15 @@ def _float_tensor(name: str, artifact: Artifact, shard: str, key: str, dtype: to
                       type_name={0: "F32", 1: "F16", 30: "BF16"}[ggml])
 
 
+def row_chunks(shape: tuple[int, int]) -> list[slice]:
+    """Rows of a quantized 2-D tensor made and checked at a time, ROW_ELEMENTS weights each, so that neither a
+    head's float32 weights (1.2 GB at 151,936 x 2048) nor its unpacked codes are ever whole. GGUF's block types
+    take rows of whole 32-weight blocks, so each row's codes end on a byte and rows can be cut out."""
+    rows, cols = shape
+    step = max(1, ROW_ELEMENTS // max(cols, 1))
+    return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
+
+
 def _quantized_tensor(name: str, artifact: Artifact, shard: str, key: str, bits: int, shape: tuple[int, int],
                       symmetric: bool, group: int | None, permute: torch.Tensor | None) -> TensorPlan:
     kind, exact = dense_type(bits, symmetric, group, shape[1])
@@ -110,12 +121,16 @@ def _quantized_tensor(name: str, artifact: Artifact, shard: str, key: str, bits:
                             artifact.tensor(shard, f"{key}.zero"), bits, shape)
 
     def make() -> torch.Tensor:
-        blocks = packed_blocks(packed(), symmetric, kind)
+        weight = packed()
+        blocks = torch.empty(shape[0], kind.row_bytes(shape[1]), dtype=torch.uint8)
+        for rows in row_chunks(shape):
+            blocks[rows] = packed_blocks(weight.rows(rows.start, rows.stop), symmetric, kind)
         return blocks if permute is None else blocks[permute]
 
-    def reference(_part: int) -> torch.Tensor:
-        weights = dequantize_packed(packed())
-        return weights if permute is None else weights[permute]
+    def reference(_part: int, rows: slice) -> torch.Tensor:
+        if permute is not None:  # q or k of one layer, rows in llama.cpp's RoPE order
+            return dequantize_packed(packed())[permute[rows]]
+        return dequantize_packed(packed().rows(rows.start, rows.stop))
 
     return TensorPlan(name, shape, kind.ggml, shape[0] * kind.row_bytes(shape[1]), make, exact, kind.name, reference)
 
@@ -284,8 +299,8 @@ def _expert_tensors(artifact: Artifact, layer: LayerPlan) -> list[TensorPlan]:
     def down() -> torch.Tensor:
         return torch.stack([expert_blocks(artifact, layer, s, "down") for s in layer.experts])
 
-    def reference(projection: str, rows: slice) -> Callable[[int], torch.Tensor]:
-        return lambda expert: reference_expert(artifact, layer, expert, projection)[rows]
+    def reference(projection: str, rows: slice) -> Callable[[int, slice], torch.Tensor]:
+        return lambda expert, chunk: reference_expert(artifact, layer, expert, projection)[rows][chunk]
 
     prefix, exact = f"blk.{layer.layer}.", all(s.source != "rtn" for s in layer.experts)
     gate_bytes, down_bytes = num * half * kind.row_bytes(cols), num * rows_down * kind.row_bytes(cols_down)
