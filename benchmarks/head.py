@@ -62,7 +62,8 @@ def peak_rss_mib(timed: Path) -> float | None:
 
 
 def recipe_file(base: dict, head: dict | None, path: Path, **calibration) -> Path:
-    data = dict(base) | ({"head": head} if head else {})
+    """`base` with the head setting `head` (None: no head section, the head kept as stored)."""
+    data = {key: value for key, value in base.items() if key != "head"} | ({"head": head} if head else {})
     if calibration:
         data["calibration"] = dict(data.get("calibration", {})) | calibration
     path.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -70,10 +71,17 @@ def recipe_file(base: dict, head: dict | None, path: Path, **calibration) -> Pat
 
 
 def calibrated(model: Path, recipe: Path, out: Path) -> dict:
-    """The calibration (once per work folder) and what it cost: the head's seconds and the process's peak RSS."""
-    timed = out.with_suffix(".time")
-    if not (out / "manifest.json").exists():
-        hexq("calibrate", str(model), "-r", str(recipe), "-o", str(out), timed=timed)
+    """The calibration and what it cost: the head's seconds and the process's peak RSS. hexq calibrate --force
+    leaves a folder holding this very calibration as it is (the cost recorded by the run that made it is kept) and
+    replaces one made from another recipe or checkpoint."""
+    timed, trial = out.with_suffix(".time"), out.with_suffix(".time.new")
+    manifest = out / "manifest.json"
+    before = manifest.stat().st_mtime_ns if manifest.exists() else None
+    hexq("calibrate", str(model), "-r", str(recipe), "-o", str(out), "--force", timed=trial)
+    if before is None or manifest.stat().st_mtime_ns != before:
+        trial.replace(timed)
+    else:
+        trial.unlink()
     timings = json.loads((out / "timings.json").read_text())
     return {"head_seconds": timings.get("head"), "calibration_peak_rss_mib": peak_rss_mib(timed)}
 
