@@ -47,6 +47,7 @@ this limit the OOM killer ends it).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -247,15 +248,30 @@ def llama_ggufs(checkpoint: Path, llama: Path, work: Path) -> dict[str, Path]:
                 "import convert_hf_to_gguf as c; from conversion.base import TextModel; "
                 "TextModel.get_vocab_base_pre = lambda self, tokenizer: 'gpt-2'; c.main()")
         env = dict(os.environ, PYTHONPATH=str(llama / "gguf-py"))
-        subprocess.run([sys.executable, "-c", code, str(llama), str(checkpoint), "--outtype", "bf16", "--outfile",
-                        str(bf16)], check=True, env=env)
+        with published(bf16) as partial:
+            subprocess.run([sys.executable, "-c", code, str(llama), str(checkpoint), "--outtype", "bf16",
+                            "--outfile", str(partial)], check=True, env=env)
     out = {"llama.cpp bf16": bf16}
     for kind in ("Q4_0", "Q3_K_S"):
         path = work / f"model-{kind}.gguf"
         if not path.exists():
-            subprocess.run([str(llama / "build" / "bin" / "llama-quantize"), str(bf16), str(path), kind], check=True)
+            with published(path) as partial:
+                subprocess.run([str(llama / "build" / "bin" / "llama-quantize"), str(bf16), str(partial), kind],
+                               check=True)
         out[f"llama.cpp {kind}"] = path
     return out
+
+
+@contextlib.contextmanager
+def published(path: Path):
+    """A temporary name next to `path`, renamed to it once the block ends without error (else removed): a
+    conversion that dies half-way (a full disk, a killed run) leaves no file that a later run would take as made."""
+    partial = path.with_name(f".{path.name}.partial")
+    try:
+        yield partial
+        partial.replace(path)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def hexq_gguf(artifact: Path, work: Path) -> Path:

@@ -75,3 +75,21 @@ def test_every_benchmark_writes_through_the_provenance_helper(bench):
         source = (BENCHMARKS_DIR / script).read_text()
         assert "start_run(args" in source and "complete=True" in source, script
         assert "write_json_atomic" not in source, script  # results written without their provenance
+
+
+def test_a_conversion_that_dies_leaves_no_file(tmp_path):
+    """benchmarks/engines.py takes a llama.cpp conversion that exists as made: one that died half-way (a full disk)
+    must leave nothing under its name, and one that finished must be there whole."""
+    sys.path.insert(0, str(BENCHMARKS_DIR))
+    try:
+        import engines
+    finally:
+        sys.path.remove(str(BENCHMARKS_DIR))
+    target = tmp_path / "model-Q4_0.gguf"
+    with pytest.raises(OSError), engines.published(target) as partial:
+        partial.write_bytes(b"half")
+        raise OSError(28, "No space left on device")
+    assert list(tmp_path.iterdir()) == []
+    with engines.published(target) as partial:
+        partial.write_bytes(b"whole")
+    assert list(tmp_path.iterdir()) == [target] and target.read_bytes() == b"whole"
