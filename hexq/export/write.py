@@ -282,13 +282,18 @@ def write_export(artifact: Artifact, folder: Path, experts: str = "auto", shard_
         for key, spec in top.items():
             if key.startswith("model.embed_tokens"):
                 writer.write(key, top_tensor(artifact, key, spec))
+        # the artifact's pages read so far stop counting in the process after each part (at a real vocabulary the
+        # embeddings alone are 622 MB of mapped file)
+        artifact.release()
         for index in range(artifact.num_layers):
             write_layer(artifact, streamed, writer, index, plan, adapter)
+            artifact.release()
             if progress:
                 progress("write", index + 1, artifact.num_layers)
         for key, spec in top.items():
             if not key.startswith("model.embed_tokens"):
                 writer.write(key, top_tensor(artifact, key, spec))
+        artifact.release()
         writer.finish()
     except BaseException:
         writer.abort()
