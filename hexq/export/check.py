@@ -301,6 +301,18 @@ def _same_dequantized(written: torch.Tensor, packed: PackedWeight) -> bool:
         for i in range(0, packed.shape[0], rows))
 
 
+def _logits(states: dict[str, torch.Tensor], head: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Each model's states [n, hidden] times the head [vocab, hidden] as stored, in float32: HEAD_ROWS rows of the
+    head upcast at a time and used for every model (whole, a float32 copy of a 151,936-token head is 1.2 GB)."""
+    out = {name: torch.empty(s.shape[0], head.shape[0]) for name, s in states.items()}
+    for start in range(0, head.shape[0], HEAD_ROWS):
+        rows = slice(start, start + HEAD_ROWS)
+        block = head[rows].float().T
+        for name, s in states.items():
+            out[name][:, rows] = s.float() @ block
+    return out
+
+
 def _same_head(sources: dict[str, object], shapes: dict[str, tuple]) -> None:
     """The final norm and head read from every model's own source must be the same tensors (the comparison then
     computes every model's logits with one materialized head)."""
@@ -337,26 +349,27 @@ def check_export(artifact: Artifact, folder: Path, windows: int = 8, seqlen: int
             hidden[name] = stream_layers(streamed, ids, batch_size, prepare, progress=report)
         head_shape = tuple(exported.model.lm_head.weight.shape)
         shapes = {"model.norm.weight": tuple(exported.model.model.norm.weight.shape)}
+        head = _read_top(exported.source, HEAD_WEIGHT, head_shape)  # as stored: never a float32 copy of it
         if HEAD_WEIGHT in artifact.quantized_linears:
             # the export's head must be the served one's codes dequantized (hexq.export.write.top_specs); every model's
             # logits below are computed with it, so the comparisons measure the decoder layers, not the head
-            written = _read_top(exported.source, HEAD_WEIGHT, head_shape)
-            if not _same_dequantized(written, artifact.packed_param(HEAD_WEIGHT, head_shape)):
+            if not _same_dequantized(head, artifact.packed_param(HEAD_WEIGHT, head_shape)):
                 raise HexqError(f"{HEAD_WEIGHT} of the export is not the served head's codes dequantized")
         else:
             shapes[HEAD_WEIGHT] = head_shape
         _same_head({name: streamed.source for name, (streamed, _p) in models.items()}, shapes)
+        artifact.release()
         served_acc, fp_acc = LogitAccumulator(), LogitAccumulator()
-        with exported.parts("model.norm", "lm_head"):
-            norm, head = exported.model.model.norm, exported.model.lm_head
+        with exported.parts("model.norm"):
+            norm = exported.model.model.norm
             for index, batch in enumerate(ids.split(batch_size)):
                 targets = torch.cat([batch[:, 1:], torch.full_like(batch[:, :1], -1)], dim=1).reshape(-1)
                 states = {name: norm(store[index]).reshape(-1, store[index].shape[-1])
                           for name, store in hidden.items()}
-                step = max(1, LOGIT_ELEMENTS // head.weight.shape[0])  # positions whose logits fit the bound
+                step = max(1, LOGIT_ELEMENTS // head_shape[0])  # positions whose logits fit the bound
                 for start in range(0, targets.shape[0], step):
                     chunk = slice(start, start + step)
-                    logits = {name: head(s[chunk]).float() for name, s in states.items()}
+                    logits = _logits({name: s[chunk] for name, s in states.items()}, head)
                     served_acc.add(logits["export"], logits["served"], targets[chunk])
                     if "full precision" in logits:
                         fp_acc.add(logits["export"], logits["full precision"], targets[chunk])
