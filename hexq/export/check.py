@@ -301,15 +301,20 @@ def _same_dequantized(written: torch.Tensor, packed: PackedWeight) -> bool:
         for i in range(0, packed.shape[0], rows))
 
 
-def _logits(states: dict[str, torch.Tensor], head: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Each model's states [n, hidden] times the head [vocab, hidden] as stored, in float32: HEAD_ROWS rows of the
-    head upcast at a time and used for every model (whole, a float32 copy of a 151,936-token head is 1.2 GB)."""
+def _logits(states: dict[str, torch.Tensor], head: torch.Tensor,
+            bias: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Each model's states [n, hidden] times the head [vocab, hidden] as stored (plus its bias), in float32: HEAD_ROWS
+    rows of the head upcast at a time and used for every model (whole, a float32 copy of a 151,936-token head is
+    1.2 GB)."""
     out = {name: torch.empty(s.shape[0], head.shape[0]) for name, s in states.items()}
     for start in range(0, head.shape[0], HEAD_ROWS):
         rows = slice(start, start + HEAD_ROWS)
         block = head[rows].float().T
         for name, s in states.items():
             out[name][:, rows] = s.float() @ block
+    if bias is not None:
+        for logits in out.values():
+            logits += bias.float()
     return out
 
 
@@ -350,6 +355,8 @@ def check_export(artifact: Artifact, folder: Path, windows: int = 8, seqlen: int
         head_shape = tuple(exported.model.lm_head.weight.shape)
         shapes = {"model.norm.weight": tuple(exported.model.model.norm.weight.shape)}
         head = _read_top(exported.source, HEAD_WEIGHT, head_shape)  # as stored: never a float32 copy of it
+        bias = (None if exported.model.lm_head.bias is None  # PhiMoE's head has one
+                else exported.source.read_param("lm_head.bias", (head_shape[0],)))
         if HEAD_WEIGHT in artifact.quantized_linears:
             # the export's head must be the served one's codes dequantized (hexq.export.write.top_specs); every model's
             # logits below are computed with it, so the comparisons measure the decoder layers, not the head
@@ -369,7 +376,7 @@ def check_export(artifact: Artifact, folder: Path, windows: int = 8, seqlen: int
                 step = max(1, LOGIT_ELEMENTS // head_shape[0])  # positions whose logits fit the bound
                 for start in range(0, targets.shape[0], step):
                     chunk = slice(start, start + step)
-                    logits = _logits({name: s[chunk] for name, s in states.items()}, head)
+                    logits = _logits({name: s[chunk] for name, s in states.items()}, head, bias)
                     served_acc.add(logits["export"], logits["served"], targets[chunk])
                     if "full precision" in logits:
                         fp_acc.add(logits["export"], logits["full precision"], targets[chunk])
