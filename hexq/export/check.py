@@ -45,7 +45,7 @@ THRESHOLDS = Thresholds()
 # comparison's temporaries take ~10 such blocks): the positions per step shrink with the vocabulary, so the check's
 # memory does not grow with it (110 positions per step at 151,936 tokens).
 LOGIT_ELEMENTS = 1 << 24
-HEAD_ROWS = 4096  # rows of a quantized head dequantized at a time to compare it with the export's
+HEAD_ROWS = 4096  # rows of the head dequantized (to compare it with the export's) or upcast (for logits) at a time
 
 
 
@@ -306,12 +306,13 @@ def _logits(states: dict[str, torch.Tensor], head: torch.Tensor,
     """Each model's states [n, hidden] times the head [vocab, hidden] as stored (plus its bias), in float32: HEAD_ROWS
     rows of the head upcast at a time and used for every model (whole, a float32 copy of a 151,936-token head is
     1.2 GB)."""
+    states = {name: s.float() for name, s in states.items()}
     out = {name: torch.empty(s.shape[0], head.shape[0]) for name, s in states.items()}
     for start in range(0, head.shape[0], HEAD_ROWS):
         rows = slice(start, start + HEAD_ROWS)
         block = head[rows].float().T
         for name, s in states.items():
-            out[name][:, rows] = s.float() @ block
+            out[name][:, rows] = s @ block
     if bias is not None:
         for logits in out.values():
             logits += bias.float()

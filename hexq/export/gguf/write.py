@@ -112,13 +112,12 @@ def row_chunks(shape: tuple[int, int]) -> list[slice]:
     return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
 
 
-def _quantized_tensor(name: str, artifact: Artifact, shard: str, key: str, bits: int, shape: tuple[int, int],
+def _quantized_tensor(name: str, artifact: Artifact, key: str, bits: int, shape: tuple[int, int],
                       symmetric: bool, group: int | None, permute: torch.Tensor | None) -> TensorPlan:
     kind, exact = dense_type(bits, symmetric, group, shape[1])
 
     def packed() -> PackedWeight:
-        return PackedWeight(artifact.tensor(shard, f"{key}.codes"), artifact.tensor(shard, f"{key}.scale"),
-                            artifact.tensor(shard, f"{key}.zero"), bits, shape)
+        return artifact.packed_param(key, shape)
 
     def make() -> torch.Tensor:
         weight = packed()
@@ -156,7 +155,7 @@ def _layer_tensors(artifact: Artifact, index: int, family: Family, config) -> li
         if weight != key:
             bits = quantized[weight]
             full = (_rows_of(artifact, shard, weight), _cols_of(artifact, shard, weight, bits))
-            out.append(_quantized_tensor(name, artifact, shard, weight, bits, full, recipe.weights.symmetric,
+            out.append(_quantized_tensor(name, artifact, weight, bits, full, recipe.weights.symmetric,
                                          recipe.weights.group_size, permute))
         else:
             plan = _float_tensor(name, artifact, shard, key, dtype, shape, squeeze=name.endswith("_shexp.weight")
@@ -231,7 +230,7 @@ def plan_gguf(artifact: Artifact, experts: str = "auto") -> GgufPlan:
     if HEAD_WEIGHT in artifact.quantized_linears:  # the recipe's head section: its codes on a GGUF block type
         bits, head = artifact.quantized_linears[HEAD_WEIGHT], artifact.recipe.head
         shape = (_rows_of(artifact, TOP_SHARD, HEAD_WEIGHT), _cols_of(artifact, TOP_SHARD, HEAD_WEIGHT, bits))
-        plan.tensors.append(_quantized_tensor("output.weight", artifact, TOP_SHARD, HEAD_WEIGHT, bits, shape,
+        plan.tensors.append(_quantized_tensor("output.weight", artifact, HEAD_WEIGHT, bits, shape,
                                               head.symmetric, head.group_size, None))
     elif HEAD_WEIGHT in top:
         plan.tensors.append(_float_tensor("output.weight", artifact, TOP_SHARD, HEAD_WEIGHT, *top[HEAD_WEIGHT]))
