@@ -36,7 +36,9 @@ BENCHMARKS = {
     "runtime": ("runtime.py", "runtime.json"),
     "runtime_cgroup": ("runtime.py", "runtime_cgroup.json"),
     "gemv_speed": ("gemv_speed.py", "gemv_speed.json"),
+    "gemv_speed_xeon": ("gemv_speed.py", "gemv_speed_xeon.json"),
     "engines": ("engines.py", "engines.json"),
+    "engines_xeon": ("engines.py", "engines_xeon.json"),
     "serve": ("serve.py", "serve.json"),
     "distributed": ("distributed.py", "distributed.json"),
     "distributed_haq": ("distributed.py", "distributed_haq.json"),
@@ -57,6 +59,10 @@ RUN_BY_HAND = {"scale": "python benchmarks/scale.py --work DIR",
                "distributed_haq": "python benchmarks/distributed.py --checkpoint CKPT --recipe haq-w8a8 "
                                   "--out benchmarks/results/distributed_haq.json",
                "engines": "python benchmarks/engines.py --checkpoint CKPT --llama-cpp DIR --cgroup",
+               "engines_xeon": "python benchmarks/engines.py --checkpoint CKPT --llama-cpp DIR --cgroup "
+                               "-o benchmarks/results/engines_xeon.json on an Intel Xeon",
+               "gemv_speed_xeon": "python benchmarks/gemv_speed.py --layouts planes rows8 "
+                                  "-o benchmarks/results/gemv_speed_xeon.json on an Intel Xeon",
                "gguf_quality": "python benchmarks/gguf_quality.py --work DIR --llama-cpp SRC",
                "head": "python benchmarks/head.py --checkpoint CKPT --quality",
                "gpu_check": "bash scripts/gpu_check.sh on a machine with a GPU, its gpu_check.json copied to "
