@@ -393,6 +393,13 @@ MUTANTS = [
     Mutant("gate-activations-not-quantized", "hexq/model/simulate.py",
            "            return fake_quantize_activations(x, self.bits, per_token=True, symmetric=self.symmetric)",
            "            return x", (), gate=True),
+    Mutant("gate-down-fit-off", "hexq/calib/quantize.py",
+           'if projection == "down" and recipe.experts.down_fit == "replica":', "if False:", (), gate=True),
+    Mutant("gate-two-bit-integer-zero-points", "hexq/algos/quant.py",
+           "        return self.bits in self.float_zero_bits", "        return False", (), gate=True),
+    Mutant("gate-spread-one-bit-levels-off", "hexq/algos/gptq.py",
+           "                lo, hi = torch.where(grids.spread, low, lo), torch.where(grids.spread, high, hi)",
+           "                lo, hi = lo, hi", (), gate=True),
 ]
 
 

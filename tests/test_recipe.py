@@ -1,4 +1,5 @@
 import copy
+from pathlib import Path
 
 import pytest
 import yaml
@@ -15,6 +16,7 @@ from hexq.config.recipe import (
 )
 from hexq.config.recipe_files import bundled_recipes, load_recipe
 
+ROOT = Path(__file__).resolve().parent.parent
 BUNDLED = ("haq-w8a8", "experts-mixed", "w4a16-g32", "rtn-w4a16")
 
 
@@ -61,6 +63,18 @@ def test_bundled_recipes_say_what_the_issue_asks():
     assert not mixed.expert_activations.enabled and mixed.activations.bits == 8
     assert load_recipe("w4a16-g32").weights.spec().group_size == 32
     assert load_recipe("rtn-w4a16").weights.method == "rtn"
+
+
+def test_the_gate_runs_the_bundled_recipe_as_shipped():
+    """The perplexity gate's bundled setting (scripts/ppl_gate.py) is recipes/experts-mixed.yaml but for the
+    calibration windows and the smoothing search's grid and sample, so a switch added to or changed in the bundled
+    recipe is guarded by the gate only if it is made there too: this test fails until it is."""
+    gate = recipe_to_dict(load_recipe(ROOT / "tests" / "baselines" / "recipes" / "gate-bundled.yaml"))
+    bundled = recipe_to_dict(load_recipe("experts-mixed"))
+    for recipe in (gate, bundled):
+        del recipe["name"], recipe["calibration"]["num_samples"], recipe["calibration"]["seqlen"]
+        del recipe["smoothing"]["grid_step"], recipe["smoothing"]["max_tokens"]
+    assert gate == bundled
 
 
 def test_defaults_are_the_paper_setting():
