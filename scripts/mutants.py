@@ -3,7 +3,7 @@ that stand guard over it. A mutant is killed when those tests fail; one that sur
 land green, and makes this script exit 1.
 
     python scripts/mutants.py                 # every mutant of the test suite (about 15 minutes on 2 cores)
-    python scripts/mutants.py --gate          # and those the perplexity gate judges (~8 minutes more each)
+    python scripts/mutants.py --gate          # and those the perplexity gate judges (~5 minutes more each)
     python scripts/mutants.py --only gptq-error-feedback-dropped rope-sign
     python scripts/mutants.py --list
 
@@ -38,7 +38,7 @@ class Mutant:
     new: str
     tests: tuple[str, ...]  # pytest arguments: files or node ids of the default suite; () for a gate mutant
     path: str | None = None  # the CPU kernel path the mutated code runs on (not run where the CPU lacks it)
-    gate: bool = False  # judged by the perplexity gate (scripts/ppl_gate.py), run with --gate only (~8 min each)
+    gate: bool = False  # judged by the perplexity gate (scripts/ppl_gate.py), run with --gate only (~5 min each)
 
 
 BAD_REQUESTS_TEST = "tests/test_serve.py::test_bad_requests_get_one_line_and_the_server_keeps_serving"
