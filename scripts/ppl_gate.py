@@ -58,7 +58,14 @@ ROOT = Path(__file__).resolve().parent.parent
 BASELINES = ROOT / "tests" / "baselines"
 MODELS = {"mixtral": ROOT / "models" / "hexq-tiny-mixtral", "qwen3moe": ROOT / "models" / "hexq-tiny-qwen3moe"}
 DATA = ("wikitext2", "austen")
-SETTINGS = ("fp", "haq-w8a8", "uniform-4", "mixed-2.5", "bundled-1.5")
+# each calibration the gate makes (its folder's suffix) and its recipe in tests/baselines/recipes
+CALIBRATIONS = {"haq": "gate-haq-w8a8.yaml", "mixed": "gate-experts-mixed.yaml", "bundled": "gate-bundled.yaml"}
+# each quantized setting: the calibration it is packed from and hexq pack's extra arguments
+PACKS = {"haq-w8a8": ("haq", []),
+         "uniform-4": ("mixed", ["--recipe", "tests/baselines/recipes/gate-uniform-4.yaml"]),
+         "mixed-2.5": ("mixed", []),
+         "bundled-1.5": ("bundled", ["--bits", "1.5"])}
+SETTINGS = ("fp", *PACKS)
 # the texts a setting is judged on (DATA unless said): bundled-1.5's baselines were written on one CPU kind only, and
 # WikiText-2 perplexity of a low-bit artifact moved by up to 0.94% between CPU kinds (the module's docstring)
 SETTING_DATA = {"bundled-1.5": ("austen",)}
@@ -92,22 +99,18 @@ def code_key() -> str:
 
 def build_targets(model: str, work: Path, settings: tuple[str, ...]) -> dict[str, Path]:
     """Calibrate and pack one reference model for `settings` (cached: calibrate resumes or skips, pack runs once)."""
-    recipes = BASELINES / "recipes"
-    haq, mixed, bundled = work / f"{model}-haq", work / f"{model}-mixed", work / f"{model}-bundled"
-    packs = {"haq-w8a8": (haq, "gate-haq-w8a8.yaml", []),
-             "uniform-4": (mixed, "gate-experts-mixed.yaml", ["--recipe", rel(recipes / "gate-uniform-4.yaml")]),
-             "mixed-2.5": (mixed, "gate-experts-mixed.yaml", []),
-             "bundled-1.5": (bundled, "gate-bundled.yaml", ["--bits", "1.5"])}
     targets = {"fp": MODELS[model]} if "fp" in settings else {}
     calibrated = set()
-    for name, (calibration, recipe, extra) in packs.items():
+    for name, (calibration, extra) in PACKS.items():
         if name not in settings:
             continue
+        folder = work / f"{model}-{calibration}"
         if calibration not in calibrated:
-            must("calibrate", rel(MODELS[model]), "--recipe", rel(recipes / recipe), "-o", rel(calibration))
+            recipe = BASELINES / "recipes" / CALIBRATIONS[calibration]
+            must("calibrate", rel(MODELS[model]), "--recipe", rel(recipe), "-o", rel(folder))
             calibrated.add(calibration)
         targets[name] = work / f"{model}-{name}.hexq"
-        must("pack", rel(calibration), "-o", rel(targets[name]), "--force", *extra)
+        must("pack", rel(folder), "-o", rel(targets[name]), "--force", *extra)
     return targets
 
 
