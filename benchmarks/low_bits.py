@@ -24,7 +24,8 @@ layer), any width per expert (pack.order free) and one budget for all layers ins
 model).
 
 Peer rows (all linears but routers and the head at W2A16 or W3A16, groups of 32, asymmetric, weights only): hexq's
-GPTQ (peer_recipe: act_order, then rounding optimised over each whole layer), auto-round (signed-gradient rounding
+GPTQ (peer_recipe: act_order, then rounding optimised over each whole layer; `hexq-rtn`: the same tuning from round
+to nearest, `hexq-float`: with float zero points), auto-round (signed-gradient rounding
 and min/max tuning, --auto-round-iters steps per block, 200 by default, at --auto-round-lr, its defaults otherwise)
 and llm-compressor's GPTQModifier. Every row: perplexity and the mean KL divergence of its next-token distributions
 from the full-precision model's on the same windows (hexq.eval.divergence).
@@ -101,7 +102,7 @@ ALLOCATORS = {
 RECOMMENDED = "model+0"
 PEER_WIDTHS = (2, 3)
 PEERS = ("hexq", "auto-round", "llmcompressor")
-PEER_METHODS = (*PEERS, "hexq-float")  # hexq-float: hexq's peer row with float zero points (--peers hexq-float)
+PEER_METHODS = (*PEERS, "hexq-rtn", "hexq-float")  # hexq's peer row tuned from round to nearest, or float zeros
 
 
 def bank_recipe(setting: str, samples: int, seed: int = 0) -> Recipe:
@@ -116,14 +117,15 @@ def bank_recipe(setting: str, samples: int, seed: int = 0) -> Recipe:
                                calibration=dataclasses.replace(recipe.calibration, num_samples=samples, seed=seed))
 
 
-def peer_recipe(bits: int, samples: int, seed: int = 0, float_zero: bool = False) -> Recipe:
+def peer_recipe(bits: int, samples: int, seed: int = 0, float_zero: bool = False, rtn: bool = False) -> Recipe:
     """hexq at WbA16 g32 on every linear (attention too), like the peers: GPTQ with act_order (static min/max
     grids: fitted ones lose there), then every matrix's rounding and scales optimised against each decoder layer's
     full-precision output (experts.round_scope block, PEER_STEPS steps, as auto-round tunes its blocks).
     float_zero: the grids span each group's min and max with a float zero point (weights.float_zero_bits), as
-    auto-round's do, instead of an integer one."""
-    weights = WeightQuant(bits=bits, group_size=32, symmetric=False, act_order="sum_of_squares",
-                          float_zero_bits=(bits,) if float_zero else ())
+    auto-round's do, instead of an integer one. rtn: the tuning starts from round to nearest on the same min/max
+    grids instead of GPTQ's replicas, as auto-round starts (measured: docs/packing-and-export.md)."""
+    weights = WeightQuant(bits=bits, group_size=32, symmetric=False, method="rtn" if rtn else "gptq",
+                          act_order="none" if rtn else "sum_of_squares", float_zero_bits=(bits,) if float_zero else ())
     experts = Experts(mode="uniform", round_bits=(bits,), round_scope="block", round_steps=PEER_STEPS)
     return recipe_from_dict({
         "name": f"w{bits}a16-g32", "smoothing": {"method": "none"}, "weights": dataclasses.asdict(weights),
@@ -226,13 +228,13 @@ def peer_rows(name: str, bits: int, evaluator: Evaluator, work: Path, samples: i
     from llmcompressor_peer import PeerScheme, run_peer
 
     ids = calibration_windows(evaluator.tokenizer, "bundled", samples, SEQLEN, seed=seed).ids
-    for method in ("hexq", "hexq-float"):
+    for method in ("hexq", "hexq-rtn", "hexq-float"):
         if method not in methods:
             continue
         out = work / f"{name}-w{bits}-{method}"
         started = time.time()
-        calibrate(MODELS[name], peer_recipe(bits, samples, seed, float_zero=method == "hexq-float"), "bundled", out,
-                  force=True)
+        recipe = peer_recipe(bits, samples, seed, float_zero=method == "hexq-float", rtn=method == "hexq-rtn")
+        calibrate(MODELS[name], recipe, "bundled", out, force=True)
         seconds = round(time.time() - started, 1)
         streamed, _tokenizer, prepare = calibrated_model(out, torch.device("cpu"))
         add({"setting": f"w{bits}a16-g32", "allocator": method, "bits": bits, "calib_seconds": seconds,
@@ -317,7 +319,8 @@ def main() -> None:
     parser.add_argument("--peer-bits", type=int, nargs="+", default=list(PEER_WIDTHS), choices=PEER_WIDTHS,
                         help="the peer rows' widths")
     parser.add_argument("--peers", nargs="+", default=list(PEERS), choices=PEER_METHODS,
-                        help="the peer rows' methods (hexq-float: hexq's with float zero points)")
+                        help="the peer rows' methods (hexq-rtn: hexq's tuning from round to nearest; hexq-float: with "
+                             "float zero points)")
     parser.add_argument("--merge", action="store_true",
                         help="keep the rows of the output file that this run does not measure again (same samples and "
                              "windows), and their runs' records")
