@@ -33,6 +33,7 @@ BENCHMARKS = {
     "pack_quality": ("pack_quality.py", "pack_quality.json"),
     "low_bits": ("low_bits.py", "low_bits.json"),
     "low_bits_full": ("low_bits.py", "low_bits_full.json"),
+    "low_bits_start": ("low_bits.py", "low_bits_start.json"),
     "runtime": ("runtime.py", "runtime.json"),
     "runtime_cgroup": ("runtime.py", "runtime_cgroup.json"),
     "gemv_speed": ("gemv_speed.py", "gemv_speed.json"),
@@ -55,6 +56,8 @@ RUN_BY_HAND = {"scale": "python benchmarks/scale.py --work DIR",
                                 "--no-peers -o A.json, then --settings --peer-bits 2 3 -o B.json; B's peer rows merged "
                                 "into A as "
                                 "benchmarks/results/low_bits_full.json (--merge)",
+               "low_bits_start": "python benchmarks/low_bits.py --models qwen3moe mixtral --settings --peer-bits 3 2 "
+                                 "--peers hexq hexq-rtn -o benchmarks/results/low_bits_start.json",
                "distributed": "python benchmarks/distributed.py --checkpoint CKPT",
                "distributed_haq": "python benchmarks/distributed.py --checkpoint CKPT --recipe haq-w8a8 "
                                   "--out benchmarks/results/distributed_haq.json",
