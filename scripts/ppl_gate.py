@@ -56,13 +56,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BASELINES = ROOT / "tests" / "baselines"
+RECIPES = BASELINES / "recipes"  # the gate's recipes
 MODELS = {"mixtral": ROOT / "models" / "hexq-tiny-mixtral", "qwen3moe": ROOT / "models" / "hexq-tiny-qwen3moe"}
 DATA = ("wikitext2", "austen")
-# each calibration the gate makes (its folder's suffix) and its recipe in tests/baselines/recipes
+# each calibration the gate makes (its folder's suffix) and its recipe in RECIPES
 CALIBRATIONS = {"haq": "gate-haq-w8a8.yaml", "mixed": "gate-experts-mixed.yaml", "bundled": "gate-bundled.yaml"}
 # each quantized setting: the calibration it is packed from and hexq pack's extra arguments
 PACKS = {"haq-w8a8": ("haq", []),
-         "uniform-4": ("mixed", ["--recipe", "tests/baselines/recipes/gate-uniform-4.yaml"]),
+         "uniform-4": ("mixed", ["--recipe", str((RECIPES / "gate-uniform-4.yaml").relative_to(ROOT))]),
          "mixed-2.5": ("mixed", []),
          "bundled-1.5": ("bundled", ["--bits", "1.5"])}
 SETTINGS = ("fp", *PACKS)
@@ -92,7 +93,7 @@ def code_key() -> str:
     """12 hex digits of the SHA-256 of every source file of hexq/ and of the gate's recipes (paths and bytes)."""
     digest = hashlib.sha256()
     files = [f for f in (ROOT / "hexq").rglob("*") if f.suffix in (".py", ".c", ".h")]
-    for path in sorted(files + list((BASELINES / "recipes").glob("*.yaml"))):
+    for path in sorted(files + list(RECIPES.glob("*.yaml"))):
         digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:12]
 
@@ -106,7 +107,7 @@ def build_targets(model: str, work: Path, settings: tuple[str, ...]) -> dict[str
             continue
         folder = work / f"{model}-{calibration}"
         if calibration not in calibrated:
-            recipe = BASELINES / "recipes" / CALIBRATIONS[calibration]
+            recipe = RECIPES / CALIBRATIONS[calibration]
             must("calibrate", rel(MODELS[model]), "--recipe", rel(recipe), "-o", rel(folder))
             calibrated.add(calibration)
         targets[name] = work / f"{model}-{name}.hexq"
