@@ -28,6 +28,7 @@ pytestmark = pytest.mark.skipif(not gpu.available(), reason="triton is not insta
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 STEPS = 6
 TYPICAL = 1e-5  # measured <= 2.3e-7 on the CPU (the same Triton kernel on both paths)
+GENERATED = 4  # tokens generated where a test compares texts (compare() checks the logits step by step)
 
 
 def compare(artifact, steps: int = STEPS) -> list[float]:
@@ -166,10 +167,10 @@ def test_the_check_catches_a_host_read():
 
 def test_generate_takes_the_step_and_gives_the_transformers_text(packed_artifact):
     with Runtime(packed_artifact, device=DEVICE, kernels="triton", dtype="fp32") as runtime:
-        text, stats = runtime.generate("It is a truth", 8)
+        text, stats = runtime.generate("It is a truth", GENERATED)
         assert stats.decode_path == ("cuda graph" if DEVICE == "cuda" else "static step (eager off CUDA)")
     with Runtime(packed_artifact, device=DEVICE, kernels="triton", dtype="fp32", decode="transformers") as runtime:
-        want, _ = runtime.generate("It is a truth", 8)
+        want, _ = runtime.generate("It is a truth", GENERATED)
     assert text == want
 
 
@@ -193,11 +194,11 @@ def test_a_refused_capture_falls_back_to_the_eager_step(packed_artifact, monkeyp
     monkeypatch.setattr(GraphDecoder, "_capture", refused)
     with Runtime(packed_artifact, device=DEVICE, kernels="triton", dtype="fp32") as runtime:
         runtime.native.captures = True  # as on CUDA
-        text, stats = runtime.generate("It is a truth", 8)
+        text, stats = runtime.generate("It is a truth", GENERATED)
     assert stats.decode_path == "static step (the CUDA graph capture failed: operation not permitted when stream is " \
                                 "capturing)"
     with Runtime(packed_artifact, device=DEVICE, kernels="triton", dtype="fp32", decode="transformers") as runtime:
-        want, _ = runtime.generate("It is a truth", 8)
+        want, _ = runtime.generate("It is a truth", GENERATED)
     assert text == want
 
 
