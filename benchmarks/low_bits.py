@@ -18,7 +18,8 @@ hexq.algos.rounding), `spread` (1-bit levels at mean -+ 1.75 mean absolute devia
 experts.weights.one_bit), `float` (2-bit grids spanning each group's min and max with a float zero point instead of
 widened to include 0 with an integer one, experts.weights.float_zero_bits; `float23` at 3 bits too), `block` (the
 same widths optimised against the full-precision model's output after each layer, experts.round_scope block),
-`down` (each width's down projection fitted to its own gate_up replica's intermediate, experts.down_fit replica);
+`down` (each width's down projection fitted to its own gate_up replica's intermediate, experts.down_fit replica),
+`refit` (every width's group grids refitted to GPTQ's codes under its Hessian, experts.weights.refit_bits);
 allocators: 0-bit experts (skipped, router weight renormalised), the loss weighted by routing mass (pack.loss
 layer), any width per expert (pack.order free) and one budget for all layers instead of one per layer (pack.schedule
 model).
@@ -91,6 +92,8 @@ SETTINGS = {
     "act+spread+float+block": {"weights": BUNDLED_BANK, "experts": {"round_bits": (1, 2), "round_scope": "block",
                                                                     "round_steps": BLOCK_STEPS}},
     "act+spread+float+down": {"weights": BUNDLED_BANK, "experts": {"down_fit": "replica"}},
+    "act+spread+float+down+refit": {"weights": {**BUNDLED_BANK, "refit_bits": (1, 2, 3, 4, 8)},
+                                    "experts": {"down_fit": "replica"}},
 }
 # How `hexq pack` allocates (its pack section); "main" is the allocator before 0-bit experts and routing mass.
 ALLOCATORS = {

@@ -275,6 +275,12 @@ def test_low_bit_switches_name_widths_the_recipe_quantizes():
     data["experts"]["weights"]["fit_bits"] = [1, 2, 5]
     fails(data, "experts.weights.fit_bits lists [5], widths this recipe does not quantize")
     data = recipe_to_dict(load_recipe("experts-mixed"))
+    data["experts"]["weights"]["refit_bits"] = [2, 6]
+    fails(data, "experts.weights.refit_bits lists [6], widths this recipe does not quantize")
+    data["head"]["refit_bits"] = [4]
+    data["experts"]["weights"]["refit_bits"] = [1, 2]
+    fails(data, "head.refit_bits lists [4]")
+    data = recipe_to_dict(load_recipe("experts-mixed"))
     data["experts"]["round_bits"] = [2, 1]
     fails(data, "experts.round_bits must be increasing without duplicates")
     data["experts"]["round_bits"] = []
@@ -298,6 +304,9 @@ def test_low_bit_switches_name_widths_the_recipe_quantizes():
     for key in ("act_order", "damp", "block_size"):
         data["weights"].pop(key)
     fails(data, "weights.fit_bits is used only with method 'gptq'")
+    data["weights"]["fit_bits"] = []
+    data["weights"]["refit_bits"] = [8]
+    fails(data, "weights.refit_bits is used only with method 'gptq'")
 
 
 def test_calibrations_made_before_later_switches_keep_their_fingerprint():
@@ -314,6 +323,7 @@ def test_calibrations_made_before_later_switches_keep_their_fingerprint():
     for key in ("export_target", "round_bits", "round_steps", "round_tokens", "round_scope", "down_fit"):
         del data["experts"][key]
     del data["weights"]["fit_bits"], data["weights"]["one_bit"], data["weights"]["float_zero_bits"]
+    del data["weights"]["refit_bits"]
     data["version"] = 1  # what those manifests hold (version 2 only renamed a key of pack, which is not hashed)
     before = hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
     assert calibration_hash(recipe) == before
@@ -325,6 +335,9 @@ def test_calibrations_made_before_later_switches_keep_their_fingerprint():
     assert calibration_hash(recipe_from_dict(changed)) != before
     changed = recipe_to_dict(recipe)
     changed["weights"]["float_zero_bits"] = [8]
+    assert calibration_hash(recipe_from_dict(changed)) != before
+    changed = recipe_to_dict(recipe)
+    changed["weights"]["refit_bits"] = [8]
     assert calibration_hash(recipe_from_dict(changed)) != before
     assert calibration_hash(recipe_from_dict(recipe_to_dict(recipe) | {"head": {"bits": 8}})) != before
     mixed = recipe_to_dict(load_recipe("experts-mixed"))

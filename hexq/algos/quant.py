@@ -42,6 +42,11 @@ class QuantSpec:
         return self.bits in self.float_zero_bits
 
     @property
+    def zero_is_float(self) -> bool:
+        """Whether the grid's zero point is a float (asymmetric 1 bit, or a float_zero width): grid_params."""
+        return not self.symmetric and (self.bits == 1 or self.float_zero)
+
+    @property
     def qmax(self) -> int:
         return 2**self.bits - 1
 
@@ -91,7 +96,7 @@ def grid_params(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.T
             # Levels (q - zero) in {-1, 0} would lose the sign: centre on +-0.5 instead.
             zero = torch.full_like(scale, 0.5)
             scale = 2 * amax / 2
-    elif spec.bits == 1 or spec.float_zero:
+    elif spec.zero_is_float:
         # The range itself, the zero point a float. 1 bit: two levels {min, max} (forcing 0 into the range, below,
         # would collapse most weights to 0), or the spread levels.
         spread = spec.bits == 1 and spec.one_bit == "spread"

@@ -16,6 +16,7 @@ from hexq.algos.gptq import gptq_bank, gptq_replicas
 from hexq.algos.hessian import HessianFactor, blend_cold_hessian, factorize_hessians
 from hexq.algos.kquant import KQUANTS, SUPER, gptq_kquant, kquant_blocks, rtn_kquant
 from hexq.algos.quant import QuantMeta, QuantSpec, dequantize, quantize
+from hexq.algos.refit import refit_bank
 from hexq.base.errors import HexqError
 from hexq.base.hidden import HiddenStore
 from hexq.calib.block_rounding import kept_widths, round_block
@@ -84,7 +85,16 @@ def quantize_bank(weight: torch.Tensor, hessian: torch.Tensor, setting: WeightQu
     results = gptq_replicas(weight.detach().float(), hessian, bits_list, setting.spec(), block_size=setting.block_size,
                             damp=setting.damp, act_order=setting.act_order, column_importance=importance,
                             fit_bits=setting.fit_bits)
-    return {bits: (r.codes, r.meta) for bits, r in results.items()}
+    out = refit_bank({bits: (r.codes[None], r.meta.scale[None], r.meta.zero[None]) for bits, r in results.items()},
+                     weight.detach()[None], hessian[None], torch.tensor([results[bits_list[0]].damp_used]),
+                     refit_specs(setting, results))
+    return {bits: (codes[0], QuantMeta(scale[0], zero[0], results[bits].meta.group_size, bits))
+            for bits, (codes, scale, zero) in out.items()}
+
+
+def refit_specs(setting: WeightQuant, widths) -> dict[int, QuantSpec]:
+    """The QuantSpecs of the widths (of `widths`) whose grids setting refits to GPTQ's codes (hexq.algos.refit)."""
+    return {bits: setting.spec(bits) for bits in widths if bits in setting.refit_bits}
 
 
 def quantize_expert_chunk(weights: torch.Tensor, hessians: torch.Tensor, setting: WeightQuant,
@@ -113,6 +123,7 @@ def quantize_expert_chunk(weights: torch.Tensor, hessians: torch.Tensor, setting
                        block_size=setting.block_size, fit_bits=setting.fit_bits) for start in range(0, rows, row_block)]
     out = {bits: tuple(torch.cat([getattr(part[bits], name) for part in parts], dim=1)
                        for name in ("codes", "scale", "zero")) for bits in bits_list}
+    out = refit_bank(out, weights, hessians, factor.damp_used, refit_specs(setting, out))
     report = {"damp": factor.damp_used.tolist(), "float64": factor.float64_used.tolist()}
     return out, report
 

@@ -24,7 +24,8 @@ LATER_SETTINGS = {("experts", "export_target"): None, ("weights", "fit_bits"): [
                    ("experts", "round_scope"): "expert", ("weights", "one_bit"): "minmax",
                    ("experts", "weights", "one_bit"): "minmax", ("head",): None,
                    ("weights", "float_zero_bits"): [], ("experts", "weights", "float_zero_bits"): [],
-                   ("head", "float_zero_bits"): [], ("experts", "down_fit"): "full_precision"}
+                   ("head", "float_zero_bits"): [], ("experts", "down_fit"): "full_precision",
+                   ("weights", "refit_bits"): [], ("experts", "weights", "refit_bits"): [], ("head", "refit_bits"): []}
 
 
 def calibration_hash(recipe: Recipe) -> str:

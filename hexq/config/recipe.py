@@ -73,8 +73,10 @@ class WeightQuant:
     act_order, damp and block_size are GPTQ's (hexq.algos.gptq); with method "rtn" they must stay at their defaults.
     fit_bits (GPTQ only): the widths whose group grids are fitted to the weights, minimising the Hessian-weighted
     error (hexq.algos.clipping), instead of spanning each group's min and max; for a replica bank a subset of its
-    widths, for one weight its `bits` or nothing. one_bit: the two levels of an asymmetric 1-bit grid, "minmax"
-    (each group's min and max) or "spread" (mean -+ 1.75 x the mean absolute deviation; hexq.algos.quant).
+    widths, for one weight its `bits` or nothing. refit_bits (GPTQ only, the same widths): the widths whose group
+    grids are refitted after GPTQ to the codes it chose, minimising its own objective (hexq.algos.refit). one_bit:
+    the two levels of an asymmetric 1-bit grid, "minmax" (each group's min and max) or "spread" (mean -+ 1.75 x the
+    mean absolute deviation; hexq.algos.quant).
     float_zero_bits (asymmetric only): the widths (2 and up) whose grids span each group's min and max with a float
     zero point, instead of widening the range to include 0 with an integer zero point (which compressed-tensors can
     write as it is; hexq export re-rounds a float-zero matrix onto the target's grid, as it does 1-bit ones).
@@ -88,6 +90,7 @@ class WeightQuant:
     damp: float = 0.01  # fraction of mean(diag H) added to diag H; escalated x10 when Cholesky fails
     block_size: int = 128  # columns per lazy-update block
     fit_bits: tuple[int, ...] = ()  # gptq only: widths whose grids are fitted (hexq.algos.clipping)
+    refit_bits: tuple[int, ...] = ()  # gptq only: widths whose grids are refitted to GPTQ's codes (hexq.algos.refit)
     one_bit: str = "minmax"  # "minmax" | "spread": the levels of an asymmetric 1-bit grid
     float_zero_bits: tuple[int, ...] = ()  # asymmetric only: widths whose grids span [min, max], float zero point
 
@@ -96,6 +99,7 @@ class WeightQuant:
         check_bits("bits", self.bits)
         check_choice("one_bit", self.one_bit, ONE_BIT_GRIDS)
         check_width_list("fit_bits", self.fit_bits)
+        check_width_list("refit_bits", self.refit_bits)
         check_width_list("float_zero_bits", self.float_zero_bits)
         if self.float_zero_bits and self.symmetric:
             raise RecipeError("float_zero_bits", "is for asymmetric grids (symmetric: false)")
@@ -108,7 +112,7 @@ class WeightQuant:
         check_unit("damp", self.damp, open_low=True)
         check_at_least("block_size", self.block_size, 1)
         check_unused_at_default(self, "method", {name: ("gptq",) for name in ("act_order", "damp", "block_size",
-                                                                                "fit_bits")})
+                                                                                "fit_bits", "refit_bits")})
 
     def spec(self, bits: int | None = None) -> QuantSpec:
         """The QuantSpec of this setting, at `bits` instead of self.bits when given (one replica of a bank)."""
@@ -369,18 +373,15 @@ class Recipe:
         if not self.name.strip():
             raise RecipeError("name", "must not be empty")
         widths = self.experts.replica_bits if self.experts.mode == "replicas" else (self.expert_weights.bits,)
-        named = [("weights.fit_bits", self.weights.fit_bits, (self.weights.bits,)),
-                 ("weights.float_zero_bits", self.weights.float_zero_bits, (self.weights.bits,)),
-                 ("experts.weights.fit_bits", self.expert_weights.fit_bits, widths),
-                 ("experts.weights.float_zero_bits", self.expert_weights.float_zero_bits, widths),
-                 ("experts.round_bits", self.experts.round_bits, widths)]
+        lists = ("fit_bits", "float_zero_bits", "refit_bits")  # WeightQuant's lists of widths
+        named = [(f"weights.{key}", getattr(self.weights, key), (self.weights.bits,)) for key in lists]
+        named += [(f"experts.weights.{key}", getattr(self.expert_weights, key), widths) for key in lists]
+        named += [("experts.round_bits", self.experts.round_bits, widths)]
         if self.head is not None:
-            named += [("head.fit_bits", self.head.fit_bits, (self.head.bits,)),
-                      ("head.float_zero_bits", self.head.float_zero_bits, (self.head.bits,))]
+            named += [(f"head.{key}", getattr(self.head, key), (self.head.bits,)) for key in lists]
         if self.experts.weights is None:  # the top-level weights serve the experts too: either use is fine
-            named[0] = ("weights.fit_bits", self.weights.fit_bits, (self.weights.bits, *widths))
-            named[1] = ("weights.float_zero_bits", self.weights.float_zero_bits, (self.weights.bits, *widths))
-            del named[2:4]
+            named = [(f"weights.{key}", getattr(self.weights, key), (self.weights.bits, *widths)) for key in lists] \
+                + named[2 * len(lists):]
         for key, bits, allowed in named:
             unused = [b for b in bits if b not in allowed]
             if unused:
