@@ -34,6 +34,7 @@ BENCHMARKS = {
     "low_bits": ("low_bits.py", "low_bits.json"),
     "low_bits_full": ("low_bits.py", "low_bits_full.json"),
     "low_bits_start": ("low_bits.py", "low_bits_start.json"),
+    "low_bits_refit": ("low_bits.py", "low_bits_refit.json"),
     "runtime": ("runtime.py", "runtime.json"),
     "runtime_cgroup": ("runtime.py", "runtime_cgroup.json"),
     "gemv_speed": ("gemv_speed.py", "gemv_speed.json"),
@@ -58,6 +59,9 @@ RUN_BY_HAND = {"scale": "python benchmarks/scale.py --work DIR",
                                 "benchmarks/results/low_bits_full.json (--merge)",
                "low_bits_start": "python benchmarks/low_bits.py --models qwen3moe mixtral --settings --peer-bits 3 2 "
                                  "--peers hexq hexq-rtn -o benchmarks/results/low_bits_start.json",
+               "low_bits_refit": "python benchmarks/low_bits.py --models qwen3moe mixtral --settings "
+                                 "act+spread+float+down act+spread+float+down+refit --no-peers "
+                                 "-o benchmarks/results/low_bits_refit.json",
                "distributed": "python benchmarks/distributed.py --checkpoint CKPT",
                "distributed_haq": "python benchmarks/distributed.py --checkpoint CKPT --recipe haq-w8a8 "
                                   "--out benchmarks/results/distributed_haq.json",

@@ -86,7 +86,8 @@ def quantize_bank(weight: torch.Tensor, hessian: torch.Tensor, setting: WeightQu
                             damp=setting.damp, act_order=setting.act_order, column_importance=importance,
                             fit_bits=setting.fit_bits)
     out = refit_bank({bits: (r.codes[None], r.meta.scale[None], r.meta.zero[None]) for bits, r in results.items()},
-                     weight.detach()[None], hessian[None], torch.tensor([results[bits_list[0]].damp_used]),
+                     weight.detach()[None], hessian[None],
+                     torch.tensor([results[bits_list[0]].damp_used], device=hessian.device),
                      refit_specs(setting, results))
     return {bits: (codes[0], QuantMeta(scale[0], zero[0], results[bits].meta.group_size, bits))
             for bits, (codes, scale, zero) in out.items()}

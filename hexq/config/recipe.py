@@ -73,10 +73,9 @@ class WeightQuant:
     act_order, damp and block_size are GPTQ's (hexq.algos.gptq); with method "rtn" they must stay at their defaults.
     fit_bits (GPTQ only): the widths whose group grids are fitted to the weights, minimising the Hessian-weighted
     error (hexq.algos.clipping), instead of spanning each group's min and max; for a replica bank a subset of its
-    widths, for one weight its `bits` or nothing. refit_bits (GPTQ only, the same widths): the widths whose group
-    grids are refitted after GPTQ to the codes it chose, minimising its own objective (hexq.algos.refit). one_bit:
-    the two levels of an asymmetric 1-bit grid, "minmax" (each group's min and max) or "spread" (mean -+ 1.75 x the
-    mean absolute deviation; hexq.algos.quant).
+    widths, for one weight its `bits` or nothing; refit_bits likewise, the widths whose grids are refitted after GPTQ
+    to its codes (hexq.algos.refit). one_bit: the two levels of an asymmetric 1-bit grid, "minmax" (each group's min
+    and max) or "spread" (mean -+ 1.75 x the mean absolute deviation; hexq.algos.quant).
     float_zero_bits (asymmetric only): the widths (2 and up) whose grids span each group's min and max with a float
     zero point, instead of widening the range to include 0 with an integer zero point (which compressed-tensors can
     write as it is; hexq export re-rounds a float-zero matrix onto the target's grid, as it does 1-bit ones).
