@@ -12,7 +12,8 @@ and (w - A theta)^T H (w - A theta) is minimised by the normal equations (A^T H 
 or 2G unknowns per row. H's off-diagonal blocks couple the groups, as GPTQ's compensation coupled their errors, so
 the fit is exact for GPTQ's objective rather than a per-group stand-in (hexq.algos.clipping fits each group alone,
 before or while GPTQ runs). A row keeps its old grid unless the new one lowers the objective with every scale
-positive. Cost per matrix: about one GPTQ column loop (rows x n^2 multiply-adds, as block products).
+positive. Cost per matrix and width: rows x n^2 multiply-adds, as GPTQ's column loop, but in products of inner size g
+(one group's columns), which a CPU runs ~20x slower than GPTQ's (docs/calibration.md gives the real-size seconds).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from hexq.algos.quant import QuantSpec
 # Ridge towards the old grid, relative to each unknown's diagonal entry: a group whose codes are all equal (its scale
 # and offset not separable) keeps its old grid instead of making the system singular.
 RIDGE = 1e-6
-# Bytes of float64 Hessians per chunk of experts, and of the largest intermediate (experts x rows x n x G values) per
+# Bytes of float32 Hessians per chunk of experts, and of the largest intermediate (experts x rows x n x G values) per
 # chunk of rows: what the refit adds to calibration's working set, twice.
 REFIT_CHUNK_BYTES = 64 << 20
 
@@ -61,7 +62,8 @@ def normal_equations(a: torch.Tensor, hessian: torch.Tensor, residual: torch.Ten
 
 
 def _refit_rows(w: torch.Tensor, hessian: torch.Tensor, q: torch.Tensor, s0: torch.Tensor, z0: torch.Tensor,
-                free_zero: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                free_zero: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(better [E, R], scale, zero [E, R, G]): refit_grids on one chunk, and which rows the new grid improves."""
     groups = s0.shape[-1]
     g = w.shape[-1] // groups
     a = q if free_zero else q - z0.repeat_interleave(g, dim=-1)
