@@ -13,7 +13,7 @@ or 2G unknowns per row. H's off-diagonal blocks couple the groups, as GPTQ's com
 the fit is exact for GPTQ's objective rather than a per-group stand-in (hexq.algos.clipping fits each group alone,
 before or while GPTQ runs). A row keeps its old grid unless the new one lowers the objective with every scale
 positive. Cost per matrix and width: rows x n^2 multiply-adds, as GPTQ's column loop, but in products of inner size g
-(one group's columns), which a CPU runs ~20x slower than GPTQ's (docs/calibration.md gives the real-size seconds).
+(one group's columns), which a CPU runs several times slower than GPTQ's (docs/calibration.md: real-size seconds).
 """
 
 from __future__ import annotations
