@@ -120,3 +120,14 @@ def test_recipes_refit_only_the_widths_they_name():
     for bits in widths:
         codes, meta = one[bits]
         assert torch.equal(codes, got[bits][0][0]) and torch.allclose(meta.scale, got[bits][1][0])
+
+
+def test_the_damped_hessian_is_the_one_gptq_inverts():
+    """With a dead input (diag H == 0) and damping: damped(H)^-1 is the factor's H_D^-1 = U^T U, so the refit
+    minimises the objective GPTQ did (float64; both sides exact to rounding)."""
+    x = torch.randn(2, 64, 12, generator=torch.Generator().manual_seed(0), dtype=F64)
+    x[0, :, 3] = 0
+    h = 2 * x.mT @ x
+    factor = factorize_hessians(h, damp=0.05)
+    u = factor.hinv_chol
+    assert torch.allclose(torch.linalg.inv(damped(h, factor.damp_used)), u.mT @ u, rtol=1e-9, atol=1e-12)

@@ -31,10 +31,12 @@ REFIT_CHUNK_BYTES = 64 << 20
 
 
 def damped(hessians: torch.Tensor, damp: torch.Tensor) -> torch.Tensor:
-    """H + damp * mean(diag H) * I for a batch [E, n, n] and per-matrix damp [E]: the Hessian GPTQ's factor was made
-    from (hexq.algos.hessian), so the refit minimises the objective GPTQ did."""
+    """H with each dead input's diagonal set to 1, plus damp * mean(diag) * I, for a batch [E, n, n] and per-matrix
+    damp [E]: the Hessian GPTQ's factor was made from (hexq.algos.hessian's _prepared, then its damping), so the
+    refit minimises the objective GPTQ did."""
     h = hessians.clone()
     diag = torch.diagonal(h, dim1=-2, dim2=-1)
+    diag.masked_fill_(diag == 0, 1.0)
     diag.add_((damp.to(h) * diag.mean(dim=-1))[:, None])
     return h
 
