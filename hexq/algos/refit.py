@@ -68,8 +68,9 @@ def _refit_rows(w: torch.Tensor, hessian: torch.Tensor, q: torch.Tensor, s0: tor
     """(better [E, R], scale, zero [E, R, G]): refit_grids on one chunk, and which rows the new grid improves."""
     groups = s0.shape[-1]
     g = w.shape[-1] // groups
-    a = q if free_zero else q - z0.repeat_interleave(g, dim=-1)
-    residual = w - (q - z0.repeat_interleave(g, dim=-1)) * s0.repeat_interleave(g, dim=-1)
+    centred = q - z0.repeat_interleave(g, dim=-1)
+    residual = w - centred * s0.repeat_interleave(g, dim=-1)  # w - (q - z) s: the old grid's error
+    a = q if free_zero else centred
     system, rhs = normal_equations(a, hessian, residual, groups, free_zero)
     system, rhs = system.double(), rhs.double()
     ridge = RIDGE * torch.diagonal(system, dim1=-2, dim2=-1).clamp(min=1e-30)
