@@ -25,8 +25,8 @@ from hexq.algos.quant import QuantSpec
 # Ridge towards the old grid, relative to each unknown's diagonal entry: a group whose codes are all equal (its scale
 # and offset not separable) keeps its old grid instead of making the system singular.
 RIDGE = 1e-6
-# Bytes of float32 Hessians per chunk of experts, and of the largest intermediate (experts x rows x n x G values) per
-# chunk of rows: what the refit adds to calibration's working set, twice.
+# Bytes of float32 Hessians per chunk of experts, and of the per-row intermediates per chunk of rows (~ a dozen G x G
+# float64 blocks, and a few rows of n values): what the refit adds to calibration's working set.
 REFIT_CHUNK_BYTES = 64 << 20
 
 
@@ -41,42 +41,78 @@ def damped(hessians: torch.Tensor, damp: torch.Tensor) -> torch.Tensor:
     return h
 
 
+def offset_sums(hessian: torch.Tensor, groups: int) -> torch.Tensor:
+    """u [E, G, G, g], u[e, l, k, i] = sum over j in group l of H_j,kg+i: H's column sums over each group (1_l^T H),
+    of which the float zero points' terms of the normal equations are made."""
+    num, n, _ = hessian.shape
+    g = n // groups
+    return hessian.reshape(num, groups, g, n).sum(2).reshape(num, groups, groups, g)
+
+
 def normal_equations(a: torch.Tensor, hessian: torch.Tensor, residual: torch.Tensor, groups: int,
-                     free_zero: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(A^T H A [E, R, U, U], A^T H d [E, R, U]) for design values a [E, R, n] (the codes, or the codes minus the
-    integer zero points), hessian [E, n, n] and the rows' residuals d = w - A theta_0 [E, R, n]; U = G unknowns
-    (scales) or 2G (scales, offsets). The right-hand side from the residual, not from w: the step from the old grid
-    is then a difference of small terms computed as such, exact enough in float32."""
+                     u: torch.Tensor | None):
+    """The blocks of (A^T H A) theta = A^T H d, in float64, for design values a [E, R, n] (the codes, or the codes
+    minus the integer zero points), hessian [E, n, n] and the rows' residuals d = w - A theta_0 [E, R, n]: the scales'
+    block ss [E, R, G, G] and right-hand side rs [E, R, G]; with float zero points (u: offset_sums) also the
+    scale-offset block sm [E, R, G, G] (sm[k, l] = sum over j in group k, i in group l of a_j H_ji) and the offsets'
+    right-hand side rm [E, R, G] (else None). The offsets' own block, H's group sums, is every row's
+    (u.sum(-1)). The right-hand side from the residual, not from w: the step from the old grid is then a difference
+    of small terms computed as such, exact enough in float32.
+
+    ss[k, l] = a_k^T H_kl a_l (a_k: the row's values in group k) is symmetric: per group k one product of its g
+    columns with H's rows from group k on ([R, g] x [g, n - k g]) and a contraction with the row, half of the full R n^2
+    multiply-adds and never an [R, G, n] intermediate. The offset terms need no product per row: sm[k, l] = u_l . a_k
+    on group k's columns."""
     num, rows, n = a.shape
     g = n // groups
     a4 = a.reshape(num, rows, groups, g)
-    # z[e, k, r, i] = sum over j in group k of a_rj H_ji: one batched product per group k ([R, g] x [g, n])
-    z = torch.matmul(a4.permute(0, 2, 1, 3), hessian.reshape(num, groups, g, n)).reshape(num, groups, rows, groups, g)
-    ss = torch.einsum("ekrli,erli->erkl", z, a4)  # (a broadcast product then a sum: ~4x slower on the CPU)
+    ss = a.new_empty(num, rows, groups, groups)
+    for k in range(groups):
+        z = torch.matmul(a4[:, :, k], hessian[:, k * g:(k + 1) * g, k * g:])  # a_k^T H_k,l for l >= k
+        ss[:, :, k, k:] = (z.reshape(num, rows, groups - k, g) * a4[:, :, k:]).sum(-1)
+        ss[:, :, k + 1:, k] = ss[:, :, k, k + 1:]  # and the lower triangle
     hd = (residual @ hessian).reshape(num, rows, groups, g)
-    rhs = (a4 * hd).sum(-1)
-    if not free_zero:
-        return ss, rhs
-    sm = z.sum(-1).permute(0, 2, 1, 3)  # sm[e, r, k, l] = sum over j in k, i in l of a_rj H_ji
-    mm = hessian.reshape(num, groups, g, groups, g).sum((2, 4))[:, None].expand(num, rows, groups, groups)
-    system = torch.cat([torch.cat([ss, sm], dim=3), torch.cat([sm.mT, mm], dim=3)], dim=2)
-    return system, torch.cat([rhs, hd.sum(-1)], dim=2)
+    rs = (a4 * hd).sum(-1).double()
+    if u is None:
+        return ss.double(), rs, None, None
+    sm = torch.einsum("erki,elki->erkl", a4, u)
+    return ss.double(), rs, sm.double(), hd.sum(-1).double()
+
+
+def solve_step(ss: torch.Tensor, rs: torch.Tensor, sm: torch.Tensor | None, rm: torch.Tensor | None,
+               mm: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(step [E, R, U], change [E, R]): the solution theta - theta_0 of normal_equations' system (mm [E, G, G]: the
+    offsets' block) with a ridge of RIDGE times each unknown's diagonal entry, and the objective's change along it
+    (step^T M step - 2 step^T rhs = -step^T rhs - step^T ridge step, since (M + ridge) step = rhs). With offsets,
+    through the Schur complement of the offsets' block, which all rows share: one inverse per matrix, then a G x G
+    system per row instead of a 2G x 2G one."""
+    ridge_s = RIDGE * torch.diagonal(ss, dim1=-2, dim2=-1).clamp(min=1e-30)
+    torch.diagonal(ss, dim1=-2, dim2=-1).add_(ridge_s)
+    if sm is None:
+        step = torch.linalg.solve(ss, rs)
+        return step, -(step * rs).sum(-1) - (ridge_s * step * step).sum(-1)
+    ridge_m = RIDGE * torch.diagonal(mm, dim1=-2, dim2=-1).clamp(min=1e-30)
+    num, rows, groups, _ = sm.shape
+    mm_inv = torch.linalg.inv(mm + torch.diag_embed(ridge_m))  # [E, G, G], symmetric
+    c = (sm.reshape(num, rows * groups, groups) @ mm_inv).reshape(sm.shape)  # sm mm^-1, one product per matrix
+    step_s = torch.linalg.solve(ss - c @ sm.mT, rs - (c @ rm[..., None])[..., 0])
+    step_m = (rm - (step_s[..., None, :] @ sm)[..., 0, :]) @ mm_inv  # mm^-1 (rm - sm^T step_s), as rows
+    change = (-(step_s * rs).sum(-1) - (step_m * rm).sum(-1) - (ridge_s * step_s * step_s).sum(-1)
+              - (ridge_m[:, None] * step_m * step_m).sum(-1))
+    return torch.cat([step_s, step_m], dim=-1), change
 
 
 def _refit_rows(w: torch.Tensor, hessian: torch.Tensor, q: torch.Tensor, s0: torch.Tensor, z0: torch.Tensor,
-                free_zero: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(better [E, R], scale, zero [E, R, G]): refit_grids on one chunk, and which rows the new grid improves."""
+                u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(better [E, R], scale, zero [E, R, G]): refit_grids on one chunk, and which rows the new grid improves; u:
+    offset_sums where the zero points are floats, else None."""
     groups = s0.shape[-1]
     g = w.shape[-1] // groups
     centred = q - z0.repeat_interleave(g, dim=-1)
     residual = w - centred * s0.repeat_interleave(g, dim=-1)  # w - (q - z) s: the old grid's error
-    a = q if free_zero else centred
-    system, rhs = normal_equations(a, hessian, residual, groups, free_zero)
-    system, rhs = system.double(), rhs.double()
-    ridge = RIDGE * torch.diagonal(system, dim1=-2, dim2=-1).clamp(min=1e-30)
-    step = torch.linalg.solve(system + torch.diag_embed(ridge), rhs)  # theta - theta_0
-    # objective(theta_0 + step) - objective(theta_0) = step^T M step - 2 step^T A^T H d
-    change = (step[..., None, :] @ system @ step[..., None])[..., 0, 0] - 2 * (step * rhs).sum(-1)
+    free_zero = u is not None
+    ss, rs, sm, rm = normal_equations(q if free_zero else centred, hessian, residual, groups, u)
+    step, change = solve_step(ss, rs, sm, rm, u.sum(-1).double() if free_zero else None)
     theta = (torch.cat([s0, -s0 * z0], dim=-1) if free_zero else s0).double() + step
     s = theta[..., :groups]
     better = (change < 0) & (s > 0).all(dim=-1)
@@ -88,19 +124,21 @@ def refit_grids(w: torch.Tensor, hessian: torch.Tensor, codes: torch.Tensor, sca
     """The refitted (scale, zero) [E, R, G] of matrices w [E, R, n] quantized to codes [E, R, n] on (scale, zero),
     under the (damped) Hessians [E, n, n] GPTQ used. free_zero: float zero points, refitted with the scales; else
     integer zero points, kept, the scales alone refitted. The products in float32, each row's small system in
-    float64; a few experts and rows at a time (REFIT_CHUNK_BYTES of the largest intermediate, experts x rows x n x G
-    values)."""
+    float64; a few experts and rows at a time (REFIT_CHUNK_BYTES of Hessians, and of the rows' intermediates)."""
     num, rows, n = w.shape
     groups = scale.shape[-1]
-    experts = max(1, min(num, REFIT_CHUNK_BYTES // (4 * n * n)))
-    step = max(1, REFIT_CHUNK_BYTES // (4 * experts * n * groups))
+    per_row = 96 * groups * groups + 16 * n  # bytes: a dozen G x G float64 blocks, a few rows of n float32 values
+    # rows before experts: each chunk of rows reads the chunk's Hessians again
+    experts = max(1, min(num, REFIT_CHUNK_BYTES // (4 * n * n + rows * per_row)))
+    step = max(1, REFIT_CHUNK_BYTES // (experts * per_row))
     new_scale, new_zero = scale.clone(), zero.clone()
     for e in range(0, num, experts):
         h = hessian[e:e + experts].float()
+        u = offset_sums(h, groups) if free_zero else None
         for r in range(0, rows, step):
             part = (slice(e, e + experts), slice(r, r + step))
             better, s, z = _refit_rows(w[part].float(), h, codes[part].float(), scale[part].float(),
-                                       zero[part].float(), free_zero)
+                                       zero[part].float(), u)
             keep = ~better[..., None]  # a row not improved keeps its grid bit for bit
             new_scale[part] = torch.where(keep, scale[part], s.to(scale.dtype))
             new_zero[part] = torch.where(keep, zero[part], z.to(zero.dtype))
