@@ -12,8 +12,9 @@ and (w - A theta)^T H (w - A theta) is minimised by the normal equations (A^T H 
 or 2G unknowns per row. H's off-diagonal blocks couple the groups, as GPTQ's compensation coupled their errors, so
 the fit is exact for GPTQ's objective rather than a per-group stand-in (hexq.algos.clipping fits each group alone,
 before or while GPTQ runs). A row keeps its old grid unless the new one lowers the objective with every scale
-positive. Cost per matrix and width: rows x n^2 multiply-adds, as GPTQ's column loop, but in products of inner size g
-(one group's columns), which a CPU runs several times slower than GPTQ's (docs/calibration.md: real-size seconds).
+positive. Cost per matrix and width: rows x n^2 / 2 multiply-adds in products of inner size g (one group's columns:
+the symmetric scale block) and rows x n^2 in one product (H d), as GPTQ's column loop; docs/calibration.md has the
+real-size seconds.
 """
 
 from __future__ import annotations
