@@ -35,6 +35,7 @@ from hexq.eval.perplexity import make_windows
 from hexq.export.command import export_artifact
 from hexq.model.adapters import adapter_for, moe_layer_indices
 from hexq.pack.stage import pack
+from hexq.runtime.compute import Profiles
 from hexq.runtime.engine import Runtime
 from scripts.make_checkpoint import write_checkpoint
 
@@ -255,14 +256,21 @@ def test_dense_layers_are_smoothed_at_the_dense_setting_in_a_mixed_precision_mod
     artifact = Artifact(mixed_deepseek / "art.hexq")
     assert artifact.moe_layers == moe_layers and len({b for row in artifact.allocation for b in row}) > 1
     windows = heldout_windows()[:2]
+
+    def forward(runtime: Runtime) -> torch.Tensor:
+        # every matrix from its codes, whatever this machine's measured cost model picks (it may expand these tiny
+        # experts, and expanded codes give the same numbers in any layout): the layouts' products differ in rounding
+        runtime.compute.profiles = Profiles()
+        return runtime.forward(windows).logits
+
     with Runtime(artifact.path, prefetch=False) as runtime:
-        resident = runtime.forward(windows).logits
+        resident = forward(runtime)
     with Runtime(artifact.path, fast_tier_bytes=runtime.plan.expert_bytes // 8) as runtime:
-        assert torch.equal(runtime.forward(windows).logits, resident)
+        assert torch.equal(forward(runtime), resident)
         one = runtime.source.sizes.largest_slot
     # room for one expert: a layer's other experts are computed from transient loads whatever the cost model says
     with Runtime(artifact.path, fast_tier_bytes=one, prefetch=False) as runtime:
-        assert torch.equal(runtime.forward(windows).logits, resident)
+        assert torch.equal(forward(runtime), resident)
         assert runtime.cache.stats.bypass_loads > 0
     summary = export_artifact(artifact.path, mixed_deepseek / "ct", windows=2, seqlen=32)
     assert summary.check.passed and summary.check.vs_served.rel_l2 <= 1e-2
