@@ -2,7 +2,7 @@
 that stand guard over it. A mutant is killed when those tests fail; one that survives is a bug the suite would let
 land green, and makes this script exit 1.
 
-    python scripts/mutants.py                 # every mutant of the test suite (about 15 minutes on 2 cores)
+    python scripts/mutants.py                 # every mutant of the test suite (~26 minutes on 2 cores)
     python scripts/mutants.py --gate          # and those the perplexity gate judges (~5 minutes more each)
     python scripts/mutants.py --only gptq-error-feedback-dropped rope-sign
     python scripts/mutants.py --list
