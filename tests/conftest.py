@@ -44,6 +44,16 @@ def needs_kernels(kernels) -> pytest.MarkDecorator:
     return pytest.mark.skipif(kernels is None and not IN_CI, reason="no C compiler: the CPU kernels cannot be built "
                               "here")
 
+def from_codes(runtime):
+    """The runtime with every matrix the kernels take computed from its codes, whatever the machine's measured cost
+    model would pick (on tiny matrices it may expand them: one call's overhead outweighs the bytes, and expanded
+    codes give the same numbers in any layout)."""
+    from hexq.runtime.compute import Profiles
+
+    runtime.compute.profiles = Profiles()
+    return runtime
+
+
 # Every device this machine has: tests that compare numbers across devices run on each (the GPU ones only where
 # CUDA is present; scripts/gpu_check.sh runs them there).
 DEVICES = ["cpu"] + [pytest.param("cuda", marks=pytest.mark.gpu)] * torch.cuda.is_available()

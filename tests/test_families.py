@@ -35,9 +35,9 @@ from hexq.eval.perplexity import make_windows
 from hexq.export.command import export_artifact
 from hexq.model.adapters import adapter_for, moe_layer_indices
 from hexq.pack.stage import pack
-from hexq.runtime.compute import Profiles
 from hexq.runtime.engine import Runtime
 from scripts.make_checkpoint import write_checkpoint
+from tests.conftest import from_codes
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "tests" / "baselines" / "recipes" / "gate-haq-w8a8.yaml"  # HAQ W8A8, experts 8-bit, pack bits [8]
@@ -257,11 +257,8 @@ def test_dense_layers_are_smoothed_at_the_dense_setting_in_a_mixed_precision_mod
     assert artifact.moe_layers == moe_layers and len({b for row in artifact.allocation for b in row}) > 1
     windows = heldout_windows()[:2]
 
-    def forward(runtime: Runtime) -> torch.Tensor:
-        # every matrix from its codes, whatever this machine's measured cost model picks (it may expand these tiny
-        # experts, and expanded codes give the same numbers in any layout): the layouts' products differ in rounding
-        runtime.compute.profiles = Profiles()
-        return runtime.forward(windows).logits
+    def forward(runtime: Runtime) -> torch.Tensor:  # the layouts' products differ in rounding, expanded codes do not
+        return from_codes(runtime).forward(windows).logits
 
     with Runtime(artifact.path, prefetch=False) as runtime:
         resident = forward(runtime)

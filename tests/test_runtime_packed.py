@@ -19,10 +19,10 @@ from hexq.model.simulate import ActQuantizer
 from hexq.packed import triton as gpu
 from hexq.packed.cpu import available_paths, load_cpu_kernels
 from hexq.packed.weight import pack_weight
-from hexq.runtime.compute import Compute, Profiles
+from hexq.runtime.compute import Compute
 from hexq.runtime.engine import Runtime
 from hexq.runtime.model import artifact_model
-from tests.conftest import DEVICES, needs_kernels
+from tests.conftest import DEVICES, from_codes, needs_kernels
 
 from reference import stream_logits
 
@@ -35,13 +35,6 @@ def eval_perplexity(packed_artifact):
     """`hexq eval` of the artifact (streamed, float32) on 5 windows of 52 tokens."""
     streamed, _, prepare = artifact_model(packed_artifact, torch.device("cpu"))
     return math.exp(float(stream_nll(streamed, make_windows(IDS, 52), 1, prepare).sum()) / (5 * 51))
-
-
-def from_codes(runtime: Runtime) -> Runtime:
-    """Every matrix the kernels take computed from its codes, whatever the measured cost model would pick (on these
-    tiny matrices it expands: one call's overhead outweighs the bytes)."""
-    runtime.compute.profiles = Profiles()
-    return runtime
 
 
 @pytest.mark.parametrize("device", DEVICES)
