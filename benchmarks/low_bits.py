@@ -20,7 +20,9 @@ widened to include 0 with an integer one, experts.weights.float_zero_bits; `floa
 same widths optimised against the full-precision model's output after each layer, experts.round_scope block),
 `down` (each width's down projection fitted to its own gate_up replica's intermediate, experts.down_fit replica),
 `refit` (every width's group grids refitted to GPTQ's codes under its Hessian, experts.weights.refit_bits; `refit12`
-at 1 and 2 bits only), `damp0.05` / `damp0.1` (GPTQ's damping of the experts' Hessians, 0.01 in the recipe);
+at 1 and 2 bits only), `damp0.05` / `damp0.1` (GPTQ's damping of the experts' Hessians, 0.01 in the recipe),
+`routed` (each routed token weighted by its squared routing weight in its expert's Hessians, down fit and loss table,
+experts.token_weights routing);
 allocators: 0-bit experts (skipped, router weight renormalised), the loss weighted by routing mass (pack.loss
 layer), any width per expert (pack.order free) and one budget for all layers instead of one per layer (pack.schedule
 model).
@@ -99,6 +101,8 @@ SETTINGS = {
                                       "experts": {"down_fit": "replica"}},
     "act+spread+float+down+damp0.05": {"weights": {**BUNDLED_BANK, "damp": 0.05}, "experts": {"down_fit": "replica"}},
     "act+spread+float+down+damp0.1": {"weights": {**BUNDLED_BANK, "damp": 0.1}, "experts": {"down_fit": "replica"}},
+    "act+spread+float+down+routed": {"weights": BUNDLED_BANK,
+                                     "experts": {"down_fit": "replica", "token_weights": "routing"}},
 }
 # How `hexq pack` allocates (its pack section); "main" is the allocator before 0-bit experts and routing mass.
 ALLOCATORS = {

@@ -36,6 +36,7 @@ BENCHMARKS = {
     "low_bits_start": ("low_bits.py", "low_bits_start.json"),
     "low_bits_refit": ("low_bits.py", "low_bits_refit.json"),
     "low_bits_knobs": ("low_bits.py", "low_bits_knobs.json"),
+    "low_bits_routed": ("low_bits.py", "low_bits_routed.json"),
     "runtime": ("runtime.py", "runtime.json"),
     "runtime_cgroup": ("runtime.py", "runtime_cgroup.json"),
     "gemv_speed": ("gemv_speed.py", "gemv_speed.json"),
@@ -66,6 +67,8 @@ RUN_BY_HAND = {"scale": "python benchmarks/scale.py --work DIR",
                "low_bits_knobs": "python benchmarks/low_bits.py --models qwen3moe mixtral --settings "
                                  "act+spread+float+down+refit12 act+spread+float+down+damp0.05 "
                                  "act+spread+float+down+damp0.1 --no-peers -o benchmarks/results/low_bits_knobs.json",
+               "low_bits_routed": "python benchmarks/low_bits.py --models qwen3moe mixtral --settings "
+                                  "act+spread+float+down+routed --no-peers -o benchmarks/results/low_bits_routed.json",
                "distributed": "python benchmarks/distributed.py --checkpoint CKPT",
                "distributed_haq": "python benchmarks/distributed.py --checkpoint CKPT --recipe haq-w8a8 "
                                   "--out benchmarks/results/distributed_haq.json",

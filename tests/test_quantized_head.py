@@ -16,7 +16,8 @@ from hexq.artifact.reader import Artifact
 from hexq.base.data import eval_text, tokenize
 from hexq.calib.head import HEAD_ROWS, quantize_rows
 from hexq.calib.pipeline import calibrate
-from hexq.config.recipe import RecipeError, WeightQuant, recipe_from_dict, validate_for_model
+from hexq.config.model_check import validate_for_model
+from hexq.config.recipe import RecipeError, WeightQuant, recipe_from_dict
 from hexq.eval.run import evaluate_model, runtime_divergence, runtime_perplexity
 from hexq.pack.stage import Budget, pack
 from hexq.packed.weight import dequantize_packed

@@ -6,13 +6,13 @@ import yaml
 
 from hexq.base.errors import HexqError
 from hexq.config.fingerprint import calibration_hash
+from hexq.config.model_check import validate_for_model
 from hexq.config.recipe import (
     Experts,
     Recipe,
     WeightQuant,
     recipe_from_dict,
     recipe_to_dict,
-    validate_for_model,
 )
 from hexq.config.recipe_files import bundled_recipes, load_recipe
 
@@ -320,7 +320,8 @@ def test_calibrations_made_before_later_switches_keep_their_fingerprint():
 
     recipe = load_recipe("haq-w8a8")
     data = {key: value for key, value in recipe_to_dict(recipe).items() if key not in ("pack", "head")}
-    for key in ("export_target", "round_bits", "round_steps", "round_tokens", "round_scope", "down_fit"):
+    for key in ("export_target", "round_bits", "round_steps", "round_tokens", "round_scope", "down_fit",
+                "token_weights"):
         del data["experts"][key]
     del data["weights"]["fit_bits"], data["weights"]["one_bit"], data["weights"]["float_zero_bits"]
     del data["weights"]["refit_bits"]
@@ -344,3 +345,6 @@ def test_calibrations_made_before_later_switches_keep_their_fingerprint():
     fitted = recipe_to_dict(load_recipe("experts-mixed"))
     fitted["experts"]["down_fit"] = "replica" if mixed["experts"]["down_fit"] == "full_precision" else "full_precision"
     assert calibration_hash(recipe_from_dict(fitted)) != calibration_hash(recipe_from_dict(mixed))
+    weighted = recipe_to_dict(load_recipe("experts-mixed"))
+    weighted["experts"]["token_weights"] = "equal" if mixed["experts"]["token_weights"] == "routing" else "routing"
+    assert calibration_hash(recipe_from_dict(weighted)) != calibration_hash(recipe_from_dict(mixed))

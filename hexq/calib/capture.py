@@ -131,9 +131,12 @@ class ExpertChunkStats:
     mid_high: float = float("-inf")
 
 
-def expert_statistics(routed: RoutedTokens, experts: list[int], gate_up: torch.Tensor, act_fn) -> ExpertChunkStats:
+def expert_statistics(routed: RoutedTokens, experts: list[int], gate_up: torch.Tensor, act_fn,
+                      weighted: bool = False) -> ExpertChunkStats:
     """Hessians and ranges of the experts in `experts` from the tokens routed to each; gate_up [n, 2I, H] are those
-    experts' (smoothed, full-precision) weights in the compute dtype, used for the intermediate."""
+    experts' (smoothed, full-precision) weights in the compute dtype, used for the intermediate. weighted
+    (experts.token_weights "routing"): each token's rows in both Hessians weighted by its squared routing weight
+    (RoutedTokens.scales); the ranges stay those of the inputs themselves."""
     n, hidden, inner = len(experts), routed.x.shape[1], gate_up.shape[1] // 2
     device = routed.x.device
     stats = ExpertChunkStats(
@@ -145,17 +148,21 @@ def expert_statistics(routed: RoutedTokens, experts: list[int], gate_up: torch.T
     low = torch.full((), float("inf"), dtype=torch.float32, device=device)  # kept on the device: no host
     high = torch.full((), float("-inf"), dtype=torch.float32, device=device)  # synchronisation per expert
     for j, expert in enumerate(experts):
-        token, _slot = routed.rows(expert)
+        token, slot = routed.rows(expert)
         if not len(token):  # never routed: zero statistics (split would still yield one empty chunk)
             continue
-        for rows in token.split(TOKEN_CHUNK):
-            x = routed.x[rows].float()
-            stats.gate_up[j].addmm_(x.T, x, alpha=2.0)
+        scales = routed.scales(token, slot) if weighted else None
+        for start in range(0, len(token), TOKEN_CHUNK):
+            x = routed.x[token[start:start + TOKEN_CHUNK]].float()
             stats.input_abs_max[j] = torch.maximum(stats.input_abs_max[j], x.abs().amax(dim=0))
             mid = expert_intermediate(x, gate_up[j], act_fn).float()
-            stats.down[j].addmm_(mid.T, mid, alpha=2.0)
             stats.mid_abs_max[j] = torch.maximum(stats.mid_abs_max[j], mid.abs().amax(dim=0))
             low, high = torch.minimum(low, mid.min()), torch.maximum(high, mid.max())
+            if scales is not None:
+                scale = scales[start:start + TOKEN_CHUNK, None]
+                x, mid = x * scale, mid * scale
+            stats.gate_up[j].addmm_(x.T, x, alpha=2.0)
+            stats.down[j].addmm_(mid.T, mid, alpha=2.0)
     stats.mid_low, stats.mid_high = float(low), float(high)
     return stats
 

@@ -69,26 +69,31 @@ def output_scale(weight: torch.Tensor, quantized: torch.Tensor, cross: torch.Ten
 
 
 def replica_statistics(routed: RoutedTokens, experts: list[int], warm: list[int], gate_up: torch.Tensor,
-                       replica_gate_ups: torch.Tensor, act_fn,
-                       limit: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       replica_gate_ups: torch.Tensor, act_fn, limit: int,
+                       weighted: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(H [B, n, I, I], C [B, n, I, I], tokens [n]) of the chunk's experts (gate_up [n, 2I, H] full precision,
     replica_gate_ups [B, n, 2I, H] the B widths' replicas) on at most `limit` of their routed tokens (evenly strided:
     the tokens the loss table measures the replicas on, hexq.model.simulate.loss_sample), for the `warm` positions j
     of `experts` (zeros elsewhere): H = sum_t q_t q_t^T and C = sum_t m_t q_t^T with m the full-precision
     intermediate and q each replica's. Every width of an expert in one product: the loop runs over experts and token
-    chunks only."""
+    chunks only. weighted (experts.token_weights "routing"): each token's terms weighted by its squared routing weight
+    (RoutedTokens.scales), as the loss table weighs it."""
     widths, n, inner = replica_gate_ups.shape[0], len(experts), gate_up.shape[1] // 2
     hessian = torch.zeros(widths, n, inner, inner, dtype=torch.float32, device=gate_up.device)
     cross = torch.zeros_like(hessian)
     tokens = torch.zeros(n, dtype=torch.long, device=gate_up.device)
     for j in warm:
-        token, _slot = routed.rows(experts[j])
-        token = loss_sample(token, limit)
+        token, slot = routed.rows(experts[j])
+        token, slot = loss_sample(token, limit), loss_sample(slot, limit)
         tokens[j] = token.shape[0]
-        for rows in token.split(TOKEN_CHUNK):
-            x = routed.x[rows].float()
+        scales = routed.scales(token, slot) if weighted else None
+        for start in range(0, len(token), TOKEN_CHUNK):
+            x = routed.x[token[start:start + TOKEN_CHUNK]].float()
             full = expert_intermediate(x, gate_up[j], act_fn).float()
             got = replica_intermediates(x, replica_gate_ups[:, j], act_fn)
+            if scales is not None:
+                scale = scales[start:start + TOKEN_CHUNK, None]
+                full, got = full * scale, got * scale
             hessian[:, j] += got.transpose(1, 2) @ got
             cross[:, j] += full.T @ got
     return hessian, cross, tokens

@@ -41,17 +41,25 @@ def loss_chunk(gate_up_shape: tuple[int, int], down_shape: tuple[int, int], chun
     return min(chunk, expert_chunk(gate_up_shape, down_shape, torch.float32, LOSS_CHUNK_BYTES))
 
 
+def squared_error(output: torch.Tensor, reference: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """sum_t weight_t ||output_t - reference_t||^2 in float64, for rows [n, H] and per-row weights [n]."""
+    return ((output - reference).pow(2).sum(dim=-1, dtype=torch.float64) * weight.double()).sum()
+
+
 @torch.no_grad()
 def loss_table(routed: RoutedTokens, weights_of, tensors: dict, replicas, bits_list: tuple[int, ...],
                propagate_bits: int, quantizers: tuple, moe_sample: torch.Tensor, act_fn, chunk: int,
-               loss_tokens: int, progress: Progress | None, ranks: Ranks = SINGLE) -> torch.Tensor:
+               loss_tokens: int, progress: Progress | None, ranks: Ranks = SINGLE,
+               weighted: bool = False) -> torch.Tensor:
     """Fill tensors["loss_table"] [E, len(bits_list)] with the output MSE of each replica against the
     full-precision expert on (at most loss_tokens of) the tokens routed to it (002 §4.2), tensors["loss_table.skip"]
     [E] with the MSE of skipping it (004's 0 bits, measured like a replica: skipping renormalises the token's other
     routing weights, which is the same as replacing the expert's output by the weighted mean of the token's other
     experts, hexq.model.simulate.renormalized_weights), tensors["loss_table.mass"] [E] with each expert's summed squared
     routing weight per layer token (how much of the layer's output error one unit of its MSE is); return the
-    experts' combined output [T, H] at the propagated width, computed on every routed token.
+    experts' combined output [T, H] at the propagated width, computed on every routed token. weighted
+    (experts.token_weights "routing"): each measured token's squared error weighted by its squared routing weight over
+    their mean (RoutedTokens.scales), the weighting the expert's GPTQ Hessians had.
 
     Working set: a chunk of full-precision experts, the same chunk's replicas at one width (read from the bank when
     needed, so a bank of five widths is never dequantized at once), each expert's reference outputs on its measured
@@ -88,20 +96,22 @@ def loss_table(routed: RoutedTokens, weights_of, tensors: dict, replicas, bits_l
             x = routed.x[token] if len(token) else moe_sample  # never routed: measure on the layer's sample
             measure = loss_sample(x, loss_tokens)
             measured[expert] = measure.shape[0]
+            weight = (routed.scales(loss_sample(token, loss_tokens), loss_sample(slot, loss_tokens)).square()
+                      if weighted and len(token) else torch.ones(measure.shape[0], device=device))
             reference = torch.cat([expert_output(part, fp_gate_up[j], fp_down[j], act_fn)
                                    for part in measure.split(rows)])
             stand_in = skipped_output(fp_total, token_mass, slot_weights, loss_sample(token, loss_tokens),
                                       loss_sample(slot, loss_tokens), reference)
-            skip_sse[expert] = (stand_in - reference).pow(2).sum(dtype=torch.float64)
-            inputs.append((token, slot, x, measure))
+            skip_sse[expert] = squared_error(stand_in, reference, weight)
+            inputs.append((token, slot, x, measure, weight))
             references.append(reference)
         for b, bits in enumerate(bits_list):  # one width of the chunk's replicas at a time
             gate_ups, downs = replicas(bits, experts)
             for j, expert in enumerate(experts):
-                token, slot, x, measure = inputs[j]
-                parts = zip(measure.split(rows), references[j].split(rows), strict=True)
-                sse[expert, b] = sum((expert_output(part, gate_ups[j], downs[j], act_fn) - ref).pow(2).sum(
-                    dtype=torch.float64) for part, ref in parts)
+                token, slot, x, measure, weight = inputs[j]
+                parts = zip(measure.split(rows), references[j].split(rows), weight.split(rows), strict=True)
+                sse[expert, b] = sum(squared_error(expert_output(part, gate_ups[j], downs[j], act_fn), ref, w)
+                                     for part, ref, w in parts)
                 if bits == propagate_bits and len(token):
                     for rows_of, slots, part in zip(token.split(rows), slot.split(rows), x.split(rows), strict=True):
                         y = quantized_expert_output(part, gate_ups[j], downs[j], act_fn, *quantizers)

@@ -77,7 +77,8 @@ from hexq.calib.store import (
     write_progress,
 )
 from hexq.config.fingerprint import calibration_hash
-from hexq.config.recipe import Recipe, recipe_to_dict, validate_for_model
+from hexq.config.model_check import validate_for_model
+from hexq.config.recipe import Recipe, recipe_to_dict
 from hexq.model.adapters import MoEAdapter
 from hexq.model.folder import context_length, model_fingerprint
 from hexq.model.layer_pass import run_layer
@@ -130,7 +131,8 @@ def calibrate_layer(loaded: LoadedLayer, adapter: MoEAdapter, hidden: HiddenStor
         chunk = loss_chunk(*loaded.shapes[1:], propagate.chunk, device)
         experts_out = loss_table(routed, weights_of, tensors, bank_replicas(loaded, device, folder), widths,
                                  default_expert_bits(recipe), (propagate.input_quant, propagate.mid_quant),
-                                 moe_sample, loaded.act_fn, chunk, recipe.experts.loss_tokens, progress, ranks)
+                                 moe_sample, loaded.act_fn, chunk, recipe.experts.loss_tokens, progress, ranks,
+                                 recipe.experts.token_weights == "routing")
         add_expert_outputs(outputs, routed, experts_out)
         clock.stage("loss table")
     meta = {"layer": index, "smoothing": smoothing, "unsmoothed": unsmoothed_linears(loaded.module, adapter),

@@ -131,13 +131,15 @@ def quantize_expert_chunk(weights: torch.Tensor, hessians: torch.Tensor, setting
 
 def fitted_down(down: torch.Tensor, h_down: torch.Tensor, gate_up: torch.Tensor, gate_up_replicas: dict,
                 routed: RoutedTokens, experts: list[int], warm: list[int], act_fn, setting: WeightQuant,
-                channel_max: torch.Tensor, budget: int, limit: int) -> tuple[dict, dict]:
+                channel_max: torch.Tensor, budget: int, limit: int, weighted: bool = False) -> tuple[dict, dict]:
     """experts.down_fit "replica" (hexq.calib.down_fit): the down replicas of a chunk at the widths below FIT_BELOW
     quantized from the map fitted to the intermediate of the same width's gate_up replicas (gate_up_replicas {bits:
     (codes, scale, zero)}), on that intermediate's Hessian, each row's gain then refitted, on at most `limit` routed
     tokens per expert (experts.loss_tokens); the `warm` positions only, the cold experts (and the widths from
-    FIT_BELOW up) from the full-precision target and h_down as with one Hessian. Returns quantize_expert_chunk's
-    ({bits: (codes, scale, zero)}, report), the report the most any width's factorization needed."""
+    FIT_BELOW up) from the full-precision target and h_down as with one Hessian; weighted: the tokens weighted by
+    their squared routing weights (experts.token_weights "routing", down_fit.replica_statistics). Returns
+    quantize_expert_chunk's ({bits: (codes, scale, zero)}, report), the report the most any width's factorization
+    needed."""
     fitted = tuple(b for b in gate_up_replicas if b < FIT_BELOW) if warm else ()
     rest = tuple(b for b in gate_up_replicas if b not in fitted)
     out, report = quantize_expert_chunk(down, h_down, setting, rest, channel_max, budget) if rest else ({}, {})
@@ -150,7 +152,7 @@ def fitted_down(down: torch.Tensor, h_down: torch.Tensor, gate_up: torch.Tensor,
     if fitted:
         hessian, cross, tokens = replica_statistics(
             routed, experts, warm, gate_up, torch.stack([weights(b, *gate_up_replicas[b]) for b in fitted]), act_fn,
-            limit)
+            limit, weighted)
     for b, bits in enumerate(fitted):
         target, h = down.clone(), h_down.clone()
         target[warm] = fitted_map(down[warm], cross[b, warm], hessian[b, warm], tokens[warm])
@@ -330,6 +332,7 @@ def fill_bank(bank: ExpertBank, loaded: LoadedLayer, routed: RoutedTokens, weigh
     in `keep`). With `keep` (block rounding), the round_bits replicas are left for the caller to write. budget: bytes
     of one GPTQ chunk (gptq_chunk_bytes)."""
     setting, bits_list = recipe.expert_weights, expert_bits_list(recipe)
+    weighted = recipe.experts.token_weights == "routing"
     moe_input = SiteStats.empty(routed.x.shape[1], routed.x.device)
     moe_input.add(routed.x)
     min_tokens, blend = recipe.experts.min_tokens, recipe.experts.fallback_blend
@@ -344,7 +347,7 @@ def fill_bank(bank: ExpertBank, loaded: LoadedLayer, routed: RoutedTokens, weigh
     for start in range(own.start, own.stop, chunk):
         experts = list(range(start, min(start + chunk, own.stop)))
         gate_up, down = weights_of(experts)
-        stats = expert_statistics(routed, experts, gate_up, loaded.act_fn)
+        stats = expert_statistics(routed, experts, gate_up, loaded.act_fn, weighted)
         mid_low, mid_high = min(mid_low, stats.mid_low), max(mid_high, stats.mid_high)
         h_in, h_down = torch.empty_like(stats.gate_up), torch.empty_like(stats.down)
         for j, expert in enumerate(experts):
@@ -367,7 +370,7 @@ def fill_bank(bank: ExpertBank, loaded: LoadedLayer, routed: RoutedTokens, weigh
             if projection == "down" and recipe.experts.down_fit == "replica":
                 replicas[projection], factor = fitted_down(weight, hessian, gate_up, replicas["gate_up"], routed,
                                                            experts, warm, loaded.act_fn, setting, channel_max, budget,
-                                                           recipe.experts.loss_tokens)
+                                                           recipe.experts.loss_tokens, weighted)
             else:
                 replicas[projection], factor = quantize_expert_chunk(weight, hessian, setting, bits_list, channel_max,
                                                                      budget, shared)

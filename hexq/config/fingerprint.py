@@ -25,7 +25,8 @@ LATER_SETTINGS = {("experts", "export_target"): None, ("weights", "fit_bits"): [
                    ("experts", "weights", "one_bit"): "minmax", ("head",): None,
                    ("weights", "float_zero_bits"): [], ("experts", "weights", "float_zero_bits"): [],
                    ("head", "float_zero_bits"): [], ("experts", "down_fit"): "full_precision",
-                   ("weights", "refit_bits"): [], ("experts", "weights", "refit_bits"): [], ("head", "refit_bits"): []}
+                   ("weights", "refit_bits"): [], ("experts", "weights", "refit_bits"): [], ("head", "refit_bits"): [],
+                   ("experts", "token_weights"): "equal"}
 
 
 def calibration_hash(recipe: Recipe) -> str:

@@ -25,7 +25,7 @@ canonical JSON).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -54,6 +54,7 @@ EXPERT_MODES = ("uniform", "replicas")
 EXPORT_TARGETS = ("vllm", "gguf")  # experts.export_target: the grid hexq export writes routed experts on
 ROUND_SCOPES = ("expert", "block")  # experts.round_scope: what a replica's rounding is optimised against
 DOWN_FITS = ("full_precision", "replica")  # experts.down_fit: the input a replica's down projection is fitted to
+TOKEN_WEIGHTS = ("equal", "routing")  # experts.token_weights: how a routed token counts in its expert's statistics
 MOE_OBJECTIVES = ("routed", "all")  # HAQ's MoE-group objective: experts on their routed tokens, or on every token
 PLACEMENT_SCHEMES = tuple(SCHEMES.values())  # 003 Algorithm 2: schemes 1, 2 and 3
 # How the budget is split across layers: the same per layer, 004 §4.3's cosine (a byte budget), or not split at all
@@ -205,20 +206,24 @@ class Experts:
     Q3_K grids (hexq.algos.kquant, hexq.calib.quantize.kquant_kinds), which `hexq pack --bank export` keeps for the
     layers `hexq export --format gguf` writes as K-quants.
 
-    Cold experts: an expert with fewer than min_tokens routed calibration tokens uses
-    H = (1 - fallback_blend) * H_expert + fallback_blend * H_layer (both per-token means; H_layer from every token
-    reaching the MoE block); an expert with no routed token uses H_layer alone. It is quantized either way.
+    Cold experts: an expert with fewer than min_tokens routed calibration tokens uses H = (1 - fallback_blend) *
+    H_expert + fallback_blend * H_layer (both per-token means; H_layer from every token reaching the MoE block); an
+    expert with no routed token uses H_layer alone. It is quantized either way.
 
     round_bits: the widths whose GPTQ replicas then have their rounding and scales optimised on the expert's routed
-    tokens (at most round_tokens of them, evenly strided) for round_steps signed-gradient steps
-    (hexq.algos.rounding); cold experts keep GPTQ's. Costs round_steps forward and backward passes of the expert
-    per width: on a CPU more than GPTQ itself. round_scope "block" optimises them instead against the
-    full-precision model's output after the layer on every calibration batch, all routed experts at that width at
-    once, with the layer's weight-only dense linears tuned alongside in the pass at propagate_bits
-    (hexq.calib.block_rounding); it holds the layer's replicas at those widths in memory, carries the
-    full-precision model's activations beside the quantized ones, and runs in one process. down_fit (replicas
-    only): each width's down projection fitted to the full-precision intermediate ("full_precision", with one
-    Hessian for every width) or to the one that width's gate_up replica produces ("replica", hexq.calib.down_fit).
+    tokens (at most round_tokens of them, evenly strided) for round_steps signed-gradient steps (hexq.algos.rounding);
+    cold experts keep GPTQ's. Costs round_steps forward and backward passes of the expert per width: on a CPU more
+    than GPTQ itself. round_scope "block" optimises them instead against the full-precision model's output after the
+    layer on every calibration batch, all routed experts at that width at once, with the layer's weight-only dense
+    linears tuned alongside in the pass at propagate_bits (hexq.calib.block_rounding); it holds the layer's replicas
+    at those widths in memory, carries the full-precision model's activations beside the quantized ones, and runs in
+    one process. down_fit (replicas only): each width's down projection fitted to the full-precision intermediate
+    ("full_precision", with one Hessian for every width) or to the one that width's gate_up replica produces
+    ("replica", hexq.calib.down_fit).
+
+    token_weights: a routed token counts in its expert's Hessians, down fit and loss table "equal"ly or by its
+    squared "routing" weight (hexq.model.simulate.RoutedTokens.scales): the layer adds w_t y_t, so the latter
+    measures the expert's share of the layer output's error.
     """
 
     mode: str = "uniform"  # "uniform" | "replicas"
@@ -235,6 +240,7 @@ class Experts:
     round_tokens: int = 512
     round_scope: str = "expert"  # "expert" | "block" (hexq.calib.block_rounding)
     down_fit: str = "full_precision"  # replicas only: "full_precision" | "replica" (hexq.calib.down_fit)
+    token_weights: str = "equal"  # "equal" | "routing": how an expert's routed tokens weigh in its Hessians and losses
 
     def __post_init__(self) -> None:
         check_types(self)
@@ -250,6 +256,7 @@ class Experts:
         check_at_least("round_tokens", self.round_tokens, 1)
         check_choice("round_scope", self.round_scope, ROUND_SCOPES)
         check_choice("down_fit", self.down_fit, DOWN_FITS)
+        check_choice("token_weights", self.token_weights, TOKEN_WEIGHTS)
         for name in ("round_steps", "round_tokens", "round_scope") if not self.round_bits else ():
             if getattr(self, name) != getattr(Experts, name):
                 raise RecipeError(name, "is used only with round_bits; remove it")
@@ -397,34 +404,6 @@ class Recipe:
     @property
     def expert_activations(self) -> ActivationQuant:
         return self.experts.activations or self.activations
-
-
-# ------------------------------------------------------------------------------------------ model check
-
-
-def validate_for_model(recipe: Recipe, hidden_size: int,
-                       intermediate_sizes: Mapping[str, int] | Iterable[int]) -> None:
-    """Fail unless every group size divides every quantized input width of the model.
-
-    Widths: hidden_size (q/k/v, gate/up of experts and shared expert) and the intermediate sizes (down projections),
-    given as {config attribute: size} for clearer messages, or as plain sizes; other input widths (e.g. o_proj's
-    num_heads * head_dim when it differs from hidden_size) can be passed the same way. Both the top-level and the
-    experts' group size are checked against every width (conservative: the caller need not say which is which).
-    """
-    named = (list(intermediate_sizes.items()) if isinstance(intermediate_sizes, Mapping)
-             else [("intermediate size", size) for size in intermediate_sizes])
-    widths = [("hidden_size", hidden_size), *named]
-    listed = ", ".join(f"{name} {size}" for name, size in widths)
-    for key, quant in (("weights", recipe.weights), ("experts.weights", recipe.expert_weights)):
-        group = quant.group_size
-        for name, size in widths:
-            if group is not None and size % group:
-                raise RecipeError(f"{key}.group_size", f"{group} does not divide {name} {size}; choose a group size "
-                                                       f"dividing every input width ({listed}) or null (per-channel)")
-    head_group = recipe.head.group_size if recipe.head is not None else None
-    if head_group is not None and hidden_size % head_group:
-        raise RecipeError("head.group_size", f"{head_group} does not divide hidden_size {hidden_size} (the head's "
-                                             "input width); choose a divisor or null (per-channel)")
 
 
 def recipe_from_dict(data: Mapping[str, Any]) -> Recipe:

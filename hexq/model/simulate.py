@@ -183,6 +183,16 @@ class RoutedTokens:
         k = self.index.shape[1]
         return positions // k, positions % k
 
+    def scales(self, token: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+        """experts.token_weights "routing": the routing weights of these (token, slot) pairs of one expert over their
+        root mean square, [n] float32. The layer adds w_t y_t, so an expert's error on token t is w_t times its error
+        in the layer's output: rows multiplied by these make a sum of squares (a Hessian, a squared error) weigh each
+        token by w_t^2, and the root mean square keeps the sum's scale (a Hessian still blends with the layer's for
+        cold experts, the loss table stays a mean per token)."""
+        weights = self.weights[token, slot].float()
+        rms = weights.square().mean().sqrt()  # kept on the device: no host synchronisation per expert
+        return torch.where(rms > 0, weights / rms.clamp_min(torch.finfo(torch.float32).tiny), 1.0)
+
     def split(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """A per-token tensor [T, ...] cut back into the recorded batches."""
         return list(tensor.split(self.batch_rows))
