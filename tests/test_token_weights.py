@@ -103,6 +103,9 @@ def test_loss_table_entries_are_routing_weighted_output_errors(weighted):
 
     loss_table.loss_table(routed, weights_of, tensors, replicas, bits_list, 2, (None, None), routed.x[:5], act_fn,
                           2, loss_tokens, None, weighted=weighted)
+    outputs = torch.stack([expert_output(routed.x, gate_up[e], down[e], act_fn) for e in range(EXPERTS)])  # [E, T, H]
+    tokens = torch.arange(routed.x.shape[0])
+    total = sum(routed.weights[:, k, None] * outputs[routed.index[:, k], tokens] for k in range(TOP_K))
     for expert in range(EXPERTS):
         token, slot = routed.rows(expert)
         token, slot = loss_sample(token, loss_tokens), loss_sample(slot, loss_tokens)
@@ -113,6 +116,11 @@ def test_loss_table_entries_are_routing_weighted_output_errors(weighted):
             error = (expert_output(x, noisy[bits][0][expert], noisy[bits][1][expert], act_fn) - reference).pow(2)
             expected = float((error.sum(dim=1) * weight).sum()) / (len(token) * HIDDEN)
             assert float(tensors["loss_table"][expert, b]) == pytest.approx(expected, rel=1e-5)
+        # skipped: the token's other expert stands in (two per token, so the other one's output alone)
+        w = routed.weights[token, slot]
+        stand_in = (total[token] - w[:, None] * reference) / (routed.weights[token].sum(dim=1) - w)[:, None]
+        expected = float(((stand_in - reference).pow(2).sum(dim=1) * weight).sum()) / (len(token) * HIDDEN)
+        assert float(tensors["loss_table.skip"][expert]) == pytest.approx(expected, rel=1e-4)
 
 
 def test_the_recipe_reaches_the_hessians_the_down_fit_and_the_loss_table(tiny_qwen3moe, tmp_path, monkeypatch):
