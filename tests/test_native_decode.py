@@ -289,20 +289,25 @@ def test_native_step_under_a_small_fast_tier_loads_its_misses(packed_artifact):
     """A fast tier holding one layer's top-k experts: the native step stops at each layer whose kept experts are
     not all resident, they are loaded through the cache (evicting others, whose table entries must become absent),
     and it goes on: the logits are the ones with every expert resident, bit for bit (the same codes, re-laid the
-    same way, the same arithmetic). The cache's counts see every routed expert: each kept one is a hit or a miss."""
+    same way, the same arithmetic). The cache's counts see every routed expert: each kept one is a hit or a miss. At
+    the smallest tier whether an expert is still there when it comes back depends on the routing, so hits are
+    checked under a tier one byte short of every expert (8 experts per layer, 12 steps x top-2: some come back)."""
     steps = 12
     want, _ = native_run(packed_artifact, steps)
     with Runtime(packed_artifact, dtype="fp32") as probe:
-        budget = top_k_bytes(probe)  # the least the native step takes: the most churn
-        assert budget < probe.plan.expert_bytes
+        smallest = top_k_bytes(probe)  # the least the native step takes: the most churn
+        assert smallest < probe.plan.expert_bytes
         top_k, moe_layers = probe.model.config.num_experts_per_tok, len(probe.artifact.moe_layers)
-    got, runtime = native_run(packed_artifact, steps, fast_tier_bytes=budget)
-    for a, b in zip(got, want, strict=True):
-        assert torch.equal(a, b)
-    stats = runtime.cache.stats
-    assert stats.misses > 0 and stats.evictions > 0 and stats.hits > 0
-    assert stats.hits + stats.misses == steps * top_k * moe_layers  # no 0-bit expert in this artifact
-    assert runtime.cache.fast_tier.peak <= budget
+        budgets = (smallest, probe.plan.expert_bytes - 1)
+    routed = steps * top_k * moe_layers  # no 0-bit expert in this artifact
+    for budget in budgets:
+        got, runtime = native_run(packed_artifact, steps, fast_tier_bytes=budget)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b)
+        stats = runtime.cache.stats
+        assert stats.misses > 0 and stats.evictions > 0 and stats.hits + stats.misses == routed, (budget, stats)
+        assert runtime.cache.fast_tier.peak <= budget
+        assert budget == smallest or stats.hits > 0
 
 
 def cached_share(path, ranges) -> float:
