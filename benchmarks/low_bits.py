@@ -103,6 +103,8 @@ SETTINGS = {
     "act+spread+float+down+damp0.1": {"weights": {**BUNDLED_BANK, "damp": 0.1}, "experts": {"down_fit": "replica"}},
     "act+spread+float+down+routed": {"weights": BUNDLED_BANK,
                                      "experts": {"down_fit": "replica", "token_weights": "routing"}},
+    "act+spread+float+down+routed+refit12": {"weights": {**BUNDLED_BANK, "refit_bits": (1, 2)},
+                                             "experts": {"down_fit": "replica", "token_weights": "routing"}},
 }
 # How `hexq pack` allocates (its pack section); "main" is the allocator before 0-bit experts and routing mass.
 ALLOCATORS = {

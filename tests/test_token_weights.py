@@ -161,3 +161,39 @@ def test_the_recipe_reaches_the_hessians_the_down_fit_and_the_loss_table(tiny_qw
 def test_token_weights_is_checked():
     with pytest.raises(RecipeError, match="token_weights"):
         Experts(mode="replicas", token_weights="loudest")
+
+
+def test_rounding_batches_weigh_their_tokens_as_the_recipe_says():
+    """experts.round_bits' objective (hexq.calib.rounding.routed_batch): each sampled token's weight in the mask, its
+    squared routing scale with "routing", 1 with "equal", 0 on padding rows."""
+    from hexq.calib.rounding import routed_batch
+
+    routed, experts, limit = routed_tokens(), [0, 3], 9
+    for weighted in (False, True):
+        x, mask = routed_batch(routed, experts, limit, weighted)
+        for j, expert in enumerate(experts):
+            token, slot = (loss_sample(part, limit) for part in routed.rows(expert))
+            want = routed.scales(token, slot).square() if weighted else torch.ones(len(token))
+            assert torch.equal(x[j, :len(token)], routed.x[token])
+            assert torch.allclose(mask[j, :len(token)], want) and not mask[j, len(token):].any()
+
+
+def test_expert_rounding_is_given_the_recipes_token_weights(tiny_qwen3moe, tmp_path, monkeypatch):
+    from hexq.calib import rounding
+    from hexq.calib.pipeline import calibrate
+    from tests.conftest import mixed_recipe
+
+    seen = set()
+    original = rounding.routed_batch
+
+    def spy(routed, experts, limit, weighted=False):
+        seen.add(weighted)
+        return original(routed, experts, limit, weighted)
+
+    monkeypatch.setattr(rounding, "routed_batch", spy)
+    recipe = mixed_recipe()
+    for choice in ("equal", "routing"):
+        experts = replace(recipe.experts, token_weights=choice, round_bits=(1,), round_steps=2)
+        calibrate(tiny_qwen3moe, replace(recipe, experts=experts), "bundled", tmp_path / choice)
+        assert seen == {choice == "routing"}, choice
+        seen.clear()

@@ -63,7 +63,7 @@ def optimize_rounding(x: torch.Tensor, mask: torch.Tensor, gate_up: torch.Tensor
                       replicas: tuple[Replica, Replica], qmax: int, steps: int = STEPS,
                       ) -> tuple[tuple[Replica, Replica], torch.Tensor, torch.Tensor]:
     """The replicas (gate_up, down) of n experts at one width with their rounding and scales optimised (module
-    docstring) on tokens x [n, t, H] (mask [n, t]: 1 for a real token, 0 for padding) against the full-precision
+    docstring) on tokens x [n, t, H] (mask [n, t]: each real token's weight, 0 for padding) against the full-precision
     weights gate_up [n, 2I, H], down [n, H, I]. Returns the new replicas (codes uint8, scales in the replicas'
     dtype) and the relative output error per expert before and after ([n] each, float32).
 

@@ -221,9 +221,9 @@ class Experts:
     ("full_precision", with one Hessian for every width) or to the one that width's gate_up replica produces
     ("replica", hexq.calib.down_fit).
 
-    token_weights: a routed token counts in its expert's Hessians, down fit and loss table "equal"ly or by its
-    squared "routing" weight (hexq.model.simulate.RoutedTokens.scales): the layer adds w_t y_t, so the latter
-    measures the expert's share of the layer output's error.
+    token_weights: a routed token counts in its expert's Hessians, down fit, loss table and round_bits objective
+    "equal"ly or by its squared "routing" weight (hexq.model.simulate.RoutedTokens.scales): the layer adds w_t y_t,
+    so the latter measures the expert's share of the layer output's error.
     """
 
     mode: str = "uniform"  # "uniform" | "replicas"
