@@ -68,7 +68,8 @@ RUN_BY_HAND = {"scale": "python benchmarks/scale.py --work DIR",
                                  "act+spread+float+down+refit12 act+spread+float+down+damp0.05 "
                                  "act+spread+float+down+damp0.1 --no-peers -o benchmarks/results/low_bits_knobs.json",
                "low_bits_routed": "python benchmarks/low_bits.py --models qwen3moe mixtral --settings "
-                                  "act+spread+float+down+routed --no-peers -o benchmarks/results/low_bits_routed.json",
+                                  "act+spread+float+down+routed --no-peers -o benchmarks/results/low_bits_routed.json, "
+                                  "then --settings act+spread+float+down+routed+refit12 --merge -o the same file",
                "distributed": "python benchmarks/distributed.py --checkpoint CKPT",
                "distributed_haq": "python benchmarks/distributed.py --checkpoint CKPT --recipe haq-w8a8 "
                                   "--out benchmarks/results/distributed_haq.json",
