@@ -96,12 +96,12 @@ def loss_table(routed: RoutedTokens, weights_of, tensors: dict, replicas, bits_l
             x = routed.x[token] if len(token) else moe_sample  # never routed: measure on the layer's sample
             measure = loss_sample(x, loss_tokens)
             measured[expert] = measure.shape[0]
-            weight = (routed.scales(loss_sample(token, loss_tokens), loss_sample(slot, loss_tokens)).square()
-                      if weighted and len(token) else torch.ones(measure.shape[0], device=device))
+            sampled = loss_sample(token, loss_tokens), loss_sample(slot, loss_tokens)  # the pairs measured
+            weight = (routed.scales(*sampled).square() if weighted and len(token)
+                      else torch.ones(measure.shape[0], device=device))
             reference = torch.cat([expert_output(part, fp_gate_up[j], fp_down[j], act_fn)
                                    for part in measure.split(rows)])
-            stand_in = skipped_output(fp_total, token_mass, slot_weights, loss_sample(token, loss_tokens),
-                                      loss_sample(slot, loss_tokens), reference)
+            stand_in = skipped_output(fp_total, token_mass, slot_weights, *sampled, reference)
             skip_sse[expert] = squared_error(stand_in, reference, weight)
             inputs.append((token, slot, x, measure, weight))
             references.append(reference)

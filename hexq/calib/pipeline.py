@@ -132,7 +132,7 @@ def calibrate_layer(loaded: LoadedLayer, adapter: MoEAdapter, hidden: HiddenStor
         experts_out = loss_table(routed, weights_of, tensors, bank_replicas(loaded, device, folder), widths,
                                  default_expert_bits(recipe), (propagate.input_quant, propagate.mid_quant),
                                  moe_sample, loaded.act_fn, chunk, recipe.experts.loss_tokens, progress, ranks,
-                                 recipe.experts.token_weights == "routing")
+                                 recipe.experts.routing_weighted)
         add_expert_outputs(outputs, routed, experts_out)
         clock.stage("loss table")
     meta = {"layer": index, "smoothing": smoothing, "unsmoothed": unsmoothed_linears(loaded.module, adapter),

@@ -332,7 +332,7 @@ def fill_bank(bank: ExpertBank, loaded: LoadedLayer, routed: RoutedTokens, weigh
     in `keep`). With `keep` (block rounding), the round_bits replicas are left for the caller to write. budget: bytes
     of one GPTQ chunk (gptq_chunk_bytes)."""
     setting, bits_list = recipe.expert_weights, expert_bits_list(recipe)
-    weighted = recipe.experts.token_weights == "routing"
+    weighted = recipe.experts.routing_weighted
     moe_input = SiteStats.empty(routed.x.shape[1], routed.x.device)
     moe_input.add(routed.x)
     min_tokens, blend = recipe.experts.min_tokens, recipe.experts.fallback_blend

@@ -33,7 +33,7 @@ def round_replicas(replicas: dict, bits: int, routed: RoutedTokens, experts: lis
     place."""
     if not experts:
         return
-    x, mask = routed_batch(routed, experts, setting.round_tokens, setting.token_weights == "routing")
+    x, mask = routed_batch(routed, experts, setting.round_tokens, setting.routing_weighted)
     index = torch.tensor(positions, device=gate_up.device)
     start = tuple(Replica(*(t[index] for t in replicas[p][bits])) for p in PROJECTIONS)
     rounded, _before, _after = optimize_rounding(x, mask, gate_up[index], down[index], act_fn, start, 2 ** bits - 1,

@@ -242,6 +242,11 @@ class Experts:
     down_fit: str = "full_precision"  # replicas only: "full_precision" | "replica" (hexq.calib.down_fit)
     token_weights: str = "equal"  # "equal" | "routing": how an expert's routed tokens weigh in its Hessians and losses
 
+    @property
+    def routing_weighted(self) -> bool:
+        """Whether a routed token counts by its squared routing weight (token_weights "routing")."""
+        return self.token_weights == "routing"
+
     def __post_init__(self) -> None:
         check_types(self)
         check_choice("mode", self.mode, EXPERT_MODES)
