@@ -11,9 +11,9 @@ hexq rows: the model calibrated with recipe experts-mixed (HAQ W8A8 attention, a
 1, 2, 3, 4, 8 bits, groups of 32, asymmetric) with the bank made as each SETTINGS entry says, then evaluated with
 every expert at 2 and at 3 bits (uniform) and with the allocation `hexq pack` makes at 1.5, 2.0, 2.5 and 3.0 average
 bits, by each ALLOCATORS entry (the last setting gets every allocator, the others "main" and the recommended one;
-the bundled experts-mixed recipe is setting "act+spread+float+down" with allocator "model+0"). The pieces: `fit` (group
-grids fitted to the Hessian-weighted error, hexq.algos.clipping), `act` (columns in decreasing Hessian-diagonal
-order, static groups: GPTQ's act_order), `round` (1- and 2-bit rounding optimised on routed tokens,
+the bundled experts-mixed recipe is setting "act+spread+float+down+routed" with allocator "model+0"). The pieces:
+`fit` (group grids fitted to the Hessian-weighted error, hexq.algos.clipping), `act` (columns in decreasing
+Hessian-diagonal order, static groups: GPTQ's act_order), `round` (1- and 2-bit rounding optimised on routed tokens,
 hexq.algos.rounding), `spread` (1-bit levels at mean -+ 1.75 mean absolute deviations instead of min and max,
 experts.weights.one_bit), `float` (2-bit grids spanning each group's min and max with a float zero point instead of
 widened to include 0 with an integer one, experts.weights.float_zero_bits; `float23` at 3 bits too), `block` (the
@@ -69,8 +69,8 @@ SEQLEN = 256
 MIXED_BITS = (1.5, 2.0, 2.5, 3.0)
 
 # How the experts' replica bank is made (changes to experts-mixed's experts.weights / experts sections, from
-# experts.down_fit full_precision); "main" is the bank as hexq made it before these pieces (natural column order,
-# min/max grids), "act+spread+float+down" the bundled recipe's.
+# experts.down_fit full_precision and token_weights equal); "main" is the bank as hexq made it before these pieces
+# (natural column order, min/max grids), "act+spread+float+down+routed" the bundled recipe's.
 BLOCK_STEPS = 200  # AutoRound's default steps per block (the act+block bank setting)
 # hexq's WbA16 rows: at 200 steps the layers' errors are still falling (reference Qwen3-MoE, W2A16: every layer's
 # block error lower at 400, layer 0 0.0883 -> 0.0849, layer 3 0.194 -> 0.187), for twice the stage's time
@@ -122,7 +122,8 @@ PEER_METHODS = (*PEERS, "hexq-rtn", "hexq-float")  # hexq's peer row tuned from 
 def bank_recipe(setting: str, samples: int, seed: int = 0) -> Recipe:
     recipe = load_recipe("experts-mixed")
     change = SETTINGS[setting]
-    experts = dataclasses.replace(recipe.experts, down_fit="full_precision")  # the settings add it ("+down")
+    # the settings add these ("+down", "+routed"): every setting's rows keep the meaning they were measured with
+    experts = dataclasses.replace(recipe.experts, down_fit="full_precision", token_weights="equal")
     weights = dataclasses.replace(experts.weights, **change.get("weights", {}))
     experts = dataclasses.replace(experts, weights=weights, **change.get("experts", {}))
     # the banks are compared with the head as stored (experts-mixed's 8-bit head adds ~1% KL divergence to every
