@@ -149,7 +149,7 @@ def expert_statistics(routed: RoutedTokens, experts: list[int], gate_up: torch.T
     high = torch.full((), float("-inf"), dtype=torch.float32, device=device)  # synchronisation per expert
     for j, expert in enumerate(experts):
         token, slot = routed.rows(expert)
-        if not len(token):  # never routed: zero statistics (split would still yield one empty chunk)
+        if not len(token):  # never routed: zero statistics
             continue
         scales = routed.scales(token, slot) if weighted else None
         for start in range(0, len(token), TOKEN_CHUNK):

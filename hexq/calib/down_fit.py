@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from hexq.calib.capture import TOKEN_CHUNK
-from hexq.model.simulate import RoutedTokens, expert_intermediate, loss_sample
+from hexq.model.simulate import RoutedTokens, expert_intermediate
 
 # Widths from here up keep one Hessian: the fit is for the low widths (the reference models' allocations at 1.5-2.5
 # bits hold no 8-bit expert, at 3.0 one or two), and fitting 8 bits too costs a fifth more of it (a real-shaped
@@ -83,8 +83,7 @@ def replica_statistics(routed: RoutedTokens, experts: list[int], warm: list[int]
     cross = torch.zeros_like(hessian)
     tokens = torch.zeros(n, dtype=torch.long, device=gate_up.device)
     for j in warm:
-        token, slot = routed.rows(experts[j])
-        token, slot = loss_sample(token, limit), loss_sample(slot, limit)
+        token, slot = routed.sampled_rows(experts[j], limit)
         tokens[j] = token.shape[0]
         scales = routed.scales(token, slot) if weighted else None
         for start in range(0, len(token), TOKEN_CHUNK):

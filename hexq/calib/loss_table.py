@@ -96,7 +96,7 @@ def loss_table(routed: RoutedTokens, weights_of, tensors: dict, replicas, bits_l
             x = routed.x[token] if len(token) else moe_sample  # never routed: measure on the layer's sample
             measure = loss_sample(x, loss_tokens)
             measured[expert] = measure.shape[0]
-            sampled = loss_sample(token, loss_tokens), loss_sample(slot, loss_tokens)  # the pairs measured
+            sampled = routed.sampled_rows(expert, loss_tokens)  # the pairs measured
             weight = (routed.scales(*sampled).square() if weighted and len(token)
                       else torch.ones(measure.shape[0], device=device))
             reference = torch.cat([expert_output(part, fp_gate_up[j], fp_down[j], act_fn)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from hexq.algos.rounding import Replica, optimize_rounding
-from hexq.model.simulate import RoutedTokens, loss_sample
+from hexq.model.simulate import RoutedTokens
 from hexq.packed.weight import PROJECTIONS
 
 
@@ -15,7 +15,7 @@ def routed_batch(routed: RoutedTokens, experts: list[int], limit: int,
     """At most `limit` routed tokens of each expert (evenly strided), padded with zero rows to one length:
     x [n, t, H] and mask [n, t], each token's weight in the objective: 1, or with `weighted` (experts.token_weights
     "routing") its squared routing weight over their mean (RoutedTokens.scales); 0 for padding."""
-    picked = [[loss_sample(part, limit) for part in routed.rows(expert)] for expert in experts]
+    picked = [routed.sampled_rows(expert, limit) for expert in experts]
     length = max([len(rows) for rows, _slots in picked] + [1])
     x = routed.x.new_zeros(len(experts), length, routed.x.shape[1])
     mask = routed.x.new_zeros(len(experts), length)

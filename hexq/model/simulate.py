@@ -183,6 +183,12 @@ class RoutedTokens:
         k = self.index.shape[1]
         return positions // k, positions % k
 
+    def sampled_rows(self, expert: int, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """rows(expert) cut to at most `limit` pairs, evenly strided (loss_sample): the tokens an expert's loss
+        table, down fit and rounding are measured on."""
+        token, slot = self.rows(expert)
+        return loss_sample(token, limit), loss_sample(slot, limit)
+
     def scales(self, token: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
         """experts.token_weights "routing": the routing weights of these (token, slot) pairs of one expert over their
         root mean square, [n] float32. The layer adds w_t y_t, so an expert's error on token t is w_t times its error
