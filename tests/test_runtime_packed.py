@@ -231,3 +231,28 @@ def test_cost_model_latencies_are_measured_once_and_kept(packed_artifact, tmp_pa
     with Runtime(packed_artifact, fast_tier_bytes=first.source.sizes.largest_slot * 3) as second:
         assert second.compute.profiles == profiles
         assert torch.equal(second.forward(ids).logits, logits)
+
+
+@needs_kernels(KERNELS)
+def test_every_expert_reaches_the_kernels_in_their_layout(packed_artifact, monkeypatch):
+    """Cache hits, fills and transient loads alike reach the GEMV re-laid for this CPU's path (rows8 or planes): one
+    layout whatever is resident. On some paths two layouts' products agree to the bit (the AVX-512 GEMV from the
+    stream and from rows8, at these shapes), so equal logits alone would not show a transient expert left in its
+    stored layout."""
+    seen = []
+    original = Compute._experts_from_codes
+
+    def recording(self, x, batch, *args):
+        seen.extend((w.transient, [(m.layout, self.kernels.layout_for(m)) for m in (w.gate_up, w.down)])
+                    for w, _, _ in batch)
+        return original(self, x, batch, *args)
+
+    monkeypatch.setattr(Compute, "_experts_from_codes", recording)
+    with Runtime(packed_artifact, warm="none") as probe:
+        one = probe.source.sizes.largest_slot
+    with Runtime(packed_artifact, fast_tier_bytes=2 * one, prefetch=False) as runtime:
+        from_codes(runtime).forward(IDS[None, :40])
+        assert runtime.cache.stats.bypass_loads > 0
+    assert {transient for transient, _ in seen} == {True, False}
+    assert any(stored != "stream" for _, pairs in seen for stored, _ in pairs)  # this path re-lays these shapes
+    assert all(stored == wanted for _, pairs in seen for stored, wanted in pairs)

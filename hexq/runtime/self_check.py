@@ -40,6 +40,8 @@ def self_check(runtime, experts: CachedExperts) -> None:
                                        torch.ones(3, 1, device=runtime.device), act_fn, quantizers)
             else:
                 probe = runtime.source.load_transient(0, expert, bits)
+                if runtime.compute.lays_out(probe):  # checked in the layout the cache serves it in
+                    probe = runtime.compute.relaid(probe)
                 got = runtime.compute.expert(x.to(runtime.device, runtime.dtype), probe, act_fn, quantizers)
             gate_up, down = (dequantize_packed(p).double()
                              for p in runtime.artifact.read_expert(0, expert, bits, buffer))
