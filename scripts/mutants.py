@@ -260,7 +260,7 @@ MUTANTS = [
            ("tests/test_native_decode.py::test_native_step_reads_its_misses_ahead",)),
     Mutant("native-resident-experts-not-adopted", "hexq/runtime/native.py",
            "        if self.loads:\n            self._adopt_resident()", "",
-           ("tests/test_native_decode.py::test_native_step_reads_its_misses_ahead",)),
+           ("tests/test_native_decode.py::test_native_step_under_a_small_fast_tier_loads_its_misses",)),
     Mutant("cache-experts-never-relaid", "hexq/runtime/experts.py",
            "if self.compute.lays_out(weights):  # cached or transient", "if False:  #",
            ("tests/test_runtime_packed.py::test_run_matches_eval_on_every_device",)),

@@ -268,9 +268,10 @@ def test_reference_models(name, tmp_path):
     assert agrees(compare(tmp_path / "model.hexq", steps=16))
 
 
-def native_run(artifact, steps: int, **options) -> tuple[list[torch.Tensor], Runtime]:
+def native_run(artifact, steps: int, **options) -> tuple[list[torch.Tensor], Runtime, dict[str, float]]:
     """The native step's logits for `steps` greedy tokens after PROMPT, every step from its own KV cache, the prompt
-    prefilled by the transformers path of a runtime with every expert resident (the same KV cache for every run)."""
+    prefilled by the transformers path of a runtime with every expert resident (the same KV cache for every run); the
+    runtime, and the step's profile over those tokens."""
     with Runtime(artifact, dtype="fp32") as full:
         logits, past = full._next_logits(PROMPT, None)
     out = []
@@ -278,22 +279,23 @@ def native_run(artifact, steps: int, **options) -> tuple[list[torch.Tensor], Run
         assert runtime.decode_path == "native", runtime.decode_path
         runtime.native.start(past, PROMPT.shape[1], PROMPT.shape[1] + steps)
         runtime.cache.reset_stats()
+        runtime.native.profile()  # counted from here
         token = int(logits.argmax())
         for _ in range(steps):
             out.append(runtime.native.step(token))
             token = int(out[-1].argmax())
-        return out, runtime
+        return out, runtime, runtime.native.profile()
 
 
 def test_native_step_under_a_small_fast_tier_loads_its_misses(packed_artifact):
     """A fast tier holding one layer's top-k experts: the native step stops at each layer whose kept experts are
     not all resident, they are loaded through the cache (evicting others, whose table entries must become absent),
     and it goes on: the logits are the ones with every expert resident, bit for bit (the same codes, re-laid the
-    same way, the same arithmetic). The cache's counts see every routed expert: each kept one is a hit or a miss. At
-    the smallest tier whether an expert is still there when it comes back depends on the routing, so hits are
+    same way, the same arithmetic). The cache's counts see every routed expert: each kept one is a hit or a miss,
+    and the step reads only the misses (what the cache held at the start is served from its tables). At the smallest tier whether an expert is still there when it comes back depends on the routing, so hits are
     checked under a tier one byte short of every expert (8 experts per layer, 12 steps x top-2: some come back)."""
     steps = 12
-    want, _ = native_run(packed_artifact, steps)
+    want, _, _ = native_run(packed_artifact, steps)
     with Runtime(packed_artifact, dtype="fp32") as probe:
         smallest = top_k_bytes(probe)  # the least the native step takes: the most churn
         assert smallest < probe.plan.expert_bytes
@@ -301,11 +303,14 @@ def test_native_step_under_a_small_fast_tier_loads_its_misses(packed_artifact):
         budgets = (smallest, probe.plan.expert_bytes - 1)
     routed = steps * top_k * moe_layers  # no 0-bit expert in this artifact
     for budget in budgets:
-        got, runtime = native_run(packed_artifact, steps, fast_tier_bytes=budget)
+        got, runtime, profile = native_run(packed_artifact, steps, fast_tier_bytes=budget)
         for a, b in zip(got, want, strict=True):
             assert torch.equal(a, b)
         stats = runtime.cache.stats
         assert stats.misses > 0 and stats.evictions > 0 and stats.hits + stats.misses == routed, (budget, stats)
+        # the step stops only for experts that must be read: those resident from the start (the warm start's) and
+        # since are served from its tables, so each expert it reads is a miss of the cache
+        assert round(profile["missed"] * steps) == stats.misses, (budget, profile, stats)
         assert runtime.cache.fast_tier.peak <= budget
         assert budget == smallest or stats.hits > 0
 
