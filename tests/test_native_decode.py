@@ -292,8 +292,9 @@ def test_native_step_under_a_small_fast_tier_loads_its_misses(packed_artifact):
     not all resident, they are loaded through the cache (evicting others, whose table entries must become absent),
     and it goes on: the logits are the ones with every expert resident, bit for bit (the same codes, re-laid the
     same way, the same arithmetic). The cache's counts see every routed expert: each kept one is a hit or a miss,
-    and the step reads only the misses (what the cache held at the start is served from its tables). At the smallest tier whether an expert is still there when it comes back depends on the routing, so hits are
-    checked under a tier one byte short of every expert (8 experts per layer, 12 steps x top-2: some come back)."""
+    and the step reads only the misses (what the cache held at the start is served from its tables). At the
+    smallest tier whether an expert is still there when it comes back depends on the routing, so hits are checked
+    under a tier one byte short of every expert (8 experts per layer, 12 steps x top-2: some come back)."""
     steps = 12
     want, _, _ = native_run(packed_artifact, steps)
     with Runtime(packed_artifact, dtype="fp32") as probe:
