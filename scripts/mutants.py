@@ -12,7 +12,8 @@ error here, not a silent pass) and runs `pytest -x` on its test files in a fresh
 kernels: the library is keyed by a hash of its sources). The source is restored in a `finally`, also on Ctrl-C, and
 the script refuses to start on a file with uncommitted changes it would mutate, so nothing of yours can be lost.
 Only default-suite tests are used (no `slow` ones): what `make test` runs is what must catch each breakage. The GGUF
-mutant is caught by llama.cpp itself: set HEXQ_LLAMA_CPP_BIN (bash scripts/llama_cpp.sh prints it) or it survives.
+mutant is caught by llama.cpp itself: set HEXQ_LLAMA_CPP_BIN (bash scripts/llama_cpp.sh prints it) or it survives (a
+survivor whose tests only skipped says so, with the reason).
 A gate mutant is judged by `scripts/ppl_gate.py` (part of `make test`) instead of pytest: killed when the gate fails,
 the settings that failed named.
 """
@@ -465,7 +466,7 @@ def run_mutant(mutant: Mutant) -> tuple[bool, str, float]:
                          "update the mutant")
     started = time.perf_counter()
     command = [sys.executable, "scripts/ppl_gate.py"] if mutant.gate else [
-        sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "not slow", *mutant.tests]
+        sys.executable, "-m", "pytest", "-q", "-x", "-rs", "-p", "no:cacheprovider", "-m", "not slow", *mutant.tests]
     try:
         path.write_text(original.replace(mutant.old, mutant.new))
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
@@ -477,7 +478,11 @@ def run_mutant(mutant: Mutant) -> tuple[bool, str, float]:
         by = f"the gate: {failed[0]}" if failed else (f"exit {done.returncode}" if killed else "-")
     else:
         failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", done.stdout, re.M)
-        by = failed[0] if failed else (f"exit {done.returncode}" if killed else "-")
+        skipped = re.findall(r"^SKIPPED \[\d+\] \S+ (.*)$", done.stdout, re.M)
+        # a survivor whose tests did not run says why (e.g. llama.cpp's tools not built): still a survivor
+        by = failed[0] if failed else (f"exit {done.returncode}" if killed else
+                                       f"its tests skipped: {skipped[0]}" if skipped and not re.search(
+                                           r"\d+ passed", done.stdout) else "-")
     return killed, by, time.perf_counter() - started
 
 
@@ -508,7 +513,8 @@ def main() -> int:
         killed, by, seconds = run_mutant(mutant)
         if not killed:
             survivors.append(mutant.name)
-        print(f"| {mutant.name} | {mutant.file} | {by if killed else 'SURVIVED'} | {seconds:.0f} |", flush=True)
+        verdict = by if killed else "SURVIVED" + (f" ({by})" if by != "-" else "")
+        print(f"| {mutant.name} | {mutant.file} | {verdict} | {seconds:.0f} |", flush=True)
     ran = [m for m in chosen if not m.path or m.path in paths]
     print(f"\n{len(ran) - len(survivors)} of {len(ran)} mutants killed ({len(chosen) - len(ran)} not run on this CPU)"
           + (f"; survivors: {', '.join(survivors)}" if survivors else ""))
