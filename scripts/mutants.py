@@ -153,7 +153,7 @@ MUTANTS = [
            "    if not isinstance(version, int) or version > FORMAT_VERSION:", "    if not isinstance(version, int):",
            ("tests/test_pack.py",)),
     Mutant("ranks-split-by-expert-count", "hexq/calib/ranks.py",
-           "    costs = [1.0 + TOKEN_COST * t / mean for t in tokens]", "    costs = [1.0 for t in tokens]",
+           "(1.0 + TOKEN_COST * t / mean for t in tokens)", "(1.0 for t in tokens)",
            ("tests/test_distributed.py",)),
     Mutant("serve-listens-on-every-interface", "cli/serve_command.py",
            '"interface).")] = "127.0.0.1",', '"interface).")] = "0.0.0.0",', ("tests/test_serve.py",)),
@@ -477,7 +477,7 @@ def run_mutant(mutant: Mutant) -> tuple[bool, str, float]:
                          "update the mutant")
     started = time.perf_counter()
     command = [sys.executable, "scripts/ppl_gate.py"] if mutant.gate else [
-        sys.executable, "-m", "pytest", "-q", "-x", "-rs", "-p", "no:cacheprovider", "-m", "not slow", *mutant.tests]
+        sys.executable, "-m", "pytest", "-q", "-x", "-rfEs", "-p", "no:cacheprovider", "-m", "not slow", *mutant.tests]
     try:
         path.write_text(original.replace(mutant.old, mutant.new))
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)

@@ -191,7 +191,14 @@ def test_expert_ranges_cover_every_expert_once_and_balance_the_cost():
     for world in (1, 2, 3, 8, 10):
         ranges = expert_ranges(tokens, world)
         assert len(ranges) == world and [e for r in ranges for e in r] == list(range(len(tokens)))
-    costs = [1 + 0.5 * t / (sum(tokens) / len(tokens)) for t in tokens]
-    loads = [sum(costs[e] for e in r) for r in expert_ranges(tokens, 2)]
-    assert max(loads) <= sum(costs) / 2 + max(costs)  # within one expert of an even split
+    for tokens in ([100, 0, 0, 0, 400, 10, 10, 10], [400, 0, 0, 0, 0, 0, 0, 0], [3, 90, 7, 0, 0, 12, 50, 1, 1]):
+        costs = [1 + 0.5 * t / (sum(tokens) / len(tokens)) for t in tokens]
+        for world in (2, 3):
+            loads = [sum(costs[e] for e in r) for r in expert_ranges(tokens, world)]
+            assert max(loads) <= sum(costs) / world + max(costs) / 2 + 1e-9  # each cut within half an expert
+        # two ranks: the best contiguous split there is (the cut nearest half the cost)
+        best = min(max(sum(costs[:cut]), sum(costs[cut:])) for cut in range(1, len(tokens)))
+        assert max(sum(costs[e] for e in r) for r in expert_ranges(tokens, 2)) == pytest.approx(best)
     assert expert_ranges([5] * 4, 2) == [range(0, 2), range(2, 4)]
+    # more ranks than experts: one expert each for the first ranks, none for the rest
+    assert expert_ranges([1, 2, 3], 5) == [range(0, 1), range(1, 2), range(2, 3), range(3, 3), range(3, 3)]

@@ -7,6 +7,7 @@ defaults, a --memory budget and no chat template (the load test).
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
@@ -328,6 +329,29 @@ def test_load(plain, artifacts):
     grown = metrics["hexq_peak_rss_bytes"] - metrics["hexq_startup_rss_bytes"]
     assert 0 < grown <= parse_bytes(MEMORY) == metrics["hexq_memory_bytes"]
     assert plain.alive()
+
+
+def listening_addresses(port: int) -> set[str]:
+    """The local addresses with a TCP socket listening on `port` (Linux's /proc/net/tcp and tcp6)."""
+    found = set()
+    for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
+        if not os.path.exists(table):
+            continue
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.split(":")
+            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                raw = bytes.fromhex(address)  # 32-bit words in host (little-endian) order
+                words = b"".join(raw[i:i + 4][::-1] for i in range(0, width, 4))
+                found.add(str(ipaddress.ip_address(words)))
+    return found
+
+
+def test_the_server_listens_on_loopback_unless_told(plain):
+    """Without --host, `hexq serve` listens on 127.0.0.1 only: nothing off this machine reaches it."""
+    if not os.path.exists("/proc/net/tcp"):
+        pytest.skip("no /proc/net/tcp to read the listening sockets from")
+    assert listening_addresses(plain.port) == {"127.0.0.1"}
 
 
 def test_serve_refuses_bad_options(artifacts, tmp_path):

@@ -24,6 +24,8 @@ half-written is published: a layer counts as done only when rank 0 has recorded 
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import os
 import socket
 from datetime import timedelta
@@ -111,27 +113,27 @@ class Ranks:
 
     def expert_range(self, tokens: list[int]) -> range:
         """This rank's experts: contiguous ids whose cost (1 + TOKEN_COST x routed tokens / mean tokens) is closest
-        to 1/world of the layer's, cut where the running cost crosses each rank's share (every rank computes the same
+        to 1/world of the layer's, cut at the boundary nearest each rank's share (every rank computes the same
         cut from the same router counts)."""
         return expert_ranges(tokens, self.world)[self.rank]
 
 
 def expert_ranges(tokens: list[int], world: int) -> list[range]:
-    """Contiguous expert ranges, one per rank, balanced by the cost model of Ranks.expert_range."""
+    """Contiguous expert ranges, one per rank, balanced by the cost model of Ranks.expert_range: rank r's range ends
+    at the expert boundary whose running cost is nearest r / world of the layer's (the earlier one on a tie), each
+    rank keeping at least one expert while there are experts for it, and leaving one for each later rank where there
+    are as many experts as ranks."""
     count = len(tokens)
     mean = max(1.0, sum(tokens) / max(1, count))
-    costs = [1.0 + TOKEN_COST * t / mean for t in tokens]
-    total = sum(costs)
-    cuts, running, rank = [0], 0.0, 1
-    for expert, cost in enumerate(costs):
-        running += cost
-        # cut after this expert once the running cost reaches the next rank's boundary, leaving one expert for each
-        # later rank where there are fewer experts than ranks would need
-        while rank < world and running >= total * rank / world and count - (expert + 1) >= world - rank:
-            cuts.append(expert + 1)
-            rank += 1
-    while len(cuts) < world:
-        cuts.append(count)
+    prefix = list(itertools.accumulate((1.0 + TOKEN_COST * t / mean for t in tokens), initial=0.0))
+    cuts = [0]
+    for rank in range(1, world):
+        target = prefix[-1] * rank / world
+        after = bisect.bisect_left(prefix, target)  # the first boundary at or past the target
+        nearest = after - 1 if after > 0 and target - prefix[after - 1] <= prefix[after] - target else after
+        low = min(cuts[-1] + 1, count)
+        high = count - (world - rank) if count >= world else count
+        cuts.append(min(max(nearest, low), high))
     cuts.append(count)
     return [range(cuts[r], cuts[r + 1]) for r in range(world)]
 
