@@ -154,7 +154,7 @@ MUTANTS = [
            ("tests/test_pack.py",)),
     Mutant("ranks-split-by-expert-count", "hexq/calib/ranks.py",
            "(1.0 + TOKEN_COST * t / mean for t in tokens)", "(1.0 for t in tokens)",
-           ("tests/test_distributed.py",)),
+           ("tests/test_distributed.py::test_expert_ranges_cover_every_expert_once_and_balance_the_cost",)),
     Mutant("serve-listens-on-every-interface", "cli/serve_command.py",
            '"interface).")] = "127.0.0.1",', '"interface).")] = "0.0.0.0",', ("tests/test_serve.py",)),
     # ------------------------------------------------------------------ the runtime
