@@ -87,6 +87,10 @@ def test_kill_9_during_calibrate_then_the_rerun_resumes(tiny_qwen3moe, tmp_path)
     other = replace(mixed_recipe(), weights=replace(mixed_recipe().weights, damp=0.02))
     with pytest.raises(HexqError, match="unfinished calibration of a different recipe"):
         calibrate(tiny_qwen3moe, other, "bundled", out)
+    text = tmp_path / "other.txt"  # nor other calibration text
+    text.write_text((ROOT / "calib_data" / "foldoc.txt").read_text()[:20000])
+    with pytest.raises(HexqError, match="unfinished calibration of a different calibration text"):
+        calibrate(tiny_qwen3moe, mixed_recipe(), str(text), out)
     summary = calibrate(tiny_qwen3moe, mixed_recipe(), "bundled", out)
     assert summary.resumed_from == 1 and (out / "manifest.json").is_file() and not partial.exists()
 

@@ -307,3 +307,39 @@ def test_prefill_in_passes_of_prefill_chunk(mixed_artifact, monkeypatch):
     for layer, want in zip(past.layers, whole_past.layers, strict=True):
         torch.testing.assert_close(layer.keys, want.keys, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(layer.values, want.values, rtol=1e-5, atol=1e-5)
+
+
+def test_the_look_ahead_reads_the_next_layers_router_on_its_own_norm(tmp_path):
+    """Layer l predicts layer l+1's experts from its own MoE input x_l = h / rms(h) * w_l (004 §4.4.1): rescaled by
+    w_{l+1} / w_l it is what layer l+1's router would read if the residual did not move, h / rms(h) * w_{l+1}. With
+    post-attention norms far from one (as trained models have), the prediction is that router's top-t on it."""
+    from transformers import AutoTokenizer
+
+    from hexq.calib.pipeline import calibrate
+    from hexq.pack.stage import Budget, pack
+    from hexq.runtime.experts import CachedExperts
+    from tests.conftest import TOKENIZER_DIR, build_tiny_model, mixed_recipe
+
+    model = build_tiny_model("qwen3_moe", seed=3)
+    generator = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for layer in model.model.layers:  # positive, spread over a decade
+            layer.post_attention_layernorm.weight.copy_(10 ** (torch.rand(model.config.hidden_size,
+                                                                          generator=generator) * 2 - 1))
+    model.save_pretrained(tmp_path / "model")
+    AutoTokenizer.from_pretrained(TOKENIZER_DIR).save_pretrained(tmp_path / "model")
+    calibrate(tmp_path / "model", mixed_recipe(), "bundled", tmp_path / "cal")
+    pack(tmp_path / "cal", tmp_path / "art.hexq", budget=Budget(avg_bits=3.0))
+    with Runtime(tmp_path / "art.hexq", **FP32) as runtime:
+        block = next(m for m in runtime.model.modules() if isinstance(m, CachedExperts) and m.layer == 0)
+        layers = runtime.model.model.layers
+        runtime.state.prefill = False
+        agreed = 0
+        for _ in range(8):
+            h = torch.randn(1, 1, model.config.hidden_size, generator=generator)
+            with torch.no_grad():
+                block.look_ahead(layers[0].post_attention_layernorm(h))
+                logits = block.next_router(layers[1].post_attention_layernorm(h))[0].reshape(-1)
+            want = set(logits[: block.num_experts].topk(len(runtime.state.predicted[1])).indices.tolist())
+            agreed += runtime.state.predicted[1] == want
+    assert agreed == 8

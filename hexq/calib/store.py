@@ -155,7 +155,8 @@ def layers_done(folder: Path, fingerprint: dict) -> int | None:
 def differing_inputs(folder: Path, fingerprint: dict) -> str:
     """Which of model, data and recipe an unfinished run in `folder` was made from differently."""
     recorded = (read_json(folder / "progress.json") or {}).get("fingerprint") or {}
-    return ", ".join(key for key in fingerprint if recorded.get(key) != fingerprint[key]) or "input"
+    names = {"data": "calibration text"}
+    return ", ".join(names.get(key, key) for key in fingerprint if recorded.get(key) != fingerprint[key]) or "input"
 
 
 def write_progress(out: Path, fingerprint: dict, layers_done: int, files: dict | None = None) -> None:
