@@ -186,6 +186,11 @@ MUTANTS = [
     Mutant("gptq-act-order-codes-left-permuted", "hexq/algos/gptq.py",
            "                codes.scatter_(1, perm[:, s1:s2, None].expand_as(q_int), q_int.to(torch.uint8))",
            "                codes[:, s1:s2].copy_(q_int)", ("tests/test_gptq_bank.py",)),
+    Mutant("sizes-in-megabytes-read-as-mebibytes", "hexq/base/units.py", '"mb": 10**6,', '"mb": 2**20,',
+           ("tests/test_io.py", "tests/test_cli.py")),
+    Mutant("atomic-write-leaves-its-temporary", "hexq/base/io.py",
+           "    except BaseException:\n        Path(tmp).unlink(missing_ok=True)\n        raise\n",
+           "    except BaseException:\n        raise\n", ("tests/test_io.py",)),
     # ------------------------------------------------------------------ the runtime
     Mutant("cache-serves-a-lower-width", "hexq/runtime/cache.py",
            "        if v is None or v.bits < bits:",
