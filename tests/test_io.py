@@ -154,3 +154,47 @@ def test_layout_packs_without_gaps_largest_elements_first():
                                  "u": (torch.uint8, (5,))})
     assert [e.name for e in layout] == ["d", "f", "h", "u"]
     assert [(e.begin, e.end) for e in layout] == [(0, 16), (16, 20), (20, 26), (26, 31)]
+
+
+def test_a_failed_atomic_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path, monkeypatch):
+    import os
+
+    from hexq.base.io import write_bytes_atomic
+
+    path = tmp_path / "manifest.json"
+    write_bytes_atomic(path, b"old")
+
+    def full_disk(_fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        write_bytes_atomic(path, b"new")
+    assert path.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json"]
+
+
+@pytest.mark.parametrize("text, size", [("4096", 4096), ("200MB", 200_000_000), ("12 kB", 12_000), ("1m", 10**6),
+                                        ("512KiB", 524_288), ("1.5GiB", 1_610_612_736), ("64mib", 67_108_864),
+                                        ("2 TB", 2 * 10**12), ("100b", 100)])
+def test_sizes_read_as_people_write_them(text, size):
+    """Decimal units are powers of 1000, binary ones of 1024 (SI / IEC), whatever the case."""
+    from hexq.base.units import parse_bytes
+
+    assert parse_bytes(text) == size
+
+
+@pytest.mark.parametrize("text, message", [("ten", "cannot read"), ("5 parsecs", "cannot read"),
+                                           ("-5MB", "cannot read"), ("0", "must be positive"),
+                                           ("0.1b", "must be positive")])
+def test_sizes_that_are_not_sizes_are_refused_in_one_line(text, message):
+    from hexq.base.units import parse_bytes
+
+    with pytest.raises(ValueError, match=message):
+        parse_bytes(text)
+
+
+def test_sizes_print_in_binary_units():
+    from hexq.base.units import format_bytes
+
+    assert [format_bytes(n) for n in (0, 1023, 1536, 3 * 2**20, 5 * 2**40)] == [
+        "0 B", "1023 B", "1.50 KiB", "3.00 MiB", "5120.00 GiB"]
