@@ -61,6 +61,9 @@ def test_windows_are_seeded_and_inside_the_stream():
     assert a.shape == (8, 32)
     assert torch.equal(a, b) and not torch.equal(a, c)
     assert torch.equal(a[:, 1:] - a[:, :-1], torch.ones(8, 31, dtype=a.dtype))  # contiguous slices
+    # every start from the first token to the last whose window has a next token (GPTQ's sampler), none past it
+    starts = sample_windows(torch.arange(100), 2000, 10, seed=0).ids[:, 0]
+    assert set(starts.tolist()) == set(range(90))
 
 
 def test_calibration_windows_from_bundled_slices(tokenizer):
