@@ -79,3 +79,25 @@ def test_skip_entry_is_the_layer_output_change_of_skipping():
         without = routed_outputs(routed, weights_of, ACT, None, None, chunk=5, kept=kept)
         change = (without - every)[token]
         assert torch.allclose(change, slot_weights[token, slot, None] * (stand_in - y), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("scheme", ["1", "2", "3"])
+def test_the_warm_start_loads_no_skipped_expert_and_the_most_used_last(skipping_artifact, scheme):
+    """warm_order: never an expert stored at 0 bits, at most `slots` experts, least frequently routed first (so LRU
+    evicts the least valuable first); more slots than stored experts give every stored one."""
+    from hexq.artifact.format import STATS_SHARD
+    from hexq.artifact.reader import Artifact
+    from hexq.runtime.warm import warm_order
+
+    artifact = Artifact(skipping_artifact)
+    counts = artifact.tensor(STATS_SHARD, "router.counts").long()
+    stored = {(row, e) for row, widths in enumerate(artifact.allocation) for e, bits in enumerate(widths) if bits}
+    assert len(stored) < sum(len(widths) for widths in artifact.allocation)  # the fixture skips some
+    layers = len(artifact.allocation)
+    for slots in (2 * layers, 2 * layers + 3, len(stored) + 5):
+        order = warm_order(artifact, scheme, slots)
+        assert len(order) == len(set(order)) == min(slots, len(stored)) and set(order) <= stored
+        used = [int(counts[row, e]) for row, e in order]
+        assert used == sorted(used)
+    everything = warm_order(artifact, scheme, len(stored) + 5)
+    assert set(everything) == stored
