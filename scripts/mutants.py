@@ -207,7 +207,8 @@ MUTANTS = [
            "    return first_k_mask(ranked(stage1.long(), counts), K)", "    return first_k_mask(ranked(counts), K)",
            ("tests/test_placement.py",)),
     Mutant("bank-of-a-policy-misses-its-widths", "hexq/pack/stage.py",
-           "            widths |= wanted\n", "            widths |= set()\n", ("tests/test_pack.py",)),
+           "            widths |= wanted\n", "            widths |= set()\n",
+           ("tests/test_pack.py", "tests/test_policy_serving.py")),
     # ------------------------------------------------------------------ the runtime
     Mutant("cache-serves-a-lower-width", "hexq/runtime/cache.py",
            "        if v is None or v.bits < bits:",
