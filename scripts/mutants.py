@@ -208,7 +208,7 @@ MUTANTS = [
            ("tests/test_placement.py",)),
     Mutant("bank-of-a-policy-misses-its-widths", "hexq/pack/stage.py",
            "            widths |= wanted\n", "            widths |= set()\n",
-           ("tests/test_pack.py", "tests/test_policy_serving.py")),
+           ("tests/test_policy_serving.py::test_a_policy_bank_holds_every_width_the_policy_asks_for",)),
     # ------------------------------------------------------------------ the runtime
     Mutant("cache-serves-a-lower-width", "hexq/runtime/cache.py",
            "        if v is None or v.bits < bits:",

@@ -49,3 +49,23 @@ def test_the_runtime_serves_the_widths_the_policy_chose(banked_artifact, policy)
         assert sorted(asked[call]) == pairs, (policy, call)
     assert served and all(got >= want for want, got in served)
     assert len({b for _, pairs in chosen for _, b in pairs}) >= 2 or policy == "context"
+
+
+@pytest.mark.parametrize("policy", ["online", "depth", "context"])
+def test_a_policy_bank_holds_every_width_the_policy_asks_for(wide_calibration, tmp_path, policy):
+    """`hexq pack --bank POLICY` stores the widths that policy may ask for beside each expert's allocated one, so
+    the artifact serves it (a width missing from the bank is a one-line refusal at run time)."""
+    import torch
+
+    from hexq.algos.policy_widths import policy_widths
+    from hexq.artifact.reader import Artifact
+    from hexq.config.recipe import Pack
+    from hexq.pack.stage import Budget, pack
+
+    out = tmp_path / f"{policy}.hexq"
+    pack(wide_calibration, out, Pack(), Budget(avg_bits=2.5), bank=(policy,))
+    artifact = Artifact(out)
+    wanted = policy_widths(policy, artifact.allocation, artifact.replica_bits)
+    assert wanted and wanted <= set(artifact.bank_bits)
+    with Runtime(out, policy=policy, dtype="fp32") as runtime:
+        runtime.forward(torch.randint(0, 8192, (1, 48), generator=torch.Generator().manual_seed(0)))
