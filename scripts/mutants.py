@@ -209,6 +209,12 @@ MUTANTS = [
     Mutant("bank-of-a-policy-misses-its-widths", "hexq/pack/stage.py",
            "            widths |= wanted\n", "            widths |= set()\n",
            ("tests/test_policy_serving.py::test_a_policy_bank_holds_every_width_the_policy_asks_for",)),
+    Mutant("a-later-setting-changes-old-fingerprints", "hexq/config/fingerprint.py",
+           '                   ("experts", "token_weights"): "equal"}', "                   }",
+           ("tests/test_recipe.py", "tests/test_calibrate.py")),
+    Mutant("head-group-size-not-checked-against-the-model", "hexq/config/model_check.py",
+           "    if head_group is not None and hidden_size % head_group:", "    if False:",
+           ("tests/test_recipe.py", "tests/test_quantized_head.py")),
     # ------------------------------------------------------------------ the runtime
     Mutant("cache-serves-a-lower-width", "hexq/runtime/cache.py",
            "        if v is None or v.bits < bits:",
