@@ -267,7 +267,7 @@ MUTANTS = [
     Mutant("serve-usage-counts-the-prompt-wrong", "hexq/serve/app.py",
            '        return chunk(text, finish) | {"usage": usage(len(ids), completion_tokens)}',
            '        return chunk(text, finish) | {"usage": usage(len(ids) + 1, completion_tokens)}',
-           ("tests/test_serve.py",)),
+           ("tests/test_serve.py::test_the_openai_client_gets_what_hexq_run_gives",)),
     Mutant("online-policy-hot-set-ignored", "hexq/runtime/policy.py",
            "        widths = torch.where(self.hot[layer], self.high_bits, self.low_bits)",
            "        widths = torch.where(self.hot[layer] & False, self.high_bits, self.low_bits)",

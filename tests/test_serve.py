@@ -150,6 +150,8 @@ def test_the_openai_client_gets_what_hexq_run_gives(which, request, artifacts, t
     got = client.completions.create(model=artifact.name, prompt=prompt, max_tokens=24, temperature=0)
     assert got.choices[0].text == want
     assert got.usage.completion_tokens == 24 and got.choices[0].finish_reason == "length"
+    by_ids = client.completions.create(model=artifact.name, prompt=[11, 230, 4096, 7], max_tokens=3, temperature=0)
+    assert (by_ids.usage.prompt_tokens, by_ids.usage.completion_tokens, by_ids.usage.total_tokens) == (4, 3, 7)
     streamed = client.completions.create(model=artifact.name, prompt=prompt, max_tokens=24, temperature=0,
                                          stream=True)
     assert "".join(chunk.choices[0].text for chunk in streamed) == want
@@ -177,7 +179,7 @@ def test_stop_strings_end_the_text_before_them(guarded, artifacts):
         assert (text, finish) == (want, "stop")
 
 
-def test_chat_uses_the_template(guarded, plain, artifacts):
+def test_chat_uses_the_template(guarded, plain, artifacts, tokenizer):
     client = guarded.client()
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPTS[2]}]
     rendered = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
@@ -192,6 +194,8 @@ def test_chat_uses_the_template(guarded, plain, artifacts):
     chunks = list(streamed)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
     assert chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == got.usage.prompt_tokens == len(
+        tokenizer(rendered, add_special_tokens=False)["input_ids"])
     with pytest.raises(openai.BadRequestError, match="no chat template"):
         plain.client().chat.completions.create(model=artifacts["mixtral"].name, messages=messages)
 
