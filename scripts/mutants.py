@@ -595,10 +595,14 @@ def run_mutant(mutant: Mutant) -> tuple[bool, str, float]:
     else:
         failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", done.stdout, re.M)
         skipped = re.findall(r"^SKIPPED \[\d+\] \S+ (.*)$", done.stdout, re.M)
-        # a survivor whose tests did not run says why (e.g. llama.cpp's tools not built): still a survivor
-        by = failed[0] if failed else (f"exit {done.returncode}" if killed else
-                                       f"its tests skipped: {skipped[0]}" if skipped and not re.search(
-                                           r"\d+ passed", done.stdout) else "-")
+        if failed:
+            by = failed[0]
+        elif killed:
+            by = f"exit {done.returncode}"
+        elif skipped and not re.search(r"\d+ passed", done.stdout):  # says why its tests did not run: still a survivor
+            by = f"its tests skipped: {skipped[0]}"
+        else:
+            by = "-"
     return killed, by, time.perf_counter() - started
 
 

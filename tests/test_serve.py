@@ -342,7 +342,8 @@ def listening_addresses(port: int) -> set[str]:
         if not os.path.exists(table):
             continue
         for line in Path(table).read_text().splitlines()[1:]:
-            local, state = line.split()[1], line.split()[3]
+            fields = line.split()
+            local, state = fields[1], fields[3]
             address, hex_port = local.split(":")
             if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
                 raw = bytes.fromhex(address)  # 32-bit words in host (little-endian) order
