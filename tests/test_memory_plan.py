@@ -39,7 +39,7 @@ def test_a_plan_below_one_expert_names_its_minimum_and_both_flags_are_refused():
     with pytest.raises(HexqError, match=f"below the minimum of .*\\({minimum} bytes\\)"):
         plan_memory(memory_bytes=minimum - 1, fast_tier_bytes=None, **PARTS)
     assert plan_memory(memory_bytes=minimum, fast_tier_bytes=None, **PARTS).fast_tier_bytes == 400
-    with pytest.raises(HexqError, match="--fast-tier 399 bytes cannot hold one expert; the minimum is 400"):
+    with pytest.raises(HexqError, match="--fast-tier 399 B cannot hold one expert; the minimum is 400 B \\(400 bytes"):
         plan_memory(memory_bytes=None, fast_tier_bytes=399, **PARTS)
     with pytest.raises(HexqError, match="not both"):
         plan_memory(memory_bytes=10**6, fast_tier_bytes=10**3, **PARTS)

@@ -16,10 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hexq.base.errors import HexqError
-
-
-def mib(nbytes: int) -> str:
-    return f"{nbytes / 2**20:.1f} MiB"
+from hexq.base.units import format_bytes
 
 
 @dataclass(frozen=True)
@@ -82,15 +79,17 @@ def plan_memory(*, memory_bytes: int | None, fast_tier_bytes: int | None, dense_
         fast_tier = memory_bytes - dense_bytes - scratch_bytes - kv_bytes
         if fast_tier < largest_slot:
             minimum = dense_bytes + scratch_bytes + kv_bytes + largest_slot
-            raise HexqError(f"--memory {mib(memory_bytes)} is below the minimum of {mib(minimum)} ({minimum} bytes): "
-                            f"the dense part takes {mib(dense_bytes)}, one expert {mib(largest_slot)} "
-                            f"({cache_format}), the scratch {mib(scratch_bytes)} and the KV cache of {context} "
-                            f"positions {mib(kv_bytes)} (--context)")
+            size = format_bytes
+            raise HexqError(f"--memory {size(memory_bytes)} is below the minimum of {size(minimum)} ({minimum} bytes): "
+                            f"the dense part takes {size(dense_bytes)}, one expert {size(largest_slot)} "
+                            f"({cache_format}), the scratch {size(scratch_bytes)} and the KV cache of {context} "
+                            f"positions {size(kv_bytes)} (--context)")
     else:
         fast_tier = expert_bytes if fast_tier_bytes is None else fast_tier_bytes
         if fast_tier < largest_slot:
-            raise HexqError(f"--fast-tier {fast_tier} bytes cannot hold one expert; the minimum is {largest_slot} "
-                            f"bytes ({largest_slot / 2**20:.2f} MiB, {cache_format}); all experts take {expert_bytes}")
+            raise HexqError(f"--fast-tier {format_bytes(fast_tier)} cannot hold one expert; the minimum is "
+                            f"{format_bytes(largest_slot)} ({largest_slot} bytes, {cache_format}); all experts take "
+                            f"{format_bytes(expert_bytes)}")
     fast_tier = min(fast_tier, expert_bytes) if cached else 0
     return MemoryPlan(dense_bytes, scratch_bytes, kv_bytes, context, expert_bytes, fast_tier, memory_bytes,
                       arena=arena_possible and cached and fast_tier >= expert_bytes)
