@@ -79,11 +79,11 @@ def plan_memory(*, memory_bytes: int | None, fast_tier_bytes: int | None, dense_
         fast_tier = memory_bytes - dense_bytes - scratch_bytes - kv_bytes
         if fast_tier < largest_slot:
             minimum = dense_bytes + scratch_bytes + kv_bytes + largest_slot
-            size = format_bytes
-            raise HexqError(f"--memory {size(memory_bytes)} is below the minimum of {size(minimum)} ({minimum} bytes): "
-                            f"the dense part takes {size(dense_bytes)}, one expert {size(largest_slot)} "
-                            f"({cache_format}), the scratch {size(scratch_bytes)} and the KV cache of {context} "
-                            f"positions {size(kv_bytes)} (--context)")
+            raise HexqError(f"--memory {format_bytes(memory_bytes)} is below the minimum of "
+                            f"{format_bytes(minimum)} ({minimum} bytes): the dense part takes "
+                            f"{format_bytes(dense_bytes)}, one expert {format_bytes(largest_slot)} ({cache_format}), "
+                            f"the scratch {format_bytes(scratch_bytes)} and the KV cache of {context} positions "
+                            f"{format_bytes(kv_bytes)} (--context)")
     else:
         fast_tier = expert_bytes if fast_tier_bytes is None else fast_tier_bytes
         if fast_tier < largest_slot:
