@@ -65,14 +65,16 @@ def run(command: list[str], env: dict) -> tuple[float, int]:
 
 def calibrate(checkpoint: Path, out: Path, samples: int, world: int, threads: int,
               recipe: str = "experts-mixed") -> dict:
-    shutil.rmtree(out, ignore_errors=True)
+    logs = out.with_name(out.name + "-torchrun")
+    for folder in (out, logs):
+        shutil.rmtree(folder, ignore_errors=True)
     hexq = ["-m", "hexq_cli.main", "calibrate", str(checkpoint), "-r", recipe, "--samples", str(samples),
             "-o", str(out)]
     if world == 1:
         command = [sys.executable, *hexq]
     else:
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port",
-                   str(free_port()), *hexq]
+                   str(free_port()), "--log-dir", str(logs), *hexq]
     seconds, peak = run(command, {"OMP_NUM_THREADS": str(threads)})
     timings = json.loads((out / "timings.json").read_text())
     layers = sorted(key for key in timings if key.startswith("layer_"))

@@ -45,7 +45,7 @@ class Check:
         """Run one hexq command; (seconds, output). A failed command is a row of its own and raises. ranks: that
         many processes started by torchrun (torch.distributed.run) on this machine instead of one plain process."""
         launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
-                    str(free_port())] if ranks else [sys.executable]
+                    str(free_port()), "--log-dir", str(self.work / "torchrun")] if ranks else [sys.executable]
         return self.command([*launcher, *HEXQ[1:], *args], f"hexq {' '.join(args)}", timeout)
 
     def profile(self, *args: str, out: Path, timeout: int = 900) -> dict:

@@ -55,8 +55,10 @@ def single_process(model: Path, recipe: Path, out: Path) -> str:
 
 
 def torchrun(world: int, model: Path, recipe: Path, out: Path) -> subprocess.CompletedProcess:
+    # --log-dir: torchrun's agent otherwise leaves a folder of its own in the system's temporary folder per launch
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port",
-               str(free_port()), *calibrate_command(model, recipe, out)]
+               str(free_port()), "--log-dir", str(out.with_name(out.name + "-torchrun")),
+               *calibrate_command(model, recipe, out)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT,
                           env=os.environ | {"OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
