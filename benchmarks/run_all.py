@@ -44,6 +44,7 @@ BENCHMARKS = {
     "engines": ("engines.py", "engines.json"),
     "engines_xeon": ("engines.py", "engines_xeon.json"),
     "serve": ("serve.py", "serve.json"),
+    "prompt_reuse": ("prompt_reuse.py", "prompt_reuse.json"),
     "distributed": ("distributed.py", "distributed.json"),
     "distributed_haq": ("distributed.py", "distributed_haq.json"),
     "scale": ("scale.py", "scale.json"),
@@ -79,6 +80,8 @@ RUN_BY_HAND = {"scale": "python benchmarks/scale.py --work DIR",
                "gemv_speed_xeon": "python benchmarks/gemv_speed.py --layouts planes rows8 "
                                   "-o benchmarks/results/gemv_speed_xeon.json on an Intel Xeon",
                "gguf_quality": "python benchmarks/gguf_quality.py --work DIR --llama-cpp SRC",
+               "prompt_reuse": "python benchmarks/prompt_reuse.py --artifact ART (a real-shaped artifact: "
+                               "benchmarks/engines.py makes one)",
                "head": "python benchmarks/head.py --checkpoint CKPT --quality",
                "gpu_check": "bash scripts/gpu_check.sh on a machine with a GPU, its gpu_check.json copied to "
                             "benchmarks/results/",

@@ -473,6 +473,11 @@ MUTANTS = [
            "        kv_store(m, kv_rows(m, m->k_cache, layer, h), pos ? pos - 1 : 0, s->k + h * D);\n"
            "        kv_store(m, kv_rows(m, m->v_cache, layer, h), pos ? pos - 1 : 0, s->v + h * D);",
            ("tests/test_native_decode.py",)),
+    Mutant("prompt-reuse-drops-the-kept-positions", "hexq/runtime/native.py",
+           "            if kept:\n                self.k_cache[:, :, :first], self.v_cache[:, :, :first] = kept\n", "",
+           ("tests/test_prompt_reuse.py",)),
+    Mutant("prompt-reuse-past-whole-passes", "hexq/runtime/prefix.py", "    return common - common % chunk",
+           "    return common", ("tests/test_prompt_reuse.py::test_a_reused_prompt_gives_what_a_fresh_runtime_gives",)),
     Mutant("prefill-passes-forget-the-earlier-ones", "hexq/runtime/engine.py",
            "            past = out.past_key_values\n", "            past = None\n",
            ("tests/test_runtime.py::test_prefill_in_passes_of_prefill_chunk",)),

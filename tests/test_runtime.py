@@ -183,7 +183,7 @@ def test_peak_rss_within_memory_over_the_interpreters_own(mixed_artifact):
 
 
 def test_memory_is_one_budget_for_dense_scratch_and_experts(mixed_artifact):
-    from hexq.runtime.engine import kv_position_bytes
+    from hexq.runtime.memory import kv_position_bytes
     from hexq.runtime.model import dense_bytes
 
     with Runtime(mixed_artifact, warm="none", **BF16) as probe:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import REFERENCE_MODELS, small_recipe
+from conftest import REFERENCE_MODELS, ROOT, small_recipe
 
 openai = pytest.importorskip("openai")
 
@@ -198,6 +198,25 @@ def test_chat_uses_the_template(guarded, plain, artifacts, tokenizer):
         tokenizer(rendered, add_special_tokens=False)["input_ids"])
     with pytest.raises(openai.BadRequestError, match="no chat template"):
         plain.client().chat.completions.create(model=artifacts["mixtral"].name, messages=messages)
+
+
+def test_a_chats_next_turn_reuses_its_history_and_answers_as_a_fresh_server(guarded, artifacts, tokenizer):
+    """The second turn's prompt begins with the first's: whole prefill passes of it (256 tokens) are taken from the
+    native step's cache (usage's cached_tokens, the metric), and the answer is the one given with nothing reused."""
+    client, name = guarded.client(), artifacts["qwen3moe"].name
+    story = (ROOT / "calib_data" / "austen.txt").read_text()[:1500]
+    turn = [{"role": "system", "content": story}, {"role": "user", "content": PROMPTS[3]}]
+    assert len(tokenizer(story)["input_ids"]) > 300  # past one prefill pass
+    first = client.chat.completions.create(model=name, messages=turn, max_tokens=8, temperature=0)
+    turn += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "And?"}]
+    before = guarded.metrics()["hexq_prompt_tokens_reused_total"]
+    second = client.chat.completions.create(model=name, messages=turn, max_tokens=12, temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens == 256
+    assert guarded.metrics()["hexq_prompt_tokens_reused_total"] - before == 256
+    client.completions.create(model=name, prompt=PROMPTS[0], max_tokens=2)  # another prompt: nothing to reuse
+    again = client.chat.completions.create(model=name, messages=turn, max_tokens=12, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.choices[0].message.content == second.choices[0].message.content
 
 
 def one_line_error(response: httpx.Response) -> str:

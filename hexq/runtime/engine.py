@@ -56,10 +56,11 @@ from hexq.runtime.cost import admit_fill, calibration_usage, usage_update
 from hexq.runtime.coverage import NotNative
 from hexq.runtime.experts import USAGE_HORIZON, CachedExperts, RunState
 from hexq.runtime.graph import GraphDecoder
-from hexq.runtime.memory import check_memory_flags, plan_memory, prefill_scratch_nbytes
+from hexq.runtime.memory import check_memory_flags, kv_position_bytes, plan_memory, prefill_scratch_nbytes
 from hexq.runtime.model import build_model, dense_plan_bytes, expert_quantizers, skeleton
 from hexq.runtime.native import KV_CACHES, NativeDecoder
 from hexq.runtime.policy import check_policy_widths, make_policy, policy_context
+from hexq.runtime.prefix import exact_copy, prefix_cache, reusable_positions
 from hexq.runtime.residency import FastTier
 from hexq.runtime.sampling import Sampling, TextStream, next_token
 from hexq.runtime.self_check import self_check
@@ -231,6 +232,8 @@ class Runtime:
         self_check(self, modules[0])
         self.warm_experts = self.warm(config.warm) if config.mode == "cache" and not self.plan.arena else 0
         self.native, self.decode_path = self._decoder(config.decode)
+        self.prompt: list[int] = []  # the last prompt, whose prefill's keys and values the native step holds
+        self.reused = 0  # positions the last sequence took from the one before it (hexq.runtime.prefix)
 
     def _decoder(self, decode: str) -> tuple[NativeDecoder | GraphDecoder | None, str]:
         """(the native step or None, the decode path as --stats names it) for --decode (see DECODE)."""
@@ -371,10 +374,16 @@ class Runtime:
         generator = sampling.generator()
         self.policy.begin_sequence()
         self.state.prefill = True
-        logits, past = self._next_logits(torch.tensor([ids], device=self.device), None)
+        held = self.native.k_cache.dtype if self.prompt else None
+        self.reused = reusable_positions(self.prompt, ids, PREFILL_CHUNK) if exact_copy(self.dtype, held) else 0
+        self.prompt = []  # what the native cache holds is rewritten from here on
+        past = prefix_cache(self.native.k_cache, self.native.v_cache, self.reused, self.dtype,
+                            self.model.config) if self.reused else None
+        logits, past = self._next_logits(torch.tensor([ids[self.reused:]], device=self.device), past)
         self.policy.end_prefill()
         if self.native is not None:  # the prompt's KV cache moves into the native step's
-            self.native.start(past, len(ids), len(ids) + max_new_tokens)
+            self.native.start(past, len(ids), len(ids) + max_new_tokens, self.reused)
+            self.prompt = list(ids)
             past = None
         for index in range(max_new_tokens):
             token = next_token(logits, sampling, generator)
@@ -418,17 +427,6 @@ class Runtime:
         return stream.text, self.stats(ttft_seconds=ttft, tpot_seconds=tpot, native_profile=profile,
                                        tokens_per_second=count / total if total > 0 else None,
                                        generated_tokens=count)
-
-
-def kv_position_bytes(config, dtype: torch.dtype, native: torch.dtype) -> int:
-    """Bytes one position of one sequence takes in the KV caches: keys and values of every layer's key-value heads,
-    in the compute dtype (the transformers path's cache) plus the native step's `native` (which the prompt's cache
-    is copied into: both exist at the handover)."""
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    key_dim = getattr(config, "qk_head_dim", None) or head_dim  # deepseek's MLA caches per-head keys and values
-    value_dim = getattr(config, "v_head_dim", None) or head_dim
-    return config.num_hidden_layers * heads * (key_dim + value_dim) * (dtype.itemsize + native.itemsize)
 
 
 def compute_scratch_nbytes(artifact: Artifact, streamed, dtype: torch.dtype, torch_path: bool) -> int:

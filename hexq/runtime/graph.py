@@ -294,22 +294,26 @@ class GraphDecoder:
 
     # --- serving
 
-    def start(self, past, positions: int, capacity: int) -> None:
+    def start(self, past, positions: int, capacity: int, first: int = 0) -> None:
         """A new sequence whose first `positions` tokens the transformers path prefilled into `past` (its KV cache):
-        room for `capacity` positions, the prompt's keys and values copied in as float32. A larger capacity than
-        before allocates the cache again and captures anew, rounded up to a power of two (at most the memory plan's
+        room for `capacity` positions, the prompt's keys and values from position `first` on copied in as float32
+        (those before it are the previous prompt's, kept: hexq.runtime.prefix). A larger capacity than before
+        allocates the cache again and captures anew, rounded up to a power of two (at most the memory plan's
         context), so a server's growing requests capture a handful of times, not once per length."""
         if capacity > self.capacity:
             capacity = max(capacity, min(1 << max(6, (capacity - 1).bit_length()), self.runtime.plan.context))
             shape = (len(self.layers), self.kv_heads, capacity, self.head_dim)
+            kept = (self.k_cache[:, :, :first], self.v_cache[:, :, :first]) if first else None
             # zeros, not empty: a masked position's value is multiplied by probability 0, which NaN would survive
             self.k_cache = torch.zeros(shape, dtype=torch.float32, device=self.device)
             self.v_cache = torch.zeros(shape, dtype=torch.float32, device=self.device)
+            if kept:
+                self.k_cache[:, :, :first], self.v_cache[:, :, :first] = kept
             self.slots = torch.arange(capacity, device=self.device)
             self.capacity, self.graph = capacity, None
         for index in range(len(self.layers)):
-            self.k_cache[index, :, :positions] = past.layers[index].keys[0, :, :positions].float()
-            self.v_cache[index, :, :positions] = past.layers[index].values[0, :, :positions].float()
+            self.k_cache[index, :, first:positions] = past.layers[index].keys[0, :, first:positions].float()
+            self.v_cache[index, :, first:positions] = past.layers[index].values[0, :, first:positions].float()
         self.positions = positions
 
     def step(self, token: int) -> torch.Tensor:

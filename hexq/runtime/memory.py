@@ -61,6 +61,17 @@ def prefill_scratch_nbytes(config, artifact, tokens: int, context: int, dtype) -
     return tokens * (per_token * dtype.itemsize + heads * context * 4)
 
 
+def kv_position_bytes(config, dtype, native) -> int:
+    """Bytes one position of one sequence takes in the KV caches: keys and values of every layer's key-value heads,
+    in the compute dtype (the transformers path's cache) plus the native step's `native` (which the prompt's cache
+    is copied into: both exist at the handover)."""
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    key_dim = getattr(config, "qk_head_dim", None) or head_dim  # deepseek's MLA caches per-head keys and values
+    value_dim = getattr(config, "v_head_dim", None) or head_dim
+    return config.num_hidden_layers * heads * (key_dim + value_dim) * (dtype.itemsize + native.itemsize)
+
+
 def check_memory_flags(memory_bytes: int | None, fast_tier_bytes: int | None) -> None:
     """--memory sizes the whole process, --fast-tier the experts alone: at most one of them."""
     if memory_bytes is not None and fast_tier_bytes is not None:

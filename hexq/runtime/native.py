@@ -334,22 +334,26 @@ class NativeDecoder:
 
     # --- serving
 
-    def start(self, past, positions: int, capacity: int) -> None:
+    def start(self, past, positions: int, capacity: int, first: int = 0) -> None:
         """A new sequence whose first `positions` tokens the transformers path prefilled into `past` (its KV cache):
-        room for `capacity` positions, the prompt's keys and values copied in (rounded to the cache's dtype, to nearest
-        even as kernels.h's float_to_half rounds the step's own)."""
+        room for `capacity` positions, the prompt's keys and values from position `first` on copied in (rounded to the
+        cache's dtype, to nearest even as kernels.h's float_to_half rounds the step's own); those before `first` are
+        the previous prompt's, kept (hexq.runtime.prefix)."""
         m = self.model
         if capacity > m.max_pos:
             shape, dtype = (m.layers, m.kv_heads, capacity, m.head_dim), KV_CACHES[self.runtime.config.kv_cache]
+            kept = (self.k_cache[:, :, :first], self.v_cache[:, :, :first]) if first else None
             self.k_cache = torch.zeros(shape, dtype=dtype)
             self.v_cache = torch.zeros(shape, dtype=dtype)
+            if kept:
+                self.k_cache[:, :, :first], self.v_cache[:, :, :first] = kept
             m.max_pos, m.kv_half = capacity, int(dtype == torch.float16)
             m.k_cache, m.v_cache = self.k_cache.data_ptr(), self.v_cache.data_ptr()
             self.scratch = torch.empty(self.library.hexq_decode_scratch(ctypes.byref(m)), dtype=torch.uint8)
         for index in range(m.layers):
             keys, values = past.layers[index].keys, past.layers[index].values
-            self.k_cache[index, :, :positions] = keys[0, :, :positions]  # copy_ converts (bf16 -> float16: through
-            self.v_cache[index, :, :positions] = values[0, :, :positions]  # float32, exact, then one rounding)
+            self.k_cache[index, :, first:positions] = keys[0, :, first:positions]  # copy_ converts (bf16 -> float16:
+            self.v_cache[index, :, first:positions] = values[0, :, first:positions]  # via float32, then one rounding)
         self.positions = positions
         if self.loads:
             self._adopt_resident()

@@ -226,7 +226,8 @@ def create_app(runtime, *, model_name: str, api_key: str | None = None, max_queu
                     elif event[0] == "done":
                         yield _sse(chunk("", event[1]))
                         if include_usage:
-                            yield _sse(chunk("", None) | {"choices": [], "usage": usage(len(job.ids), event[2])})
+                            counts = usage(len(job.ids), event[2], job.reused)
+                            yield _sse(chunk("", None) | {"choices": [], "usage": counts})
                         yield "data: [DONE]\n\n"
                         return
                     else:
@@ -266,7 +267,7 @@ def create_app(runtime, *, model_name: str, api_key: str | None = None, max_queu
         if result is None:
             return Response(status_code=499)
         text, finish, completion_tokens = result
-        return chunk(text, finish) | {"usage": usage(len(ids), completion_tokens)}
+        return chunk(text, finish) | {"usage": usage(len(ids), completion_tokens, job.reused)}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -300,7 +301,7 @@ def create_app(runtime, *, model_name: str, api_key: str | None = None, max_queu
         message = {"role": "assistant", "content": text}
         return {"id": request_id, "object": "chat.completion", "created": created, "model": model_name,
                 "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
-                "usage": usage(len(ids), completion_tokens)}
+                "usage": usage(len(ids), completion_tokens, job.reused)}
 
     @app.get("/v1/models")
     async def models():

@@ -57,6 +57,8 @@ class Metrics:
                                 registry=self.registry)
         self.prompt_tokens = Counter("hexq_prompt_tokens", "Prompt tokens of served requests.",
                                      registry=self.registry)
+        self.reused_tokens = Counter("hexq_prompt_tokens_reused", "Prompt tokens whose keys and values came from "
+                                     "the previous request's prompt instead of a prefill.", registry=self.registry)
         self.generated_tokens = Counter("hexq_generated_tokens", "Tokens generated.", registry=self.registry)
         self.finished = Counter("hexq_sequences", "Sequences ended, by reason (stop, length, cancelled).",
                                 ["reason"], registry=self.registry)
@@ -74,6 +76,7 @@ class Metrics:
     def observe(self, job, first_token_seconds, steps, completion_tokens, reason) -> None:
         """The worker's report of one finished job."""
         self.prompt_tokens.inc(len(job.ids))
+        self.reused_tokens.inc(job.reused)
         self.generated_tokens.inc(completion_tokens)
         self.finished.labels(reason).inc()
         if first_token_seconds is not None:

@@ -28,7 +28,8 @@ class QueueFull(Exception):
 @dataclass
 class Job:
     """One request's sequence: prompt ids, how many tokens at most, how to sample, where to stop. `events` receives
-    ("text", piece), then ("done", finish_reason, completion_tokens) or ("error", message)."""
+    ("text", piece), then ("done", finish_reason, completion_tokens) or ("error", message); `reused` is set before
+    "done": the prompt's positions taken from the previous request's (hexq.runtime.prefix)."""
 
     ids: list[int]
     max_tokens: int
@@ -38,6 +39,7 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     arrived: float = field(default_factory=time.perf_counter)
+    reused: int = 0
 
     def emit(self, *event) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
@@ -115,6 +117,7 @@ class Worker:
                 piece = stream.finish()
             if piece:
                 job.emit("text", piece)
+        job.reused = runtime.reused
         job.emit("done", reason, count)
         if self.observer is not None:
             self.observer(job, first, steps, count, reason)

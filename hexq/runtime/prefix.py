@@ -1,0 +1,45 @@
+"""Prompt reuse: a sequence whose prompt begins with the previous sequence's prompt takes that beginning's keys and
+values from the native step's KV cache instead of prefilling it again (a chat's next turn re-sends the whole
+conversation; on a CPU its prefill is most of the turn's time).
+
+Why only whole prefill chunks of the previous prompt. `Runtime._prefill` runs a prompt in passes of PREFILL_CHUNK
+tokens, each from the KV cache of the passes before it. Reusing a whole number of passes leaves the rest of the new
+prompt in exactly the passes a fresh sequence would run, over exactly the keys and values a fresh prefill computes
+(those of the previous prompt's prefill, not of its decode steps, which the native step computes in float32), so
+the sequence is the one a fresh runtime would generate, bit for bit: what a server answers does not depend on the
+requests before it. The copy into the native cache and back must be exact for that: bfloat16 values in a float16
+cache (away from float16's subnormal range, below ~6e-5, where a copy rounds) or anything in a float32 one.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+
+def reusable_positions(previous: list[int], ids: list[int], chunk: int) -> int:
+    """Positions at the start of `ids` a new sequence can take from the previous prompt: their common prefix, cut to
+    whole passes of `chunk` tokens, and short of the last token (whose logits the prefill must compute)."""
+    common = 0
+    for held, wanted in zip(previous, ids[:-1], strict=False):
+        if held != wanted:
+            break
+        common += 1
+    return common - common % chunk
+
+
+def exact_copy(dtype: torch.dtype, cache_dtype: torch.dtype | None) -> bool:
+    """Whether keys and values computed in `dtype` come back unchanged from a cache of `cache_dtype` (None: there
+    is none)."""
+    return cache_dtype == torch.float32 or (dtype == torch.bfloat16 and cache_dtype == torch.float16)
+
+
+def prefix_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, positions: int, dtype: torch.dtype,
+                 config) -> DynamicCache:
+    """The transformers KV cache of the first `positions` positions of a decode step's cache ([layers, KV heads,
+    capacity, head dim] keys and values) in `dtype`: what the prefill of the rest of a prompt continues from."""
+    past = DynamicCache(config=config)
+    for layer in range(k_cache.shape[0]):
+        past.update(k_cache[layer, :, :positions][None].to(dtype), v_cache[layer, :, :positions][None].to(dtype),
+                    layer)
+    return past
