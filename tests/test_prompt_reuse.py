@@ -36,7 +36,8 @@ STEPS = {"native": 12, "graph": 4}  # the CUDA graph step runs in Triton's CPU i
     pytest.param("native", "bf16", "f16", True, marks=needs_kernels(load_cpu_kernels())),
     pytest.param("native", "fp32", "f32", True, marks=needs_kernels(load_cpu_kernels())),
     pytest.param("native", "fp32", "f16", False, marks=needs_kernels(load_cpu_kernels())),
-    pytest.param("graph", "fp32", "f16", True, marks=pytest.mark.skipif(not gpu.available(), reason="no triton"))])
+    pytest.param("graph", "fp32", "f16", True, marks=[pytest.mark.skipif(not gpu.available(), reason="no triton"),
+                                                      *[pytest.mark.gpu] * torch.cuda.is_available()])])
 def test_a_reused_prompt_gives_what_a_fresh_runtime_gives(packed_artifact, monkeypatch, decode, dtype, kv_cache,
                                                           reuses):
     """The second prompt shares 37 tokens with the first: 32 are reused, the rest prefilled in the passes a fresh

@@ -27,7 +27,8 @@ experts it served, handed to the cache as hits that refresh their recency (Exper
 runs while the step does; the step reads ahead instead (decode.c read_ahead: a layer's misses, and the next layer's
 predicted experts, handed to the kernel's page cache before Python loads any). The misses skip the admission cost
 model: a transient load would leave a table entry pointing at scratch the next load reuses. The prompt is prefilled
-by the transformers path and its KV cache copied into the native one.
+by the transformers path and its KV cache copied into the native one (after the previous prompt's positions it
+begins with, where it reuses them: hexq.runtime.prefix).
 
 The weights are the model's own tensors (no copy, except the norms' float32 weights: a few KB per layer); the
 experts are the cache's resident packed versions, pinned for the decoder's lifetime where all of them fit. Both are
