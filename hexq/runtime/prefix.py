@@ -1,13 +1,13 @@
 """Prompt reuse: a sequence whose prompt begins with the previous sequence's prompt takes that beginning's keys and
-values from the native step's KV cache instead of prefilling it again (a chat's next turn re-sends the whole
-conversation; on a CPU its prefill is most of the turn's time).
+values from the decode step's KV cache (the native step's, or the CUDA graph step's) instead of prefilling it again
+(a chat's next turn re-sends the whole conversation; on a CPU its prefill is most of the turn's time).
 
-Why only whole prefill chunks of the previous prompt. `Runtime._prefill` runs a prompt in passes of PREFILL_CHUNK
+Why only whole prefill passes of the previous prompt. `Runtime._prefill` runs a prompt in passes of PREFILL_CHUNK
 tokens, each from the KV cache of the passes before it. Reusing a whole number of passes leaves the rest of the new
 prompt in exactly the passes a fresh sequence would run, over exactly the keys and values a fresh prefill computes
-(those of the previous prompt's prefill, not of its decode steps, which the native step computes in float32), so
+(those of the previous prompt's prefill; its generated tokens' come from the decode step, in float32: not reused), so
 the sequence is the one a fresh runtime would generate, bit for bit: what a server answers does not depend on the
-requests before it. The copy into the native cache and back must be exact for that: bfloat16 values in a float16
+requests before it. The copy into the decode step's cache and back must be exact for that: bfloat16 values in a float16
 cache (away from float16's subnormal range, below ~6e-5, where a copy rounds) or anything in a float32 one.
 """
 
