@@ -33,7 +33,7 @@ def next_turn(runtime: Runtime, history: list[int], turn: list[int], fresh: bool
     """(TTFT seconds, tokens, reused positions) of the turn after `history`, the history's request served first."""
     list(runtime.tokens(history, 4))
     if fresh:
-        runtime.prompt = []
+        runtime.native.prompt = []
     started = time.perf_counter()
     tokens = runtime.tokens(history + turn, 4)
     first = next(tokens)

@@ -58,11 +58,12 @@ def test_a_reused_prompt_gives_what_a_fresh_runtime_gives(packed_artifact, monke
 
         def generate(ids: list[int], fresh: bool) -> tuple[list[int], list[torch.Tensor], int]:
             if fresh:
-                runtime.prompt = []
+                runtime.native.prompt = []
             seen.clear()
             return list(runtime.tokens(ids, steps)), list(seen), runtime.reused
 
         generate(first, fresh=True)
+        assert runtime.native.prompt == first
         tokens, logits, reused = generate(second, fresh=False)
         assert reused == (32 if reuses else 0)
         want_tokens, want_logits, none = generate(second, fresh=True)

@@ -232,7 +232,6 @@ class Runtime:
         self_check(self, modules[0])
         self.warm_experts = self.warm(config.warm) if config.mode == "cache" and not self.plan.arena else 0
         self.native, self.decode_path = self._decoder(config.decode)
-        self.prompt: list[int] = []  # the last prompt, whose prefill's keys and values the native step holds
         self.reused = 0  # positions the last sequence took from the one before it (hexq.runtime.prefix)
 
     def _decoder(self, decode: str) -> tuple[NativeDecoder | GraphDecoder | None, str]:
@@ -374,16 +373,16 @@ class Runtime:
         generator = sampling.generator()
         self.policy.begin_sequence()
         self.state.prefill = True
-        held = self.native.k_cache.dtype if self.prompt else None
-        self.reused = reusable_positions(self.prompt, ids, PREFILL_CHUNK) if exact_copy(self.dtype, held) else 0
-        self.prompt = []  # what the native cache holds is rewritten from here on
+        prompt = self.native.prompt if self.native is not None else []
+        held = self.native.k_cache.dtype if prompt else None
+        self.reused = reusable_positions(prompt, ids, PREFILL_CHUNK) if exact_copy(self.dtype, held) else 0
         past = prefix_cache(self.native.k_cache, self.native.v_cache, self.reused, self.dtype,
                             self.model.config) if self.reused else None
         logits, past = self._next_logits(torch.tensor([ids[self.reused:]], device=self.device), past)
         self.policy.end_prefill()
         if self.native is not None:  # the prompt's KV cache moves into the native step's
             self.native.start(past, len(ids), len(ids) + max_new_tokens, self.reused)
-            self.prompt = list(ids)
+            self.native.prompt = list(ids)
             past = None
         for index in range(max_new_tokens):
             token = next_token(logits, sampling, generator)

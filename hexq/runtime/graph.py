@@ -190,6 +190,7 @@ class GraphDecoder:
         self.position = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.logits = torch.zeros(config.vocab_size, dtype=torch.float32, device=self.device)
         self.capacity = self.positions = 0
+        self.prompt: list[int] = []  # the prompt whose prefill's keys and values the cache holds (Runtime.tokens)
         self.graph = None
 
     @classmethod
@@ -300,6 +301,7 @@ class GraphDecoder:
         (those before it are the previous prompt's, kept: hexq.runtime.prefix). A larger capacity than before
         allocates the cache again and captures anew, rounded up to a power of two (at most the memory plan's
         context), so a server's growing requests capture a handful of times, not once per length."""
+        self.prompt = []  # the caller names the new prompt once its keys and values are in
         if capacity > self.capacity:
             capacity = max(capacity, min(1 << max(6, (capacity - 1).bit_length()), self.runtime.plan.context))
             shape = (len(self.layers), self.kv_heads, capacity, self.head_dim)

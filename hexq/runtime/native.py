@@ -131,6 +131,7 @@ class NativeDecoder:
         self._rows = {layer: row for row, layer in enumerate(runtime.artifact.moe_layers)}
         self.model = self._describe()  # its max_pos: the KV cache's positions (0 until `start`)
         self.positions = 0  # tokens in the KV cache
+        self.prompt: list[int] = []  # the prompt whose prefill's keys and values the cache holds (Runtime.tokens)
         self.resume = Resume()  # its log (of the experts served from the tables) only where the cache reads it
         if self.loads:
             self._log = (ctypes.c_int32 * (self.model.layers * self.model.top_k))()
@@ -340,7 +341,7 @@ class NativeDecoder:
         room for `capacity` positions, the prompt's keys and values from position `first` on copied in (rounded to the
         cache's dtype, to nearest even as kernels.h's float_to_half rounds the step's own); those before `first` are
         the previous prompt's, kept (hexq.runtime.prefix)."""
-        m = self.model
+        m, self.prompt = self.model, []  # the caller names the new prompt once its keys and values are in
         if capacity > m.max_pos:
             shape, dtype = (m.layers, m.kv_heads, capacity, m.head_dim), KV_CACHES[self.runtime.config.kv_cache]
             kept = (self.k_cache[:, :, :first], self.v_cache[:, :, :first]) if first else None
