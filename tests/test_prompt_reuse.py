@@ -68,5 +68,8 @@ def test_a_reused_prompt_gives_what_a_fresh_runtime_gives(packed_artifact, monke
         assert reused == (32 if reuses else 0)
         want_tokens, want_logits, none = generate(second, fresh=True)
         assert none == 0
+        _logits, past = runtime._next_logits(torch.tensor([first[:5]]), None)
+        runtime.native.start(past, 5, 8)  # another sequence's keys and values: nothing of the last prompt is held
+        assert runtime.native.prompt == []
     assert tokens == want_tokens
     assert len(logits) >= 3 and all(torch.equal(got, want) for got, want in zip(logits, want_logits, strict=True))
