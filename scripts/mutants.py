@@ -473,9 +473,8 @@ MUTANTS = [
            "        kv_store(m, kv_rows(m, m->k_cache, layer, h), pos ? pos - 1 : 0, s->k + h * D);\n"
            "        kv_store(m, kv_rows(m, m->v_cache, layer, h), pos ? pos - 1 : 0, s->v + h * D);",
            ("tests/test_native_decode.py",)),
-    Mutant("prompt-reuse-drops-the-kept-positions", "hexq/runtime/native.py",
-           "            if kept:\n                self.k_cache[:, :, :first], self.v_cache[:, :, :first] = kept\n", "",
-           ("tests/test_prompt_reuse.py",)),
+    Mutant("prompt-reuse-drops-the-kept-positions", "hexq/runtime/prefix.py",
+           "    if first:\n        cache[:, :, :first] = old[:, :, :first]\n", "", ("tests/test_prompt_reuse.py",)),
     Mutant("prompt-reuse-past-whole-passes", "hexq/runtime/prefix.py", "    return common - common % chunk",
            "    return common", ("tests/test_prompt_reuse.py::test_a_reused_prompt_gives_what_a_fresh_runtime_gives",)),
     Mutant("prompt-reuse-outlives-its-cache", "hexq/runtime/native.py",

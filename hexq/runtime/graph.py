@@ -35,6 +35,7 @@ from hexq.model.adapters import adapter_for
 from hexq.packed.weight import CODE_PAD, PackedWeight
 from hexq.runtime.compute import PackedLinear
 from hexq.runtime.coverage import NotNative, routing_normalized, unsupported_model
+from hexq.runtime.prefix import copy_prompt, grown_cache
 
 WARMUP = 2  # eager steps before the capture: Triton compiles its kernels, the allocator settles
 
@@ -305,17 +306,12 @@ class GraphDecoder:
         if capacity > self.capacity:
             capacity = max(capacity, min(1 << max(6, (capacity - 1).bit_length()), self.runtime.plan.context))
             shape = (len(self.layers), self.kv_heads, capacity, self.head_dim)
-            kept = (self.k_cache[:, :, :first], self.v_cache[:, :, :first]) if first else None
-            # zeros, not empty: a masked position's value is multiplied by probability 0, which NaN would survive
-            self.k_cache = torch.zeros(shape, dtype=torch.float32, device=self.device)
-            self.v_cache = torch.zeros(shape, dtype=torch.float32, device=self.device)
-            if kept:
-                self.k_cache[:, :, :first], self.v_cache[:, :, :first] = kept
+            old_k, old_v = (self.k_cache, self.v_cache) if first else (None, None)
+            self.k_cache = grown_cache(old_k, shape, torch.float32, self.device, first)
+            self.v_cache = grown_cache(old_v, shape, torch.float32, self.device, first)
             self.slots = torch.arange(capacity, device=self.device)
             self.capacity, self.graph = capacity, None
-        for index in range(len(self.layers)):
-            self.k_cache[index, :, first:positions] = past.layers[index].keys[0, :, first:positions].float()
-            self.v_cache[index, :, first:positions] = past.layers[index].values[0, :, first:positions].float()
+        copy_prompt(self.k_cache, self.v_cache, past, first, positions)
         self.positions = positions
 
     def step(self, token: int) -> torch.Tensor:

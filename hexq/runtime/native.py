@@ -48,6 +48,7 @@ from hexq.packed.cpu import gemv_takes
 from hexq.packed.weight import LAYOUTS
 from hexq.runtime.compute import PackedLinear
 from hexq.runtime.coverage import NotNative, routing_normalized, unsupported_model
+from hexq.runtime.prefix import copy_prompt, grown_cache
 from hexq.runtime.residency import ExpertWeights
 
 MAT_NONE, MAT_PACKED, MAT_F32, MAT_BF16, MAT_ABSENT = 0, 1, 2, 3, 4
@@ -339,23 +340,17 @@ class NativeDecoder:
     def start(self, past, positions: int, capacity: int, first: int = 0) -> None:
         """A new sequence whose first `positions` tokens the transformers path prefilled into `past` (its KV cache):
         room for `capacity` positions, the prompt's keys and values from position `first` on copied in (rounded to the
-        cache's dtype, to nearest even as kernels.h's float_to_half rounds the step's own); those before `first` are
-        the previous prompt's, kept (hexq.runtime.prefix)."""
+        cache's dtype: copy_prompt); those before `first` are the previous prompt's, kept (hexq.runtime.prefix)."""
         m, self.prompt = self.model, []  # the caller names the new prompt once its keys and values are in
         if capacity > m.max_pos:
             shape, dtype = (m.layers, m.kv_heads, capacity, m.head_dim), KV_CACHES[self.runtime.config.kv_cache]
-            kept = (self.k_cache[:, :, :first], self.v_cache[:, :, :first]) if first else None
-            self.k_cache = torch.zeros(shape, dtype=dtype)
-            self.v_cache = torch.zeros(shape, dtype=dtype)
-            if kept:
-                self.k_cache[:, :, :first], self.v_cache[:, :, :first] = kept
+            old_k, old_v = (self.k_cache, self.v_cache) if first else (None, None)
+            self.k_cache = grown_cache(old_k, shape, dtype, "cpu", first)
+            self.v_cache = grown_cache(old_v, shape, dtype, "cpu", first)
             m.max_pos, m.kv_half = capacity, int(dtype == torch.float16)
             m.k_cache, m.v_cache = self.k_cache.data_ptr(), self.v_cache.data_ptr()
             self.scratch = torch.empty(self.library.hexq_decode_scratch(ctypes.byref(m)), dtype=torch.uint8)
-        for index in range(m.layers):
-            keys, values = past.layers[index].keys, past.layers[index].values
-            self.k_cache[index, :, first:positions] = keys[0, :, first:positions]  # copy_ converts (bf16 -> float16:
-            self.v_cache[index, :, first:positions] = values[0, :, first:positions]  # via float32, then one rounding)
+        copy_prompt(self.k_cache, self.v_cache, past, first, positions)
         self.positions = positions
         if self.loads:
             self._adopt_resident()

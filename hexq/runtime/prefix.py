@@ -43,3 +43,23 @@ def prefix_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, positions: int, d
         past.update(k_cache[layer, :, :positions][None].to(dtype), v_cache[layer, :, :positions][None].to(dtype),
                     layer)
     return past
+
+
+def grown_cache(old: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, device, first: int
+                ) -> torch.Tensor:
+    """A decode step's cache [layers, KV heads, capacity, head dim] allocated anew, zeroed (a masked position's value
+    is multiplied by probability 0, which NaN would survive), with the `first` positions of `old` (the reused
+    prompt's) copied over."""
+    cache = torch.zeros(shape, dtype=dtype, device=device)
+    if first:
+        cache[:, :, :first] = old[:, :, :first]
+    return cache
+
+
+def copy_prompt(k_cache: torch.Tensor, v_cache: torch.Tensor, past, first: int, positions: int) -> None:
+    """Positions [first, positions) of a prefill's KV cache `past` into a decode step's caches; the assignment converts
+    to the cache's dtype (bf16 -> float16 through float32, exact, then one rounding to nearest even, as kernels.h's
+    float_to_half rounds the native step's own)."""
+    for layer in range(k_cache.shape[0]):
+        k_cache[layer, :, first:positions] = past.layers[layer].keys[0, :, first:positions]
+        v_cache[layer, :, first:positions] = past.layers[layer].values[0, :, first:positions]
