@@ -12,9 +12,11 @@ of random codes (a working set several times the last-level cache), cycled, so t
 a real step.
 
 Bytes per layer: codes + scales + zeros of the 16 matrices; GB/s = bytes / median seconds per layer (median over
---reps passes over the working set, the paths taking turns); share = GB/s over the read bandwidth (torch.sum over a
-2 GiB float32 tensor on the same threads, median of 5: benchmarks/runtime.py read_bandwidth). Every path's outputs are
-checked against the scalar path's on one layer (the same integer arithmetic, so the bound is float32 summation order).
+--reps passes over the working set, the paths taking turns); share = the median over the passes of the pass's GB/s
+over the read bandwidth measured in the same pass (torch.sum over a 2 GiB float32 tensor on the same threads, timed
+after the paths in every pass: the machine's speed drifts, and a bandwidth measured once before would compare the
+kernels with another minute's machine). Every path's outputs are checked against the scalar path's on one layer (the
+same integer arithmetic, so the bound is float32 summation order).
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from runtime import read_bandwidth
 
 from hexq.packed.cpu import GemvJob, available_paths, load_cpu_kernels
 from hexq.packed.weight import PackedWeight
@@ -55,10 +56,12 @@ def layer_jobs(layer: dict, x: torch.Tensor, mid: torch.Tensor, y_up: torch.Tens
     return up, down
 
 
-def measure(runs: dict, reps: int) -> dict[str, float]:
-    """Median seconds per layer (gate_up call, then down call) per path of `runs` ({path: (kernels, layers)}), over
-    `reps` passes over every layer; the paths take turns pass by pass, so a drift of the machine's speed during the
-    run (seen here: ~10 <-> ~13 GB/s for minutes at a time) reaches every path alike."""
+def measure(runs: dict, reps: int, threads: int) -> tuple[dict[str, list[float]], list[float]]:
+    """Seconds per layer (gate_up call, then down call) per path of `runs` ({path: (kernels, layers)}) in each of
+    `reps` passes over every layer, and the read bandwidth in GB/s measured in each pass (torch.sum over a 2 GiB
+    float32 tensor on `threads` threads, after the paths). The paths and the bandwidth take turns pass by pass, so a
+    drift of the machine's speed during the run (seen here: ~10 <-> ~13 GB/s for minutes at a time, and on some days
+    the kernels' time changing 2x within a minute) reaches every path and the bandwidth it is compared with alike."""
     hidden, inter = SHAPES["gate_up"][1], SHAPES["down"][1]
     x = torch.randn(1, hidden)
     mid = torch.randn(TOP_K, inter)
@@ -66,14 +69,20 @@ def measure(runs: dict, reps: int) -> dict[str, float]:
     jobs = {path: [layer_jobs(layer, x, mid, y_up, y_down) for layer in layers]
             for path, (_, layers, _layout) in runs.items()}
     passes: dict[str, list[float]] = {path: [] for path in runs}
-    for _ in range(reps + 1):  # the first pass warms the pool and the page tables
+    bandwidth: list[float] = []
+    torch.set_num_threads(threads)
+    data = torch.ones(1 << 29, dtype=torch.float32)  # 2 GiB (benchmarks/runtime.py read_bandwidth's tensor)
+    for _ in range(reps + 1):  # the first pass warms the pool, the page tables and the tensor
         for path, (kernels, layers, _layout) in runs.items():
             started = time.perf_counter()
             for up, down in jobs[path]:
                 kernels.gemv(up)
                 kernels.gemv(down)
             passes[path].append((time.perf_counter() - started) / len(layers))
-    return {path: statistics.median(times[1:]) for path, times in passes.items()}
+        started = time.perf_counter()
+        data.sum()
+        bandwidth.append(data.numel() * 4 / (time.perf_counter() - started) / 1e9)
+    return {path: times[1:] for path, times in passes.items()}, bandwidth[1:]
 
 
 def check(kernels, reference, layer: dict) -> float:
@@ -94,8 +103,12 @@ def check(kernels, reference, layer: dict) -> float:
 def render(results: dict) -> str:
     """The table under docs/runtime.md's marker (benchmarks/run_all.py)."""
     bandwidth = ", ".join(f"{gbps:.1f} GB/s on {threads}" for threads, gbps in results["bandwidth_gbps"].items())
+    per_pass = all("read_gbps" in r for r in results["rows"])  # results from before the bandwidth was per pass: not
+    how = "(median of every pass) " if per_pass else ""
+    share = "; share: per pass, against that pass's bandwidth" if per_pass else ""
     lines = [f"One MoE layer's 8 routed experts from memory (Qwen3-30B-A3B shapes, groups of 32); read bandwidth "
-             f"{bandwidth} thread(s)", "| path | bits | layout | threads | ms per layer | GB/s | share of the read "
+             f"{how}{bandwidth} thread(s){share}",
+             "| path | bits | layout | threads | ms per layer | GB/s | share of the read "
              "bandwidth | max rel. diff vs scalar |", "|---|---|---|---|---|---|---|---|"]
     for r in results["rows"]:
         lines.append(f"| {r['path']} | {r['bits']} | {r['layout']} | {r['threads']} | {r['ms_per_layer']:.3f} | "
@@ -123,9 +136,6 @@ def main() -> None:
     paths = args.paths or [p for p in available_paths(base.library) if p != "scalar"]
     results: dict = {"rows": []}
     for threads in args.threads:
-        bandwidth = read_bandwidth(threads)
-        results.setdefault("bandwidth_gbps", {})[str(threads)] = bandwidth
-        print(f"{threads} thread(s): read bandwidth {bandwidth:.1f} GB/s")
         for bits in args.bits:
             generator = torch.Generator().manual_seed(bits)
             stream = [{name: [random_weight(*SHAPES[name], bits, generator) for _ in range(TOP_K)]
@@ -144,11 +154,17 @@ def main() -> None:
                     made = copies[0]["gate_up"][0].layout  # 8-bit codes stay the stream whatever is asked
                     if all(run[0].path != path or run[2] != made for run in runs.values()):
                         runs[f"{path}/{layout}" if layout else path] = (kernels, copies, made)
-            timed = measure(runs, args.reps)
+            timed, bandwidth = measure(runs, args.reps, threads)
+            results.setdefault("bandwidth_gbps", {}).setdefault(str(threads), []).extend(bandwidth)
+            print(f"{threads} thread(s), {bits}-bit: read bandwidth {statistics.median(bandwidth):.1f} GB/s "
+                  f"(passes {min(bandwidth):.1f}-{max(bandwidth):.1f})")
             for name, (kernels, layers, layout) in runs.items():
-                error, seconds = check(kernels, reference, layers[0]), timed[name]
+                error, seconds = check(kernels, reference, layers[0]), statistics.median(timed[name])
+                # each pass's GB/s over the bandwidth measured in that pass: the share a drift does not move
+                per_pass = zip(timed[name], bandwidth, strict=True)
+                share = statistics.median(layer_bytes / s / 1e9 / gbps for s, gbps in per_pass)
                 row = {"path": kernels.path, "bits": bits, "threads": threads, "ms_per_layer": seconds * 1e3,
-                       "gbps": layer_bytes / seconds / 1e9, "share": layer_bytes / seconds / 1e9 / bandwidth,
+                       "gbps": layer_bytes / seconds / 1e9, "share": share, "read_gbps": statistics.median(bandwidth),
                        "layer_mb": layer_bytes / 1e6, "layout": layout, "max_rel_diff_vs_scalar": error}
                 results["rows"].append(row)
                 print(f"  {kernels.path:7s} {bits}-bit ({row['layout']}): {row['ms_per_layer']:.3f} ms/layer, "
@@ -157,6 +173,7 @@ def main() -> None:
             write_results(args.out, results, run)
             del runs
             del stream
+    results["bandwidth_gbps"] = {t: statistics.median(v) for t, v in results["bandwidth_gbps"].items()}
     write_results(args.out, results, run, complete=True)
 
 
