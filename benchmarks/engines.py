@@ -33,7 +33,10 @@ Bytes per decoded token (from the files, not timed): what one decode step reads 
 (attention, norms, routers, the head row-block it multiplies: the whole head; the embedding row aside) plus top_k of
 the num_experts experts per layer at their stored size (hexq: the allocation's mean slot bytes; llama.cpp: the
 expert tensors' bytes / num_experts * top_k). Memory read bandwidth: torch.sum over a 2 GiB float32 tensor on
---threads threads (median of 5). The share of it an engine uses = bytes per token * tokens/s / bandwidth.
+--threads threads (median of 5), in a process of its own right after each warm engine process; the share of it an
+engine uses = bytes per token * tokens/s / the median bandwidth measured next to that engine's processes (the
+machine's bandwidth drifts by up to 2x within minutes: one figure for the run would compare an engine with another
+minute's machine).
 
 With --cgroup, once more cold (page cache dropped) inside a memory cgroup of --cgroup-fraction (default half) of
 llama.cpp's Q4_0 file, page cache counted, as on a machine with less memory than the model (benchmarks/runtime.py
@@ -184,8 +187,9 @@ def run_child(spec: dict, cgroup: MemoryCgroup | None = None) -> dict:
 
 
 def repeated(spec: dict, repeats: int, cgroup_limit: int | None = None, root: Path | None = None) -> dict:
-    """The median row of `repeats` fresh processes (by tokens/s); errors are returned as they are."""
-    rows = []
+    """The median row of `repeats` fresh processes (by tokens/s), with the read bandwidth measured after each warm
+    one (`read_gbps`: their median); errors are returned as they are."""
+    rows, bandwidth = [], []
     for _ in range(repeats):
         cgroup = MemoryCgroup(root, cgroup_limit) if cgroup_limit else None
         try:
@@ -196,8 +200,11 @@ def repeated(spec: dict, repeats: int, cgroup_limit: int | None = None, root: Pa
         if "error" in row:
             return row
         rows.append(row | {"tokens_per_s": 1000 / row["tpot_ms"]})
+        if not cgroup_limit:  # a cold run reads from disk, not at the memory's bandwidth
+            bandwidth.append(run_child({"kind": "bandwidth", "threads": spec["threads"]})["read_gbps"])
     rows.sort(key=lambda r: r["tokens_per_s"])
-    return rows[len(rows) // 2] | {"tokens_per_s_all": [round(r["tokens_per_s"], 2) for r in rows]}
+    measured = {"read_gbps": statistics.median(bandwidth), "read_gbps_all": bandwidth} if bandwidth else {}
+    return rows[len(rows) // 2] | {"tokens_per_s_all": [round(r["tokens_per_s"], 2) for r in rows]} | measured
 
 
 # ------------------------------------------------------------------------------------------ preparing
@@ -356,7 +363,6 @@ def main() -> int:
     base = {"prompt": prompt, "decode": args.decode, "threads": args.threads, "cold": False}
     results: dict = {"benchmark": "engines", "checkpoint": str(args.checkpoint), "threads": args.threads,
                      "decode": args.decode, "prompt_tokens": PROMPT_TOKENS, "rows": []}
-    results["bandwidth_gbps"] = run_child({"kind": "bandwidth", "threads": args.threads})["read_gbps"]
     for name, artifact in artifacts.items():
         traffic = bytes_per_token_hexq(artifact)
         for path in ("native",) if name in NATIVE_ONLY else ("native", "transformers"):
@@ -396,10 +402,19 @@ def main() -> int:
                 "error": "no writable memory cgroup"}
             results["rows"].append(row | {"engine": name, "cgroup_limit_mib": limit / 2**20})
             write_results(args.out, results, run)
+    samples = [gbps for row in results["rows"] for gbps in row.get("read_gbps_all", [])]
+    results["bandwidth_gbps"] = statistics.median(samples) if samples else None
     results["ratios"] = ratios(results)
     write_results(args.out, results, run, complete=True)
     print(render(results))
     return 0
+
+
+def share(row: dict, results: dict) -> float:
+    """The share of the read bandwidth an engine's row uses: against the bandwidth measured next to its own processes
+    (results before that was measured: the run's one figure)."""
+    gbps = row.get("read_gbps", results["bandwidth_gbps"])
+    return row["bytes_per_token_mb"] * 1e6 * row["tokens_per_s"] / (gbps * 1e9)
 
 
 def ratios(results: dict) -> dict:
@@ -418,11 +433,9 @@ def ratios(results: dict) -> dict:
         if ours and old:
             out[f"{name} / the transformers decode path, tokens/s"] = ours["tokens_per_s"] / old["tokens_per_s"]
         if ours:
-            out[f"{name}: share of the read bandwidth"] = (ours["bytes_per_token_mb"] * 1e6 * ours["tokens_per_s"]
-                                                           / (results["bandwidth_gbps"] * 1e9))
+            out[f"{name}: share of the read bandwidth"] = share(ours, results)
     if q4:
-        out["llama.cpp Q4_0: share of the read bandwidth"] = (q4["bytes_per_token_mb"] * 1e6 * q4["tokens_per_s"]
-                                                              / (results["bandwidth_gbps"] * 1e9))
+        out["llama.cpp Q4_0: share of the read bandwidth"] = share(q4, results)
     depth = results.get("depth")
     ours, theirs = rows.get(f"hexq 3-bit, native decode, depth {depth}"), rows.get(f"llama.cpp Q4_0, depth {depth}")
     if ours and theirs:
@@ -437,7 +450,9 @@ def ratios(results: dict) -> dict:
 
 def render(results: dict) -> str:
     lines = [f"Decode, {results['threads']} threads, {results['prompt_tokens']}-token prompt, {results['decode']} "
-             f"tokens (median of the processes' median steps); read bandwidth {results['bandwidth_gbps']:.1f} GB/s",
+             f"tokens (median of the processes' median steps); read bandwidth {results['bandwidth_gbps']:.1f} GB/s"
+             + (" (median over the run; each share against the bandwidth measured next to its engine's processes)"
+                if any("read_gbps" in row for row in results["rows"]) else ""),
              "| engine | decode tokens/s | prefill tokens/s | bytes/token (MB) | peak RSS (MiB) |",
              "|---|---|---|---|---|"]
     for row in results["rows"]:
