@@ -5,7 +5,8 @@
 
 CKPT: a checkpoint from scripts/make_checkpoint.py (e.g. `--family qwen3_moe --size published --layers 6 --vocab
 8192`). DIR: llama.cpp's source tree (the one llama-cpp-python vendors: convert_hf_to_gguf.py, gguf-py) with its
-tools built in DIR/build/bin (llama-quantize, llama-bench).
+tools built in DIR/build/bin (llama-quantize, llama-bench: `bash scripts/llama_cpp.sh --bench` builds them in
+.cache/llama.cpp/0.3.36/llama_cpp_python-0.3.36/vendor/llama.cpp).
 
 What runs (every row a fresh process, --threads threads, nothing else running; the median over --repeats processes):
   hexq, native decode     `hexq run` on the 3- and 4-bit artifacts, every expert resident in the packed cache: a

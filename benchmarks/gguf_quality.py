@@ -19,7 +19,7 @@ of a multiple of 256 weights; the reference models' are 192, 96 and 384) is reco
 Decode speed of llama.cpp on hexq's GGUF beside `hexq run` is benchmarks/engines.py's.
 
 SRC is a llama.cpp source tree with its tools built in SRC/build/bin (llama-quantize, llama-imatrix); the one
-llama-cpp-python 0.3.36 vendors works (README, `hexq export --format gguf`, says how it was built). Its converter
+llama-cpp-python 0.3.36 vendors works (`bash scripts/llama_cpp.sh --bench` builds them there). Its converter
 imports `sentencepiece` for llama-family models (Mixtral) before it falls back to the BPE tokenizer: pip install it.
 """
 

@@ -4,7 +4,11 @@
 # own (-DLLAMA_BUILD=OFF: seconds), to load the libllama.so built here (LLAMA_CPP_LIB_PATH=the folder); print the
 # folder. tests/test_llama_cpp.py runs the tools on hexq's GGUF exports (HEXQ_LLAMA_CPP_BIN), the export's own check
 # (hexq.export.gguf.check) runs llama.cpp through the binding; .ci/run calls this first. About 4 minutes on 2 cores.
+# With --bench, llama-bench, llama-quantize and llama-imatrix too (the benchmarks' peers: engines.py, head.py,
+# gguf_quality.py; a minute more).
 set -euo pipefail
+TOOLS="llama-perplexity llama-tokenize"
+if [ "${1:-}" = "--bench" ]; then TOOLS="$TOOLS llama-bench llama-quantize llama-imatrix"; fi
 VERSION=0.3.36
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 DEST="$ROOT/.cache/llama.cpp/$VERSION"
@@ -18,7 +22,11 @@ binding() {
         LLAMA_CPP_LIB_PATH="$BIN" "$PYTHON" -c "import llama_cpp" >&2
     fi
 }
-if [ -x "$BIN/llama-perplexity" ] && [ -x "$BIN/llama-tokenize" ] && [ -f "$BIN/libllama.so" ]; then
+built() {
+    for tool in $TOOLS; do [ -x "$BIN/$tool" ] || return 1; done
+    [ -f "$BIN/libllama.so" ]
+}
+if built; then
     binding
     echo "$BIN"
     exit 0
@@ -34,6 +42,7 @@ FLAGS=""
 if grep -q "amx" /proc/cpuinfo 2>/dev/null; then FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"; fi
 cmake -S "$SRC" -B "$SRC/build" -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF \
       -DCMAKE_BUILD_TYPE=Release -DCMAKE_C_FLAGS="$FLAGS" -DCMAKE_CXX_FLAGS="$FLAGS" >&2
-cmake --build "$SRC/build" -j"$(nproc)" --target llama-perplexity llama-tokenize llama >&2
+# shellcheck disable=SC2086 # TOOLS: one word per target
+cmake --build "$SRC/build" -j"$(nproc)" --target $TOOLS llama >&2
 binding
 echo "$BIN"
