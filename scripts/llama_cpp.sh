@@ -8,7 +8,11 @@
 # gguf_quality.py; a minute more).
 set -euo pipefail
 TOOLS="llama-perplexity llama-tokenize"
-if [ "${1:-}" = "--bench" ]; then TOOLS="$TOOLS llama-bench llama-quantize llama-imatrix"; fi
+case "${1:-}" in
+    "") ;;
+    --bench) TOOLS="$TOOLS llama-bench llama-quantize llama-imatrix" ;;
+    *) echo "error: unknown argument '$1' (usage: scripts/llama_cpp.sh [--bench])" >&2; exit 2 ;;
+esac
 VERSION=0.3.36
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 DEST="$ROOT/.cache/llama.cpp/$VERSION"
