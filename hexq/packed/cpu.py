@@ -168,8 +168,12 @@ class CpuKernels:
 
     def gemv(self, jobs: list[GemvJob]) -> None:
         """Every job's y, in one call on the pool (jobs sharing one x tensor share its quantization)."""
-        if not jobs:
-            return
+        if jobs:
+            self.run_tasks(self.tasks(jobs))
+
+    @staticmethod
+    def tasks(jobs: list[GemvJob]) -> ctypes.Array:
+        """The C tasks of `jobs` (pointers into their tensors, which must outlive the tasks' use)."""
         tasks = (GemvTask * len(jobs))()
         for task, job in zip(tasks, jobs, strict=True):
             w = job.weight
@@ -179,9 +183,14 @@ class CpuKernels:
             task.rows, task.cols, task.group = rows, cols, cols // w.scale.shape[-1]
             task.x_stride, task.y_stride = job.x.stride(0), job.y.stride(0)
             task.bits, task.ntok, task.layout = w.bits, job.x.shape[0], LAYOUTS.index(w.layout)
-        scratch = self._scratch(self.library.hexq_gemv_scratch(tasks, len(jobs)))
-        if self.library.hexq_gemv(tasks, len(jobs), self._path_index, self.threads, scratch.data_ptr()) != 0:
-            raise ValueError(f"the {self.path} GEMV refused one of {len(jobs)} matrices (check gemv_takes first)")
+        return tasks
+
+    def run_tasks(self, tasks: ctypes.Array) -> None:
+        """The GEMV of tasks made by `tasks` (benchmarks/gemv_speed.py makes them once and times this call alone, as
+        the native step calls the kernels with no Python between them)."""
+        scratch = self._scratch(self.library.hexq_gemv_scratch(tasks, len(tasks)))
+        if self.library.hexq_gemv(tasks, len(tasks), self._path_index, self.threads, scratch.data_ptr()) != 0:
+            raise ValueError(f"the {self.path} GEMV refused one of {len(tasks)} matrices (check gemv_takes first)")
 
     def dequantize(self, out: torch.Tensor, weight: PackedWeight) -> bool:
         """Write the matrix `weight` stands for into `out` (contiguous, its shape, float32/bfloat16/float16); False if
