@@ -451,7 +451,8 @@ def ratios(results: dict) -> dict:
 
 def render(results: dict) -> str:
     lines = [f"Decode, {results['threads']} threads, {results['prompt_tokens']}-token prompt, {results['decode']} "
-             f"tokens (median of the processes' median steps); read bandwidth {results['bandwidth_gbps']:.1f} GB/s"
+             f"tokens (median of the processes' median steps); read bandwidth "
+             + ("not measured" if results["bandwidth_gbps"] is None else f"{results['bandwidth_gbps']:.1f} GB/s")
              + (" (median over the run; each share against the bandwidth measured next to its engine's processes)"
                 if any("read_gbps" in row for row in results["rows"]) else ""),
              "| engine | decode tokens/s | prefill tokens/s | bytes/token (MB) | peak RSS (MiB) |",

@@ -28,6 +28,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from runtime import bandwidth_tensor, read_pass
 
 from hexq.packed.cpu import GemvJob, available_paths, load_cpu_kernels
 from hexq.packed.weight import PackedWeight
@@ -56,12 +57,13 @@ def layer_jobs(layer: dict, x: torch.Tensor, mid: torch.Tensor, y_up: torch.Tens
     return up, down
 
 
-def measure(runs: dict, reps: int, threads: int) -> tuple[dict[str, list[float]], list[float]]:
+def measure(runs: dict, reps: int, data: torch.Tensor) -> tuple[dict[str, list[float]], list[float]]:
     """Seconds per layer (gate_up call, then down call) per path of `runs` ({path: (kernels, layers)}) in each of
-    `reps` passes over every layer, and the read bandwidth in GB/s measured in each pass (torch.sum over a 2 GiB
-    float32 tensor on `threads` threads, after the paths). The paths and the bandwidth take turns pass by pass, so a
-    drift of the machine's speed during the run (seen here: ~10 <-> ~13 GB/s for minutes at a time, and on some days
-    the kernels' time changing 2x within a minute) reaches every path and the bandwidth it is compared with alike."""
+    `reps` passes over every layer, and the read bandwidth in GB/s measured in each pass (torch.sum over `data`, a
+    benchmarks/runtime.py bandwidth_tensor, on torch's threads, after the paths). The paths and the bandwidth take
+    turns pass by pass, so a drift of the machine's speed during the run (seen here: ~10 <-> ~13 GB/s for minutes at
+    a time, and on some days the kernels' time changing 2x within a minute) reaches every path and the bandwidth it
+    is compared with alike."""
     hidden, inter = SHAPES["gate_up"][1], SHAPES["down"][1]
     x = torch.randn(1, hidden)
     mid = torch.randn(TOP_K, inter)
@@ -71,8 +73,6 @@ def measure(runs: dict, reps: int, threads: int) -> tuple[dict[str, list[float]]
             for path, (kernels, layers, _layout) in runs.items()}
     passes: dict[str, list[float]] = {path: [] for path in runs}
     bandwidth: list[float] = []
-    torch.set_num_threads(threads)
-    data = torch.ones(1 << 29, dtype=torch.float32)  # 2 GiB (benchmarks/runtime.py read_bandwidth's tensor)
     for _ in range(reps + 1):  # the first pass warms the pool, the page tables and the tensor
         for path, (kernels, layers, _layout) in runs.items():
             started = time.perf_counter()
@@ -80,9 +80,7 @@ def measure(runs: dict, reps: int, threads: int) -> tuple[dict[str, list[float]]
                 kernels.run_tasks(up)
                 kernels.run_tasks(down)
             passes[path].append((time.perf_counter() - started) / len(layers))
-        started = time.perf_counter()
-        data.sum()
-        bandwidth.append(data.numel() * 4 / (time.perf_counter() - started) / 1e9)
+        bandwidth.append(read_pass(data))
     return {path: times[1:] for path, times in passes.items()}, bandwidth[1:]
 
 
@@ -136,7 +134,9 @@ def main() -> None:
         raise SystemExit("error: the CPU kernels did not build")
     paths = args.paths or [p for p in available_paths(base.library) if p != "scalar"]
     results: dict = {"rows": []}
+    data = bandwidth_tensor()  # read in every pass (measure)
     for threads in args.threads:
+        torch.set_num_threads(threads)
         for bits in args.bits:
             generator = torch.Generator().manual_seed(bits)
             stream = [{name: [random_weight(*SHAPES[name], bits, generator) for _ in range(TOP_K)]
@@ -155,7 +155,7 @@ def main() -> None:
                     made = copies[0]["gate_up"][0].layout  # 8-bit codes stay the stream whatever is asked
                     if all(run[0].path != path or run[2] != made for run in runs.values()):
                         runs[f"{path}/{layout}" if layout else path] = (kernels, copies, made)
-            timed, bandwidth = measure(runs, args.reps, threads)
+            timed, bandwidth = measure(runs, args.reps, data)
             results.setdefault("bandwidth_gbps", {}).setdefault(str(threads), []).extend(bandwidth)
             print(f"{threads} thread(s), {bits}-bit: read bandwidth {statistics.median(bandwidth):.1f} GB/s "
                   f"(passes {min(bandwidth):.1f}-{max(bandwidth):.1f})")

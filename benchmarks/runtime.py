@@ -73,19 +73,28 @@ def vm_hwm() -> int:
     return int(re.search(r"VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
 
 
+def bandwidth_tensor():
+    """The tensor read_bandwidth reads: 2 GiB of float32 ones (several times any last-level cache)."""
+    import torch
+
+    return torch.ones(1 << 29, dtype=torch.float32, device="cpu")
+
+
+def read_pass(data) -> float:
+    """GB/s of one torch.sum over `data` (bandwidth_tensor), on torch's threads."""
+    started = time.perf_counter()
+    data.sum()
+    return data.numel() * data.element_size() / (time.perf_counter() - started) / 1e9
+
+
 def read_bandwidth(threads: int) -> float:
     """Memory read bandwidth in GB/s: torch.sum over a 2 GiB float32 tensor on `threads` threads (median of 5, after
     one warm-up)."""
     import torch
 
     torch.set_num_threads(threads)
-    data = torch.ones(1 << 29, dtype=torch.float32, device="cpu")  # 2 GiB
-    times = []
-    for _ in range(6):
-        started = time.perf_counter()
-        data.sum()
-        times.append(time.perf_counter() - started)
-    return data.numel() * 4 / statistics.median(times[1:]) / 1e9
+    data = bandwidth_tensor()
+    return statistics.median([read_pass(data) for _ in range(6)][1:])
 
 
 def disk_read_bytes() -> int:
