@@ -105,6 +105,8 @@ SETTINGS = {
                                      "experts": {"down_fit": "replica", "token_weights": "routing"}},
     "act+spread+float+down+routed+refit12": {"weights": {**BUNDLED_BANK, "refit_bits": (1, 2)},
                                              "experts": {"down_fit": "replica", "token_weights": "routing"}},
+    "act+spread+float+down+routed+clip": {"weights": {**BUNDLED_BANK, "clip_bits": (2,)},
+                                          "experts": {"down_fit": "replica", "token_weights": "routing"}},
 }
 # How `hexq pack` allocates (its pack section); "main" is the allocator before 0-bit experts and routing mass.
 ALLOCATORS = {
@@ -122,9 +124,9 @@ PEER_METHODS = (*PEERS, "hexq-rtn", "hexq-float")  # hexq's peer row tuned from 
 def bank_recipe(setting: str, samples: int, seed: int = 0) -> Recipe:
     recipe = load_recipe("experts-mixed")
     change = SETTINGS[setting]
-    # the settings add these ("+down", "+routed"): every setting's rows keep the meaning they were measured with
+    # the settings add these ("+down", "+routed", "+clip"): every setting keeps the meaning its rows were measured with
     experts = dataclasses.replace(recipe.experts, down_fit="full_precision", token_weights="equal")
-    weights = dataclasses.replace(experts.weights, **change.get("weights", {}))
+    weights = dataclasses.replace(experts.weights, **{"clip_bits": (), **change.get("weights", {})})
     experts = dataclasses.replace(experts, weights=weights, **change.get("experts", {}))
     # the banks are compared with the head as stored (experts-mixed's 8-bit head adds ~1% KL divergence to every
     # row alike: benchmarks/head.py), as every row of the committed tables was measured

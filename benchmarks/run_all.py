@@ -37,6 +37,7 @@ BENCHMARKS = {
     "low_bits_refit": ("low_bits.py", "low_bits_refit.json"),
     "low_bits_knobs": ("low_bits.py", "low_bits_knobs.json"),
     "low_bits_routed": ("low_bits.py", "low_bits_routed.json"),
+    "low_bits_clip": ("low_bits.py", "low_bits_clip.json"),
     "runtime": ("runtime.py", "runtime.json"),
     "runtime_cgroup": ("runtime.py", "runtime_cgroup.json"),
     "gemv_speed": ("gemv_speed.py", "gemv_speed.json"),
@@ -71,6 +72,10 @@ RUN_BY_HAND = {"scale": "python benchmarks/scale.py --work DIR",
                "low_bits_routed": "python benchmarks/low_bits.py --models qwen3moe mixtral --settings "
                                   "act+spread+float+down+routed --no-peers -o benchmarks/results/low_bits_routed.json, "
                                   "then --settings act+spread+float+down+routed+refit12 --merge -o the same file",
+               "low_bits_clip": "python benchmarks/low_bits.py --models qwen3moe mixtral --settings "
+                                "act+spread+float+down+routed+clip --no-peers "
+                                "-o benchmarks/results/low_bits_clip.json, then --settings "
+                                "act+spread+float+down+routed --merge -o the same file",
                "distributed": "python benchmarks/distributed.py --checkpoint CKPT",
                "distributed_haq": "python benchmarks/distributed.py --checkpoint CKPT --recipe haq-w8a8 "
                                   "--out benchmarks/results/distributed_haq.json",

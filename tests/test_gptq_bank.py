@@ -375,3 +375,29 @@ def test_runs_with_meta_default_device() -> None:
             assert torch.equal(got_bank[bits].loss, want_bank[bits].loss)
             assert torch.equal(got_bank[bits].damp_used, want_bank[bits].damp_used)
     assert torch.equal(got[1].codes, want[1].codes)
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_clip_bits_keeps_each_rows_best_range_and_what_it_reports_is_what_it_kept(symmetric):
+    """clip_bits (CLIP_RATIOS): every row's loss is the lowest of its whole-range and narrowed copies, so never above
+    the bank without it, and below it on some rows; the kept codes, grids and loss belong together (the loss
+    recomputed from the dequantized row, 0.5 dw H_damped dw^T, is the reported one); widths outside clip_bits are
+    unchanged."""
+    W, H, _ = expert_batch(rows=16)
+    factor = factorize_hessians(H, damp=0.01, act_order="sum_of_squares")
+    template = QuantSpec(bits=2, group_size=16, symmetric=symmetric, float_zero_bits=() if symmetric else (2,))
+    plain = gptq_bank(W, factor, [2, 3], template)
+    clipped = gptq_bank(W, factor, [2, 3], template, clip_bits=[2])
+    assert torch.equal(clipped[3].codes, plain[3].codes)  # the rest up to the summation order of a wider stack
+    for name in ("scale", "zero", "loss"):
+        assert torch.allclose(getattr(clipped[3], name), getattr(plain[3], name), rtol=1e-9)
+    new, old = clipped[2], plain[2]
+    assert (new.loss <= old.loss * (1 + 1e-9)).all() and (new.loss < old.loss * (1 - 1e-6)).any()
+    narrowed = (new.scale < old.scale * (1 - 1e-9)).all(dim=-1)  # rows that kept a narrowed copy, every group
+    assert narrowed.any() and (narrowed | (new.scale == old.scale).all(dim=-1)).all()
+    damped = H + torch.diag_embed(factor.damp_used[:, None] * H.diagonal(dim1=1, dim2=2).mean(-1, keepdim=True)
+                                  .expand(-1, H.shape[-1]))
+    grid = (new.codes.double().reshape(3, 16, -1, 16) - new.zero[..., None]) * new.scale[..., None]
+    dw = W - grid.reshape(W.shape)
+    recomputed = 0.5 * torch.einsum("eri,eij,erj->er", dw, damped, dw)
+    assert torch.allclose(recomputed, new.loss, rtol=1e-6)

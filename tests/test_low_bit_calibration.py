@@ -1,5 +1,6 @@
-"""The low-bit switches reach the calibration: fitted grids (experts.weights.fit_bits) and rounding optimised on
-routed tokens (experts.round_bits) change exactly the widths they name, and lower their loss-table MSE."""
+"""The low-bit switches reach the calibration: fitted grids (experts.weights.fit_bits), ranges chosen per row
+(experts.weights.clip_bits) and rounding optimised on routed tokens (experts.round_bits) change exactly the widths
+they name, and lower their loss-table MSE."""
 
 from __future__ import annotations
 
@@ -19,12 +20,15 @@ def bank(folder, layer: int) -> dict[str, torch.Tensor]:
     return load_file(folder / f"layer_{layer:03d}.bank.safetensors")
 
 
-@pytest.mark.parametrize("switch", ["fit", "round"])
+@pytest.mark.parametrize("switch", ["fit", "clip", "round"])
 def test_switch_changes_only_its_widths(switch, tiny_qwen3moe, mixed_calibration, tmp_path):
     plain = mixed_calibration[0]
     assert mixed_recipe().experts.round_bits == () and mixed_recipe().expert_weights.fit_bits == ()
-    if switch == "fit":
-        recipe = small_recipe("experts-mixed", weights=WeightQuant(group_size=16, symmetric=False, fit_bits=(1, 2)))
+    assert mixed_recipe().expert_weights.clip_bits == ()
+    widths = (2,) if switch == "clip" else (1, 2)
+    if switch in ("fit", "clip"):
+        recipe = small_recipe("experts-mixed", weights=WeightQuant(group_size=16, symmetric=False,
+                                                                   **{f"{switch}_bits": widths}))
     else:
         recipe = small_recipe("experts-mixed", weights=WeightQuant(group_size=16, symmetric=False),
                               round_bits=(1, 2), round_steps=20)
@@ -36,12 +40,13 @@ def test_switch_changes_only_its_widths(switch, tiny_qwen3moe, mixed_calibration
             width = int(replica.rsplit(".b", 1)[1])
             same = all(torch.equal(before[f"{replica}.{part}"], after[f"{replica}.{part}"])
                        for part in ("codes", "scale", "zero"))
-            assert same == (width not in (1, 2)), replica
+            assert same == (width not in widths), replica
             if switch == "round":  # zero points stay GPTQ's
                 assert torch.equal(before[f"{replica}.zero"], after[f"{replica}.zero"])
     for layer in range(2):
-        before = load_file(plain / f"layer_{layer:03d}.safetensors")["loss_table"][:, :2]
-        after = load_file(out / f"layer_{layer:03d}.safetensors")["loss_table"][:, :2]
+        columns = [w - 1 for w in widths]  # the loss table's columns: replica_bits 1, 2, 3, 4, 8
+        before = load_file(plain / f"layer_{layer:03d}.safetensors")["loss_table"][:, columns]
+        after = load_file(out / f"layer_{layer:03d}.safetensors")["loss_table"][:, columns]
         assert after.sum() < before.sum()
 
 

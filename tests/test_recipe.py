@@ -277,6 +277,10 @@ def test_low_bit_switches_name_widths_the_recipe_quantizes():
     data = recipe_to_dict(load_recipe("experts-mixed"))
     data["experts"]["weights"]["refit_bits"] = [2, 6]
     fails(data, "experts.weights.refit_bits lists [6], widths this recipe does not quantize")
+    data["experts"]["weights"]["refit_bits"] = [2]
+    data["experts"]["weights"]["clip_bits"] = [2, 7]
+    fails(data, "experts.weights.clip_bits lists [7], widths this recipe does not quantize")
+    data["experts"]["weights"]["clip_bits"] = [2]
     data["head"]["refit_bits"] = [4]
     data["experts"]["weights"]["refit_bits"] = [1, 2]
     fails(data, "head.refit_bits lists [4]")
@@ -307,6 +311,9 @@ def test_low_bit_switches_name_widths_the_recipe_quantizes():
     data["weights"]["fit_bits"] = []
     data["weights"]["refit_bits"] = [8]
     fails(data, "weights.refit_bits is used only with method 'gptq'")
+    data["weights"]["refit_bits"] = []
+    data["weights"]["clip_bits"] = [8]
+    fails(data, "weights.clip_bits is used only with method 'gptq'")
 
 
 def test_calibrations_made_before_later_switches_keep_their_fingerprint():
@@ -324,7 +331,7 @@ def test_calibrations_made_before_later_switches_keep_their_fingerprint():
                 "token_weights"):
         del data["experts"][key]
     del data["weights"]["fit_bits"], data["weights"]["one_bit"], data["weights"]["float_zero_bits"]
-    del data["weights"]["refit_bits"]
+    del data["weights"]["refit_bits"], data["weights"]["clip_bits"]
     data["version"] = 1  # what those manifests hold (version 2 only renamed a key of pack, which is not hashed)
     before = hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
     assert calibration_hash(recipe) == before
@@ -339,6 +346,9 @@ def test_calibrations_made_before_later_switches_keep_their_fingerprint():
     assert calibration_hash(recipe_from_dict(changed)) != before
     changed = recipe_to_dict(recipe)
     changed["weights"]["refit_bits"] = [8]
+    assert calibration_hash(recipe_from_dict(changed)) != before
+    changed = recipe_to_dict(recipe)
+    changed["weights"]["clip_bits"] = [8]
     assert calibration_hash(recipe_from_dict(changed)) != before
     assert calibration_hash(recipe_from_dict(recipe_to_dict(recipe) | {"head": {"bits": 8}})) != before
     mixed = recipe_to_dict(load_recipe("experts-mixed"))

@@ -4,7 +4,6 @@ kernels' path in the stats, the packed cache's bytes, and the start-up self-chec
 from __future__ import annotations
 
 import math
-import statistics
 
 import pytest
 import torch
@@ -129,11 +128,14 @@ def test_every_cpu_path_serves_the_same_model(packed_artifact, eval_perplexity, 
 
 def test_decode_from_the_codes_tracks_the_exact_model(packed_artifact):
     """Position by position (prefill) and token by token (the GEMV path of decode), the logits from the codes stay
-    within float32-level noise of the exact mode (measured ~1e-5 relative; the int16 activation blocks round each
-    input to 1/32767 of its block's range), except where a position lands on a near tie that the two paths break
-    differently (a router's top-k or a W8A8 rounding: 1.2e-3 to 3.1e-3 on 1-3 of the 12 prompt positions of this
-    random model, moving with the calibration's grids). So the median position is held to 1e-4 and every one to
-    2e-2; a defect moves every position."""
+    within float32-level noise of the exact mode (measured ~3e-5 relative; the int16 activation blocks round each
+    input to 1/32767 of its block's range), except where an input of a W8A8 linear lands on a near tie of its 8-bit
+    grid, which the two paths then round to neighbouring codes: one code step, 1e-3 to 3e-3 at that position and,
+    through the KV cache, at later ones (on this random model with the bundled 2-bit ranges: 4 of the 12 prompt
+    positions and the decode steps from the third on; the router's top-k agreed at every position, its margins
+    >= 6e-3). How many positions that reaches moves with the calibration's grids, so at least a quarter of the
+    positions are held to 1e-4 and every one to 1e-2: a wrong code, scale or zero point moves every position that
+    reads it by more."""
     exact = Runtime(packed_artifact, dtype="fp32", cache="fp32", kernels="torch")
     served = from_codes(Runtime(packed_artifact, dtype="fp32"))
     try:
@@ -148,7 +150,7 @@ def test_decode_from_the_codes_tracks_the_exact_model(packed_artifact):
             b = served.model(step, past_key_values=past_b, use_cache=True)
             past_a, past_b = a.past_key_values, b.past_key_values
             errors.append(float((b.logits - a.logits).norm() / a.logits.norm()))
-        assert statistics.median(errors) <= 1e-4 and max(errors) <= 2e-2, errors
+        assert sum(e <= 1e-4 for e in errors) >= len(errors) // 4 and max(errors) <= 1e-2, errors
         assert served.stats().gemv_rows > 0 or KERNELS is None
     finally:
         exact.close()

@@ -15,6 +15,10 @@ Rows never interact in eq. 5-6: only columns do, through U. A replica bank (pape
 expert at several widths from one Hessian) is therefore one GPTQ run: the widths of one expert are stacked as extra
 rows, each row with its own grid, and the experts are the batch dimension of every tensor (`gptq_bank`). The
 Cholesky step depends only on H and is batched over experts too (`factorize_hessians`).
+
+The same independence makes a search of each row's grid range exact (`clip_bits`): a width's rows are stacked once
+more per narrowed range (CLIP_RATIOS), and each row keeps the copy whose objective (eq. 5 summed over the loop) is the
+lowest.
 """
 
 from __future__ import annotations
@@ -27,6 +31,13 @@ import torch
 from hexq.algos.clipping import fit_grid
 from hexq.algos.hessian import HessianFactor, _compute_dtype, factorize_hessian, factorize_hessians
 from hexq.algos.quant import QuantMeta, QuantSpec, one_bit_levels
+
+# The ranges tried for the widths in clip_bits, as fractions of each group's min/max range (narrowed about its middle),
+# next to the whole range. Measured on the reference models' bundled banks (benchmarks/low_bits.py, 64 held-out windows
+# x 256 per text): with (0.9, 0.8) at 2 bits 85-99% of Mixtral's rows keep a narrowed copy, most of them 0.8, and
+# uniform 2's mean KL divergence falls by 15-21% on both models; with 0.7 and 0.6 offered too, 1-14% of the rows took
+# 0.7 (0.6 almost none) and the KL divergence fell no further.
+CLIP_RATIOS = (0.9, 0.8)
 
 
 @dataclass(frozen=True)
@@ -116,13 +127,17 @@ class _RowGrids:
     sym_divisor: torch.Tensor  # scale = 2 max|w| / divisor: qmax, or 2 for 1 bit (levels +-max|w|/2)
     sym_zero: torch.Tensor  # (qmax + 1) / 2, or 0.5 for 1 bit
     symmetric: bool
+    ratio: torch.Tensor | None  # the fraction of its range each row's grid spans (clip_bits); None: every row all
 
     @classmethod
-    def build(cls, specs: Sequence[QuantSpec], rows: int, dtype: torch.dtype, device: torch.device) -> _RowGrids:
+    def build(cls, specs: Sequence[QuantSpec], rows: int, dtype: torch.dtype, device: torch.device,
+              ratios: Sequence[float] = ()) -> _RowGrids:
+        """specs: per stacked width its QuantSpec; ratios (empty: all 1): the fraction of the range its grids span."""
         def per_row(values: list) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=device).repeat_interleave(rows)
 
-        return cls(qmax=per_row([s.qmax for s in specs]),
+        return cls(ratio=per_row(list(ratios)) if any(r != 1.0 for r in ratios) else None,
+                   qmax=per_row([s.qmax for s in specs]),
                    one_bit=per_row([s.bits == 1 for s in specs]).bool(),
                    float_zero=per_row([s.bits == 1 or s.float_zero for s in specs]).bool(),
                    spread=per_row([s.bits == 1 and not s.symmetric and s.one_bit == "spread"
@@ -133,7 +148,15 @@ class _RowGrids:
 
     def params(self, lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """quant.grid_params for rows of different widths, from each row's (or group's) min and max along the last
-        axis of the stacked rows: same conventions and the same float operations, so the grids are identical."""
+        axis of the stacked rows: same conventions and the same float operations, so the grids are identical. Rows
+        with a ratio below 1 first narrow [lo, hi] about its middle (symmetric grids: max |w|) to that fraction."""
+        if self.ratio is not None:
+            narrowed = self.ratio < 1
+            if self.symmetric:
+                lo, hi = torch.where(narrowed, lo * self.ratio, lo), torch.where(narrowed, hi * self.ratio, hi)
+            else:
+                middle, half = (lo + hi) / 2, (hi - lo) / 2 * self.ratio
+                lo, hi = torch.where(narrowed, middle - half, lo), torch.where(narrowed, middle + half, hi)
         if self.symmetric:
             amax = torch.maximum(-lo, hi).clamp(min=1e-8)  # max |w|, exactly
             scale = 2 * amax / self.sym_divisor
@@ -253,7 +276,7 @@ def _quantize_stack(Wt: torch.Tensor, U: torch.Tensor, perm: torch.Tensor | None
 def gptq_bank(W: torch.Tensor, factor_or_H: HessianFactor | torch.Tensor, bits_list: Sequence[int],
               spec_template: QuantSpec, *, block_size: int = 128, damp: float = 0.01, act_order: str = "none",
               column_importance: torch.Tensor | None = None, max_damp: float = 1.0,
-              fit_bits: Collection[int] = ()) -> dict[int, GPTQBankResult]:
+              fit_bits: Collection[int] = (), clip_bits: Collection[int] = ()) -> dict[int, GPTQBankResult]:
     """GPTQ of E weights W [E, out, in] at every width of bits_list, in one column loop (eq. 5-6).
 
     factor_or_H: a HessianFactor of the E Hessians, or the Hessians [E, in, in] (2 X X^T summed over each expert's
@@ -275,14 +298,16 @@ def gptq_bank(W: torch.Tensor, factor_or_H: HessianFactor | torch.Tensor, bits_l
     are in the original column order. Input columns that are dead in the factor are zeroed. The grids of the widths
     in fit_bits are then fitted to their groups (hexq.algos.clipping.fit_grid) instead of spanning min and max:
     dynamic grids inside the loop with column weights 1 / [H_F^-1]_jj (eq. 5), static grids before it with
-    1 / [H^-1]_jj (a column's error once every other column compensates it).
+    1 / [H^-1]_jj (a column's error once every other column compensates it). The widths in clip_bits are stacked
+    once more per CLIP_RATIOS entry, grids spanning that fraction of each range, and each row keeps the copy with the
+    lowest loss (rows are independent, so the choice is exact for eq. 4 on the calibration tokens).
 
     Peak working set beyond the inputs, in stacks (one stack = E * in * B * out values of the compute dtype, e.g.
     8 experts x 2048 x 5 x 1536 x 4 bytes = 480 MiB): the stack (1), its uint8 codes (1/4 in float32), block buffers
     (2 x block_size / in; 4 x with act_order); before the loop copies of W (2/B), after it the per-width result codes
-    (1/4) in place of the stack. Measured on that example: 1.5 stacks above the inputs (1.8 with act_order), plus U
-    converted to the compute dtype if the factor's dtype differs, plus two [E, in, in] copies while factorizing when
-    H is given rather than a factor.
+    (1/4) in place of the stack; each clip_bits width adds len(CLIP_RATIOS) / B stacks. Measured on that example: 1.5
+    stacks above the inputs (1.8 with act_order), plus U converted to the compute dtype if the factor's dtype
+    differs, plus two [E, in, in] copies while factorizing when H is given rather than a factor.
     """
     if W.ndim != 3:
         raise ValueError(f"W must be a batch of matrices [E, out, in], got shape {tuple(W.shape)}")
@@ -308,13 +333,16 @@ def gptq_bank(W: torch.Tensor, factor_or_H: HessianFactor | torch.Tensor, bits_l
                                     max_damp=max_damp)
 
     dtype, device = _compute_dtype(W), W.device
-    width_count = len(specs)
-    grids = _RowGrids.build(specs, rows, dtype, device)
+    # the stacked widths: every spec over its whole range, then each clip_bits spec once per narrowed range
+    copies = [(b, ratio) for b, spec in enumerate(specs) if spec.bits in clip_bits for ratio in CLIP_RATIOS]
+    stacked = specs + [specs[b] for b, _ in copies]
+    width_count = len(stacked)
+    grids = _RowGrids.build(stacked, rows, dtype, device, [1.0] * len(specs) + [ratio for _, ratio in copies])
     dynamic = spec_template.group_size is not None and factor.perm is None
     dead = factor.dead.to(device)
     perm = None if factor.perm is None else factor.perm.to(device)
     U = factor.hinv_chol.to(device=device, dtype=dtype)
-    fitted = [b for b, spec in enumerate(specs) if spec.bits in fit_bits]
+    fitted = [b for b, spec in enumerate(stacked) if spec.bits in fit_bits]
     fit_rows = (torch.arange(rows, device=device) + torch.tensor(fitted, device=device)[:, None] * rows).flatten() \
         if fitted else None
     if dynamic:  # filled in by the loop, each group at its first column
@@ -342,6 +370,8 @@ def gptq_bank(W: torch.Tensor, factor_or_H: HessianFactor | torch.Tensor, bits_l
     # The stack is built inside the call so that nothing here keeps it alive once the loop returns.
     codes, loss = _quantize_stack(_stacked_columns(W, dead, perm, width_count, dtype), U, perm, scale, zero,
                                   grids.qmax, group, grid, group, block_size)
+    for b in sorted({b for b, _ in copies}):
+        _keep_best(codes, scale, zero, loss, rows, [b] + [len(specs) + i for i, (c, _) in enumerate(copies) if c == b])
 
     results = {}
     for b, spec in enumerate(specs):
@@ -351,6 +381,20 @@ def gptq_bank(W: torch.Tensor, factor_or_H: HessianFactor | torch.Tensor, bits_l
             zero=zero[:, :, part].transpose(1, 2).contiguous(), group_size=group, bits=spec.bits,
             damp_used=factor.damp_used, loss=loss[:, part].clone())
     return results
+
+
+def _keep_best(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, loss: torch.Tensor, rows: int,
+               widths: list[int]) -> None:
+    """Into stacked width widths[0] (codes [E, in, R], scale and zero [E, groups, R], loss [E, R], R = B * rows),
+    row by row the copy among `widths` with the lowest loss (clip_bits)."""
+    def part(t: torch.Tensor) -> torch.Tensor:  # [K, ..., rows]: the widths' slices of the stacked rows
+        return torch.stack([t[..., w * rows:(w + 1) * rows] for w in widths])
+
+    best = part(loss).argmin(dim=0)  # [E, rows]
+    own = slice(widths[0] * rows, (widths[0] + 1) * rows)
+    for t in (codes, scale, zero):
+        t[..., own] = part(t).gather(0, best[None, :, None, :].expand(1, -1, t.shape[1], -1))[0]
+    loss[:, own] = part(loss).gather(0, best[None])[0]
 
 
 def gptq_grid(W: torch.Tensor, factor: HessianFactor, grid: GridFn, span: int, group: int, qmax: int, *,
@@ -392,7 +436,7 @@ def gptq_grid(W: torch.Tensor, factor: HessianFactor, grid: GridFn, span: int, g
 def gptq_replicas(W: torch.Tensor, H: torch.Tensor, bits_list: list[int] | tuple[int, ...], spec_template: QuantSpec,
                   *, block_size: int = 128, damp: float = 0.01, act_order: str = "none",
                   column_importance: torch.Tensor | None = None, max_damp: float = 1.0,
-                  fit_bits: Collection[int] = ()) -> dict[int, GPTQResult]:
+                  fit_bits: Collection[int] = (), clip_bits: Collection[int] = ()) -> dict[int, GPTQResult]:
     """GPTQ of one W [out, in] at several bit widths (a replica bank) from a single inverse-Hessian factorization:
     gptq_bank with one expert. Each width uses spec_template with only `bits` replaced."""
     if not bits_list:
@@ -401,5 +445,6 @@ def gptq_replicas(W: torch.Tensor, H: torch.Tensor, bits_list: list[int] | tuple
         raise ValueError(f"W must be a 2-D [out, in] matrix, got shape {tuple(W.shape)}")
     factor = factorize_hessian(H, damp=damp, act_order=act_order, column_importance=column_importance,
                                max_damp=max_damp)
-    bank = gptq_bank(W[None], factor, bits_list, spec_template, block_size=block_size, fit_bits=fit_bits)
+    bank = gptq_bank(W[None], factor, bits_list, spec_template, block_size=block_size, fit_bits=fit_bits,
+                     clip_bits=clip_bits)
     return {bits: result.expert(0) for bits, result in bank.items()}

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from hexq.algos.gptq import gptq_bank, gptq_replicas
+from hexq.algos.gptq import CLIP_RATIOS, gptq_bank, gptq_replicas
 from hexq.algos.hessian import HessianFactor, blend_cold_hessian, factorize_hessians
 from hexq.algos.kquant import KQUANTS, SUPER, gptq_kquant, kquant_blocks, rtn_kquant
 from hexq.algos.quant import QuantMeta, QuantSpec, dequantize, quantize
@@ -84,7 +84,7 @@ def quantize_bank(weight: torch.Tensor, hessian: torch.Tensor, setting: WeightQu
     importance = channel_max if setting.act_order == "max_activation" else None
     results = gptq_replicas(weight.detach().float(), hessian, bits_list, setting.spec(), block_size=setting.block_size,
                             damp=setting.damp, act_order=setting.act_order, column_importance=importance,
-                            fit_bits=setting.fit_bits)
+                            fit_bits=setting.fit_bits, clip_bits=setting.clip_bits)
     out = refit_bank({bits: (r.codes[None], r.meta.scale[None], r.meta.zero[None]) for bits, r in results.items()},
                      weight.detach()[None], hessian[None],
                      torch.tensor([results[bits_list[0]].damp_used], device=hessian.device),
@@ -119,9 +119,10 @@ def quantize_expert_chunk(weights: torch.Tensor, hessians: torch.Tensor, setting
         return out, {}
     factor = factor or expert_factor(hessians, setting, channel_max)
     budget = GPTQ_CHUNK_BYTES if budget is None else budget
-    row_block = max(1, min(rows, budget // (4 * 3 * len(bits_list) * cols * n)))
+    row_block = max(1, min(rows, budget // (4 * 3 * stacked_widths(setting, bits_list) * cols * n)))
     parts = [gptq_bank(weights[:, start:start + row_block], factor, bits_list, setting.spec(),
-                       block_size=setting.block_size, fit_bits=setting.fit_bits) for start in range(0, rows, row_block)]
+                       block_size=setting.block_size, fit_bits=setting.fit_bits, clip_bits=setting.clip_bits)
+             for start in range(0, rows, row_block)]
     out = {bits: tuple(torch.cat([getattr(part[bits], name) for part in parts], dim=1)
                        for name in ("codes", "scale", "zero")) for bits in bits_list}
     out = refit_bank(out, weights, hessians, factor.damp_used, refit_specs(setting, out))
@@ -184,6 +185,11 @@ def gptq_chunk_bytes(device: torch.device, sharing: int = 1) -> int:
         return GPTQ_CHUNK_BYTES // max(1, sharing)
     free, _total = torch.cuda.mem_get_info(device)
     return max(GPTQ_CHUNK_BYTES, free // 4)
+
+
+def stacked_widths(setting: WeightQuant, bits_list: tuple[int, ...]) -> int:
+    """How many widths gptq_bank stacks for bits_list: one each, and one more per narrowed range of a clip_bits one."""
+    return len(bits_list) + len(CLIP_RATIOS) * sum(bits in setting.clip_bits for bits in bits_list)
 
 
 def gptq_chunk_size(shapes: dict[str, tuple[int, int]], widths: int, budget: int = GPTQ_CHUNK_BYTES) -> int:
@@ -340,7 +346,7 @@ def fill_bank(bank: ExpertBank, loaded: LoadedLayer, routed: RoutedTokens, weigh
     mid_low, mid_high = float("inf"), float("-inf")
     extra = export_spec(recipe, shapes)
     kquants = kquant_kinds(recipe, shapes)
-    chunk = gptq_chunk_size(shapes, len(bits_list) + (extra is not None) + bool(kquants), budget)
+    chunk = gptq_chunk_size(shapes, stacked_widths(setting, bits_list) + (extra is not None) + bool(kquants), budget)
     escalated: dict[str, dict] = {}
     kept = {bits: {} for bits in keep}
     deferred = set(recipe.experts.round_bits) if keep else set()  # written once block rounding has tuned them

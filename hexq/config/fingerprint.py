@@ -26,7 +26,8 @@ LATER_SETTINGS = {("experts", "export_target"): None, ("weights", "fit_bits"): [
                    ("weights", "float_zero_bits"): [], ("experts", "weights", "float_zero_bits"): [],
                    ("head", "float_zero_bits"): [], ("experts", "down_fit"): "full_precision",
                    ("weights", "refit_bits"): [], ("experts", "weights", "refit_bits"): [], ("head", "refit_bits"): [],
-                   ("experts", "token_weights"): "equal"}
+                   ("experts", "token_weights"): "equal", ("weights", "clip_bits"): [],
+                   ("experts", "weights", "clip_bits"): [], ("head", "clip_bits"): []}
 
 
 def calibration_hash(recipe: Recipe) -> str:

@@ -75,8 +75,10 @@ class WeightQuant:
     fit_bits (GPTQ only): the widths whose group grids are fitted to the weights, minimising the Hessian-weighted
     error (hexq.algos.clipping), instead of spanning each group's min and max; for a replica bank a subset of its
     widths, for one weight its `bits` or nothing; refit_bits likewise, the widths whose grids are refitted after GPTQ
-    to its codes (hexq.algos.refit). one_bit: the two levels of an asymmetric 1-bit grid, "minmax" (each group's min
-    and max) or "spread" (mean -+ 1.75 x the mean absolute deviation; hexq.algos.quant).
+    to its codes (hexq.algos.refit); clip_bits likewise, the widths whose rows each take the best of their grids over
+    the whole range and narrowed ranges by GPTQ's own objective (hexq.algos.gptq.CLIP_RATIOS). one_bit: the two
+    levels of an asymmetric 1-bit grid, "minmax" (each group's min and max) or "spread" (mean -+ 1.75 x the mean
+    absolute deviation; hexq.algos.quant).
     float_zero_bits (asymmetric only): the widths (2 and up) whose grids span each group's min and max with a float
     zero point, instead of widening the range to include 0 with an integer zero point (which compressed-tensors can
     write as it is; hexq export re-rounds a float-zero matrix onto the target's grid, as it does 1-bit ones).
@@ -91,6 +93,7 @@ class WeightQuant:
     block_size: int = 128  # columns per lazy-update block
     fit_bits: tuple[int, ...] = ()  # gptq only: widths whose grids are fitted (hexq.algos.clipping)
     refit_bits: tuple[int, ...] = ()  # gptq only: widths whose grids are refitted to GPTQ's codes (hexq.algos.refit)
+    clip_bits: tuple[int, ...] = ()  # gptq only: widths whose rows take the best of narrowed ranges (hexq.algos.gptq)
     one_bit: str = "minmax"  # "minmax" | "spread": the levels of an asymmetric 1-bit grid
     float_zero_bits: tuple[int, ...] = ()  # asymmetric only: widths whose grids span [min, max], float zero point
 
@@ -100,6 +103,7 @@ class WeightQuant:
         check_choice("one_bit", self.one_bit, ONE_BIT_GRIDS)
         check_width_list("fit_bits", self.fit_bits)
         check_width_list("refit_bits", self.refit_bits)
+        check_width_list("clip_bits", self.clip_bits)
         check_width_list("float_zero_bits", self.float_zero_bits)
         if self.float_zero_bits and self.symmetric:
             raise RecipeError("float_zero_bits", "is for asymmetric grids (symmetric: false)")
@@ -112,7 +116,8 @@ class WeightQuant:
         check_unit("damp", self.damp, open_low=True)
         check_at_least("block_size", self.block_size, 1)
         check_unused_at_default(self, "method", {name: ("gptq",) for name in ("act_order", "damp", "block_size",
-                                                                                "fit_bits", "refit_bits")})
+                                                                                "fit_bits", "refit_bits",
+                                                                                "clip_bits")})
 
     def spec(self, bits: int | None = None) -> QuantSpec:
         """The QuantSpec of this setting, at `bits` instead of self.bits when given (one replica of a bank)."""
@@ -384,7 +389,7 @@ class Recipe:
         if not self.name.strip():
             raise RecipeError("name", "must not be empty")
         widths = self.experts.replica_bits if self.experts.mode == "replicas" else (self.expert_weights.bits,)
-        lists = ("fit_bits", "float_zero_bits", "refit_bits")  # WeightQuant's lists of widths
+        lists = ("fit_bits", "float_zero_bits", "refit_bits", "clip_bits")  # WeightQuant's lists of widths
         named = [(f"weights.{key}", getattr(self.weights, key), (self.weights.bits,)) for key in lists]
         named += [(f"experts.weights.{key}", getattr(self.expert_weights, key), widths) for key in lists]
         named += [("experts.round_bits", self.experts.round_bits, widths)]
