@@ -102,7 +102,7 @@ MUTANTS = [
            "        return scale, torch.where(self.float_zero, zero, torch.round(zero))",
            "        return scale, torch.round(zero)", ("tests/test_gptq_bank.py",)),
     Mutant("clip-bits-keeps-the-worst-copy", "hexq/algos/gptq.py",
-           "    best = part(loss).argmin(dim=0)  # [E, rows]", "    best = part(loss).argmax(dim=0)  # [E, rows]",
+           "    best = losses.argmin(dim=0)  # [E, rows]", "    best = losses.argmax(dim=0)  # [E, rows]",
            ("tests/test_gptq_bank.py",)),
     Mutant("clip-bits-codes-without-their-scales", "hexq/algos/gptq.py",
            "    for t in (codes, scale, zero):", "    for t in (codes, zero):", ("tests/test_gptq_bank.py",)),

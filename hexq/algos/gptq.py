@@ -151,11 +151,11 @@ class _RowGrids:
         axis of the stacked rows: same conventions and the same float operations, so the grids are identical. Rows
         with a ratio below 1 first narrow [lo, hi] about its middle (symmetric grids: max |w|) to that fraction."""
         if self.ratio is not None:
-            narrowed = self.ratio < 1
-            if self.symmetric:
-                lo, hi = torch.where(narrowed, lo * self.ratio, lo), torch.where(narrowed, hi * self.ratio, hi)
-            else:
+            if self.symmetric:  # a ratio of 1 leaves lo and hi exactly as they are
+                lo, hi = lo * self.ratio, hi * self.ratio
+            else:  # the middle and half-range of a whole-range row need not give back its lo and hi exactly
                 middle, half = (lo + hi) / 2, (hi - lo) / 2 * self.ratio
+                narrowed = self.ratio < 1
                 lo, hi = torch.where(narrowed, middle - half, lo), torch.where(narrowed, middle + half, hi)
         if self.symmetric:
             amax = torch.maximum(-lo, hi).clamp(min=1e-8)  # max |w|, exactly
@@ -383,6 +383,13 @@ def gptq_bank(W: torch.Tensor, factor_or_H: HessianFactor | torch.Tensor, bits_l
     return results
 
 
+def stacked_widths(bits_list: Sequence[int], clip_bits: Collection[int]) -> int:
+    """How many widths gptq_bank stacks for bits_list: each width once, and each clip_bits one once more per
+    CLIP_RATIOS entry (what sizes its working set: quantize_expert_chunk, gptq_chunk_size)."""
+    widths = dict.fromkeys(bits_list)
+    return len(widths) + len(CLIP_RATIOS) * sum(bits in clip_bits for bits in widths)
+
+
 def _keep_best(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, loss: torch.Tensor, rows: int,
                widths: list[int]) -> None:
     """Into stacked width widths[0] (codes [E, in, R], scale and zero [E, groups, R], loss [E, R], R = B * rows),
@@ -390,11 +397,12 @@ def _keep_best(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, los
     def part(t: torch.Tensor) -> torch.Tensor:  # [K, ..., rows]: the widths' slices of the stacked rows
         return torch.stack([t[..., w * rows:(w + 1) * rows] for w in widths])
 
-    best = part(loss).argmin(dim=0)  # [E, rows]
+    losses = part(loss)
+    best = losses.argmin(dim=0)  # [E, rows]
     own = slice(widths[0] * rows, (widths[0] + 1) * rows)
     for t in (codes, scale, zero):
         t[..., own] = part(t).gather(0, best[None, :, None, :].expand(1, -1, t.shape[1], -1))[0]
-    loss[:, own] = part(loss).gather(0, best[None])[0]
+    loss[:, own] = losses.gather(0, best[None])[0]
 
 
 def gptq_grid(W: torch.Tensor, factor: HessianFactor, grid: GridFn, span: int, group: int, qmax: int, *,

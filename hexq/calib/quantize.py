@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from hexq.algos.gptq import CLIP_RATIOS, gptq_bank, gptq_replicas
+from hexq.algos.gptq import gptq_bank, gptq_replicas, stacked_widths
 from hexq.algos.hessian import HessianFactor, blend_cold_hessian, factorize_hessians
 from hexq.algos.kquant import KQUANTS, SUPER, gptq_kquant, kquant_blocks, rtn_kquant
 from hexq.algos.quant import QuantMeta, QuantSpec, dequantize, quantize
@@ -119,7 +119,7 @@ def quantize_expert_chunk(weights: torch.Tensor, hessians: torch.Tensor, setting
         return out, {}
     factor = factor or expert_factor(hessians, setting, channel_max)
     budget = GPTQ_CHUNK_BYTES if budget is None else budget
-    row_block = max(1, min(rows, budget // (4 * 3 * stacked_widths(setting, bits_list) * cols * n)))
+    row_block = max(1, min(rows, budget // (4 * 3 * stacked_widths(bits_list, setting.clip_bits) * cols * n)))
     parts = [gptq_bank(weights[:, start:start + row_block], factor, bits_list, setting.spec(),
                        block_size=setting.block_size, fit_bits=setting.fit_bits, clip_bits=setting.clip_bits)
              for start in range(0, rows, row_block)]
@@ -185,11 +185,6 @@ def gptq_chunk_bytes(device: torch.device, sharing: int = 1) -> int:
         return GPTQ_CHUNK_BYTES // max(1, sharing)
     free, _total = torch.cuda.mem_get_info(device)
     return max(GPTQ_CHUNK_BYTES, free // 4)
-
-
-def stacked_widths(setting: WeightQuant, bits_list: tuple[int, ...]) -> int:
-    """How many widths gptq_bank stacks for bits_list: one each, and one more per narrowed range of a clip_bits one."""
-    return len(bits_list) + len(CLIP_RATIOS) * sum(bits in setting.clip_bits for bits in bits_list)
 
 
 def gptq_chunk_size(shapes: dict[str, tuple[int, int]], widths: int, budget: int = GPTQ_CHUNK_BYTES) -> int:
@@ -346,7 +341,8 @@ def fill_bank(bank: ExpertBank, loaded: LoadedLayer, routed: RoutedTokens, weigh
     mid_low, mid_high = float("inf"), float("-inf")
     extra = export_spec(recipe, shapes)
     kquants = kquant_kinds(recipe, shapes)
-    chunk = gptq_chunk_size(shapes, stacked_widths(setting, bits_list) + (extra is not None) + bool(kquants), budget)
+    stacked = stacked_widths(bits_list, setting.clip_bits)
+    chunk = gptq_chunk_size(shapes, stacked + (extra is not None) + bool(kquants), budget)
     escalated: dict[str, dict] = {}
     kept = {bits: {} for bits in keep}
     deferred = set(recipe.experts.round_bits) if keep else set()  # written once block rounding has tuned them
