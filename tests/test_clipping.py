@@ -6,17 +6,18 @@ import pytest
 import torch
 
 from hexq.algos.clipping import fit_grid, grid_error
-from hexq.algos.gptq import _RowGrids, gptq_bank
+from hexq.algos.gptq import gptq_bank
 from hexq.algos.hessian import factorize_hessians
 from hexq.algos.quant import QuantSpec
+from hexq.algos.row_grids import RowGrids
 from tests.conftest import DEVICES, HexqFactoriesOnMeta
 from tests.test_gptq_bank import expert_batch
 
 F64 = torch.float64
 
 
-def grids_for(bits: list[int], rows: int, symmetric: bool) -> _RowGrids:
-    return _RowGrids.build([QuantSpec(bits=b, symmetric=symmetric) for b in bits], rows, F64, torch.device("cpu"))
+def grids_for(bits: list[int], rows: int, symmetric: bool) -> RowGrids:
+    return RowGrids.build([QuantSpec(bits=b, symmetric=symmetric) for b in bits], rows, F64, torch.device("cpu"))
 
 
 def heavy_tailed(shape, seed: int) -> torch.Tensor:
@@ -30,7 +31,7 @@ def heavy_tailed(shape, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("symmetric", [False, True])
 def test_fit_never_raises_the_weighted_error(symmetric, device):
     bits = [1, 2, 3, 4, 8]
-    grids = _RowGrids.build([QuantSpec(bits=b, symmetric=symmetric) for b in bits], 6, F64, torch.device(device))
+    grids = RowGrids.build([QuantSpec(bits=b, symmetric=symmetric) for b in bits], 6, F64, torch.device(device))
     w = heavy_tailed((5, 16, 30), seed=1).to(device)  # 5 batches of groups, 16 columns, 5 widths x 6 rows
     c = torch.rand(5, 16, generator=torch.Generator().manual_seed(2), dtype=F64).to(device)
     c[0] = 0  # a batch whose columns carry no weight keeps its start

@@ -17,11 +17,11 @@ import gptq_reference as ref
 import pytest
 import torch
 
-from hexq.algos import gptq as gptq_mod
 from hexq.algos import hessian as hessian_mod
 from hexq.algos.gptq import GPTQBankResult, gptq_bank, gptq_replicas
 from hexq.algos.hessian import HessianFactor, factorize_hessians
 from hexq.algos.quant import QuantSpec, dequantize, grid_params
+from hexq.algos.row_grids import RowGrids
 from tests.conftest import HexqFactoriesOnMeta
 from tests.gptq_single import gptq_quantize
 
@@ -206,7 +206,7 @@ def test_row_grids_equal_grid_params() -> None:
     specs += [QuantSpec(bits=b, symmetric=False, float_zero_bits=(b,)) for b in range(2, 9)]
     for symmetric in (True, False):
         chosen = [s for s in specs if s.symmetric == symmetric]
-        grids = gptq_mod._RowGrids.build(chosen, 9, torch.float32, w.device)
+        grids = RowGrids.build(chosen, 9, torch.float32, w.device)
         stacked = w.repeat(1, len(chosen), 1)  # [6, 8 * 9, 16]: row block b at width chosen[b]
         lo, hi = torch.aminmax(stacked, dim=-1)
         scale, zero = grids.params(lo, hi)
@@ -215,7 +215,7 @@ def test_row_grids_equal_grid_params() -> None:
             assert torch.equal(scale[:, b * 9:(b + 1) * 9], want_scale), spec
             assert torch.equal(zero[:, b * 9:(b + 1) * 9], want_zero), spec
     spread = [QuantSpec(bits=b, symmetric=False, one_bit="spread") for b in (1, 2)]
-    grids = gptq_mod._RowGrids.build(spread, 9, torch.float32, w.device)
+    grids = RowGrids.build(spread, 9, torch.float32, w.device)
     scale, zero = grids.params(*grids.bounds(w.repeat(1, 2, 1), -1))
     for b, spec in enumerate(spread):
         want_scale, want_zero = grid_params(w, spec)
