@@ -219,7 +219,7 @@ MUTANTS = [
            "            widths |= wanted\n", "            widths |= set()\n",
            ("tests/test_policy_serving.py::test_a_policy_bank_holds_every_width_the_policy_asks_for",)),
     Mutant("a-later-setting-changes-old-fingerprints", "hexq/config/fingerprint.py",
-           '                   ("experts", "token_weights"): "equal"}', "                   }",
+           '                   ("experts", "weights", "clip_bits"): [], ("head", "clip_bits"): []}', "                   }",
            ("tests/test_recipe.py", "tests/test_calibrate.py")),
     Mutant("head-group-size-not-checked-against-the-model", "hexq/config/model_check.py",
            "    if head_group is not None and hidden_size % head_group:", "    if False:",
