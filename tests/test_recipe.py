@@ -358,3 +358,33 @@ def test_calibrations_made_before_later_switches_keep_their_fingerprint():
     weighted = recipe_to_dict(load_recipe("experts-mixed"))
     weighted["experts"]["token_weights"] = "equal" if mixed["experts"]["token_weights"] == "routing" else "routing"
     assert calibration_hash(recipe_from_dict(weighted)) != calibration_hash(recipe_from_dict(mixed))
+
+
+def test_an_experts_and_head_recipe_from_before_the_later_switches_keeps_its_fingerprint():
+    """The same for the switches of experts.weights and head: experts-mixed with every later switch at the value that
+    reproduces older calibrations hashes as its manifest did before those keys existed; one turned on changes it."""
+    import hashlib
+    import json
+
+    old = recipe_to_dict(load_recipe("experts-mixed"))
+    old["experts"].update(down_fit="full_precision", token_weights="equal")
+    old["experts"]["weights"].update(one_bit="minmax", float_zero_bits=[], clip_bits=[], fit_bits=[], refit_bits=[])
+    old["head"].update(float_zero_bits=[], refit_bits=[], clip_bits=[])
+    recipe = recipe_from_dict(old)
+    stored = {key: value for key, value in recipe_to_dict(recipe).items() if key != "pack"}
+    for key in ("export_target", "round_bits", "round_steps", "round_tokens", "round_scope", "down_fit",
+                "token_weights"):
+        del stored["experts"][key]
+    for key in ("fit_bits", "one_bit", "float_zero_bits", "refit_bits", "clip_bits"):
+        del stored["weights"][key], stored["experts"]["weights"][key]
+    for key in ("float_zero_bits", "refit_bits", "clip_bits"):
+        del stored["head"][key]
+    stored["version"] = 1
+    before = hashlib.sha256(json.dumps(stored, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    assert calibration_hash(recipe) == before
+    for section, key in (("experts.weights", "clip_bits"), ("experts.weights", "refit_bits"), ("head", "clip_bits"),
+                         ("head", "refit_bits"), ("head", "float_zero_bits")):
+        changed = copy.deepcopy(old)
+        place = changed["head"] if section == "head" else changed["experts"]["weights"]
+        place[key] = [8] if section == "head" else [2]
+        assert calibration_hash(recipe_from_dict(changed)) != before, (section, key)
