@@ -219,7 +219,8 @@ MUTANTS = [
            "            widths |= wanted\n", "            widths |= set()\n",
            ("tests/test_policy_serving.py::test_a_policy_bank_holds_every_width_the_policy_asks_for",)),
     Mutant("a-later-setting-changes-old-fingerprints", "hexq/config/fingerprint.py",
-           '                   ("experts", "weights", "clip_bits"): [], ("head", "clip_bits"): []}', "                   }",
+           '                   ("experts", "weights", "clip_bits"): [], ("head", "clip_bits"): []}',
+           "                   }",
            ("tests/test_recipe.py", "tests/test_calibrate.py")),
     Mutant("head-group-size-not-checked-against-the-model", "hexq/config/model_check.py",
            "    if head_group is not None and hidden_size % head_group:", "    if False:",
@@ -274,8 +275,8 @@ MUTANTS = [
            "                                                     add_generation_prompt=False)",
            ("tests/test_serve.py",)),
     Mutant("serve-usage-counts-the-prompt-wrong", "hexq/serve/app.py",
-           '        return chunk(text, finish) | {"usage": usage(len(ids), completion_tokens)}',
-           '        return chunk(text, finish) | {"usage": usage(len(ids) + 1, completion_tokens)}',
+           '        return chunk(text, finish) | {"usage": usage(len(ids), completion_tokens, job.reused)}',
+           '        return chunk(text, finish) | {"usage": usage(len(ids) + 1, completion_tokens, job.reused)}',
            ("tests/test_serve.py::test_the_openai_client_gets_what_hexq_run_gives",)),
     Mutant("memory-plan-forgets-the-kv-cache", "hexq/runtime/memory.py",
            "        fast_tier = memory_bytes - dense_bytes - scratch_bytes - kv_bytes\n",
@@ -636,6 +637,10 @@ def main() -> int:
         for m in chosen:
             print(f"{m.name:45s} {m.file:28s} {'scripts/ppl_gate.py' if m.gate else ' '.join(m.tests)}")
         return 0
+    stale = [m.name for m in chosen if (ROOT / m.file).read_text().count(m.old) != 1]
+    if stale:  # before any mutant runs, not half an hour in (tests/test_mutants.py checks the same)
+        print(f"error: the source of {', '.join(stale)} no longer occurs exactly once: update them", file=sys.stderr)
+        return 2
     changed = dirty({m.file for m in chosen})
     if changed:
         print(f"error: uncommitted changes in {', '.join(changed)}: commit or stash them first", file=sys.stderr)
