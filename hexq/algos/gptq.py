@@ -245,7 +245,9 @@ def gptq_bank(W: torch.Tensor, factor_or_H: HessianFactor | torch.Tensor, bits_l
     group = n if spec_template.group_size is None else spec_template.group_size
     if n % group:
         raise ValueError(f"in_features {n} is not a multiple of group_size {group}")
-    specs = [replace(spec_template, bits=bits) for bits in dict.fromkeys(bits_list)]
+    ranges = stacked_ranges(bits_list, clip_bits)  # the copies of the rows in the stack: (width, range fraction)
+    stacked = [replace(spec_template, bits=bits) for bits, _ in ranges]
+    specs = stacked[:len(dict.fromkeys(bits_list))]  # each width over its whole range, first and in order
     if isinstance(factor_or_H, HessianFactor):
         factor = factor_or_H
         if factor.hinv_chol.shape != (num, n, n):
@@ -259,11 +261,8 @@ def gptq_bank(W: torch.Tensor, factor_or_H: HessianFactor | torch.Tensor, bits_l
                                     max_damp=max_damp)
 
     dtype, device = _compute_dtype(W), W.device
-    # the stacked widths: every spec over its whole range, then each clip_bits spec once per narrowed range
-    copies = [(b, ratio) for b, spec in enumerate(specs) if spec.bits in clip_bits for ratio in CLIP_RATIOS]
-    stacked = specs + [specs[b] for b, _ in copies]
     width_count = len(stacked)
-    grids = RowGrids.build(stacked, rows, dtype, device, [1.0] * len(specs) + [ratio for _, ratio in copies])
+    grids = RowGrids.build(stacked, rows, dtype, device, [ratio for _, ratio in ranges])
     dynamic = spec_template.group_size is not None and factor.perm is None
     dead = factor.dead.to(device)
     perm = None if factor.perm is None else factor.perm.to(device)
@@ -296,8 +295,10 @@ def gptq_bank(W: torch.Tensor, factor_or_H: HessianFactor | torch.Tensor, bits_l
     # The stack is built inside the call so that nothing here keeps it alive once the loop returns.
     codes, loss = _quantize_stack(_stacked_columns(W, dead, perm, width_count, dtype), U, perm, scale, zero,
                                   grids.qmax, group, grid, group, block_size)
-    for b in sorted({b for b, _ in copies}):
-        _keep_best(codes, scale, zero, loss, rows, [b] + [len(specs) + i for i, (c, _) in enumerate(copies) if c == b])
+    for spec in specs:  # clip_bits: each row of a width keeps its best copy
+        copies = [i for i, (bits, _) in enumerate(ranges) if bits == spec.bits]  # its whole range first
+        if len(copies) > 1:
+            _keep_best(codes, scale, zero, loss, rows, copies)
 
     results = {}
     for b, spec in enumerate(specs):
@@ -309,11 +310,13 @@ def gptq_bank(W: torch.Tensor, factor_or_H: HessianFactor | torch.Tensor, bits_l
     return results
 
 
-def stacked_widths(bits_list: Sequence[int], clip_bits: Collection[int]) -> int:
-    """How many widths gptq_bank stacks for bits_list: each width once, and each clip_bits one once more per
-    CLIP_RATIOS entry (what sizes its working set: quantize_expert_chunk, gptq_chunk_size)."""
-    widths = dict.fromkeys(bits_list)
-    return len(widths) + len(CLIP_RATIOS) * sum(bits in clip_bits for bits in widths)
+def stacked_ranges(bits_list: Sequence[int], clip_bits: Collection[int]) -> list[tuple[int, float]]:
+    """(width, fraction of its range) of every copy of the rows gptq_bank stacks: each width of bits_list over its
+    whole range, in order, then each one in clip_bits once per CLIP_RATIOS entry. Its length sizes the working set
+    (quantize_expert_chunk, gptq_chunk_size)."""
+    widths = list(dict.fromkeys(bits_list))
+    return [(bits, 1.0) for bits in widths] + [(bits, ratio) for bits in widths if bits in clip_bits
+                                               for ratio in CLIP_RATIOS]
 
 
 def _keep_best(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, loss: torch.Tensor, rows: int,

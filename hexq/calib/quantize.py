@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from hexq.algos.gptq import gptq_bank, gptq_replicas, stacked_widths
+from hexq.algos.gptq import gptq_bank, gptq_replicas, stacked_ranges
 from hexq.algos.hessian import HessianFactor, blend_cold_hessian, factorize_hessians
 from hexq.algos.kquant import KQUANTS, SUPER, gptq_kquant, kquant_blocks, rtn_kquant
 from hexq.algos.quant import QuantMeta, QuantSpec, dequantize, quantize
@@ -119,7 +119,7 @@ def quantize_expert_chunk(weights: torch.Tensor, hessians: torch.Tensor, setting
         return out, {}
     factor = factor or expert_factor(hessians, setting, channel_max)
     budget = GPTQ_CHUNK_BYTES if budget is None else budget
-    row_block = max(1, min(rows, budget // (4 * 3 * stacked_widths(bits_list, setting.clip_bits) * cols * n)))
+    row_block = max(1, min(rows, budget // (4 * 3 * len(stacked_ranges(bits_list, setting.clip_bits)) * cols * n)))
     parts = [gptq_bank(weights[:, start:start + row_block], factor, bits_list, setting.spec(),
                        block_size=setting.block_size, fit_bits=setting.fit_bits, clip_bits=setting.clip_bits)
              for start in range(0, rows, row_block)]
@@ -341,7 +341,7 @@ def fill_bank(bank: ExpertBank, loaded: LoadedLayer, routed: RoutedTokens, weigh
     mid_low, mid_high = float("inf"), float("-inf")
     extra = export_spec(recipe, shapes)
     kquants = kquant_kinds(recipe, shapes)
-    stacked = stacked_widths(bits_list, setting.clip_bits)
+    stacked = len(stacked_ranges(bits_list, setting.clip_bits))
     chunk = gptq_chunk_size(shapes, stacked + (extra is not None) + bool(kquants), budget)
     escalated: dict[str, dict] = {}
     kept = {bits: {} for bits in keep}
