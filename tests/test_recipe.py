@@ -1,4 +1,6 @@
 import copy
+import hashlib
+import json
 from pathlib import Path
 
 import pytest
@@ -316,15 +318,17 @@ def test_low_bit_switches_name_widths_the_recipe_quantizes():
     fails(data, "weights.clip_bits is used only with method 'gptq'")
 
 
+def manifest_hash(data: dict) -> str:
+    """The calibration hash an older manifest holds for `data` (its recipe without pack and without the keys added
+    since): sha256 of the canonical JSON, at version 1 (version 2 only renamed a key of pack, which is not hashed)."""
+    data = data | {"version": 1}
+    return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def test_calibrations_made_before_later_switches_keep_their_fingerprint():
     """A recipe with the later switches (the low-bit ones, the head section) at their defaults hashes as it did
     before they existed (the stored manifests of older calibrations have no such keys); turning one on changes the
     hash."""
-    import hashlib
-    import json
-
-    from hexq.config.fingerprint import calibration_hash
-
     recipe = load_recipe("haq-w8a8")
     data = {key: value for key, value in recipe_to_dict(recipe).items() if key not in ("pack", "head")}
     for key in ("export_target", "round_bits", "round_steps", "round_tokens", "round_scope", "down_fit",
@@ -332,8 +336,7 @@ def test_calibrations_made_before_later_switches_keep_their_fingerprint():
         del data["experts"][key]
     del data["weights"]["fit_bits"], data["weights"]["one_bit"], data["weights"]["float_zero_bits"]
     del data["weights"]["refit_bits"], data["weights"]["clip_bits"]
-    data["version"] = 1  # what those manifests hold (version 2 only renamed a key of pack, which is not hashed)
-    before = hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    before = manifest_hash(data)
     assert calibration_hash(recipe) == before
     changed = recipe_to_dict(recipe)
     changed["weights"]["fit_bits"] = [8]
@@ -363,9 +366,6 @@ def test_calibrations_made_before_later_switches_keep_their_fingerprint():
 def test_an_experts_and_head_recipe_from_before_the_later_switches_keeps_its_fingerprint():
     """The same for the switches of experts.weights and head: experts-mixed with every later switch at the value that
     reproduces older calibrations hashes as its manifest did before those keys existed; one turned on changes it."""
-    import hashlib
-    import json
-
     old = recipe_to_dict(load_recipe("experts-mixed"))
     old["experts"].update(down_fit="full_precision", token_weights="equal")
     old["experts"]["weights"].update(one_bit="minmax", float_zero_bits=[], clip_bits=[], fit_bits=[], refit_bits=[])
@@ -379,8 +379,7 @@ def test_an_experts_and_head_recipe_from_before_the_later_switches_keeps_its_fin
         del stored["weights"][key], stored["experts"]["weights"][key]
     for key in ("float_zero_bits", "refit_bits", "clip_bits"):
         del stored["head"][key]
-    stored["version"] = 1
-    before = hashlib.sha256(json.dumps(stored, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    before = manifest_hash(stored)
     assert calibration_hash(recipe) == before
     for section, key in (("experts.weights", "clip_bits"), ("experts.weights", "refit_bits"), ("head", "clip_bits"),
                          ("head", "refit_bits"), ("head", "float_zero_bits")):
