@@ -262,6 +262,32 @@ def test_a_broken_scale_fails_the_command_and_leaves_nothing(mixed_artifact, tmp
     assert not out.exists() and not list(tmp_path.iterdir())  # no temporary folder either
 
 
+def test_a_tensor_no_module_reads_fails_the_check_by_name(mixed_artifact, tmp_path, monkeypatch):
+    """A key the export writes but no part of the model reads (a loader would drop it silently) fails the command,
+    named, and leaves nothing."""
+    from typer.testing import CliRunner
+
+    import hexq.export.write as export_module
+    from hexq_cli.main import app
+
+    specs, tensor = export_module.top_specs, export_module.top_tensor
+    stray = "model.stray.weight"
+
+    def with_stray(artifact, streamed):
+        return specs(artifact, streamed) | {stray: (torch.float32, (4,))}
+
+    def stray_tensor(artifact, key, spec):
+        return torch.ones(4) if key == stray else tensor(artifact, key, spec)
+
+    monkeypatch.setattr(export_module, "top_specs", with_stray)
+    monkeypatch.setattr(export_module, "top_tensor", stray_tensor)
+    out = tmp_path / "ct"
+    result = CliRunner().invoke(app, ["export", str(mixed_artifact), "-o", str(out), "-n", "2", "-L", "32"])
+    assert result.exit_code == 1, result.output
+    assert f"tensor {stray} is in the export but no part of the model reads it" in " ".join(result.output.split())
+    assert not out.exists() and not list(tmp_path.iterdir())
+
+
 def test_cli_export_prints_schemes_and_the_check(mixed_artifact, tmp_path):
     from typer.testing import CliRunner
 

@@ -203,7 +203,7 @@ def test_export_reloads_in_transformers_under_the_hub_names(family_run):
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
 
     check = family_run.export_summary.check
-    assert check.passed and not check.unread_keys and check.vs_served.rel_l2 <= 1e-2
+    assert check.passed and check.vs_served.rel_l2 <= 1e-2  # an unread key fails the check
     assert check.vs_full_precision is not None and check.vs_full_precision.rel_l2 <= LOGIT_REL_L2
     state = {}
     for shard in sorted(family_run.export.glob("*.safetensors")):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -198,7 +198,6 @@ class CheckResult:
     full_precision_note: str
     limit: dict
     passed: bool
-    unread_keys: list[str] = field(default_factory=list)
 
 
 class LogitAccumulator:
