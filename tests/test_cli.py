@@ -88,7 +88,8 @@ def test_bad_text_and_windows(tiny_qwen3moe, tmp_path, content, args, fragment):
 
 
 def test_missing_text_file(tiny_qwen3moe, tmp_path):
-    one_line_error(run("eval", tiny_qwen3moe, "--data", tmp_path / "none.txt"), "text file not found")
+    one_line_error(run("eval", tiny_qwen3moe, "--data", tmp_path / "none.txt"), "text file not found",
+                   "name a corpus: austen")
 
 
 def test_run_perplexity_shares_eval_s_window_check(mixed_artifact):
@@ -102,7 +103,9 @@ def test_run_perplexity_shares_eval_s_window_check(mixed_artifact):
 
 def test_pack_bits_zero_is_refused_not_replaced_by_the_recipe_s(mixed_calibration, tmp_path):
     one_line_error(run("pack", mixed_calibration[0], "--bits", "0", "-o", tmp_path / "a.hexq"),
-                   "average-bit budget 0.0 is outside the allowed widths")
+                   "average-bit budget 0.0 is outside the allowed widths", "pass --bits from")
+    one_line_error(run("pack", mixed_calibration[0], "--bits", "9", "-o", tmp_path / "a.hexq"),
+                   "average-bit budget 9.0 is outside the allowed widths [1, 2, 3, 4]: pass --bits from 1 to 4")
     assert not (tmp_path / "a.hexq").exists()
 
 

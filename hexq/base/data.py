@@ -102,7 +102,7 @@ def text_from_file(path: Path) -> str:
     """A .txt file as is; a .jsonl/.json/.parquet file's `text` column joined with blank lines (the GPTQ
     protocol's "\\n\\n".join over dataset rows)."""
     if not path.exists():
-        raise HexqError(f"text file not found: {path}")
+        raise HexqError(f"text file not found: {path} (or name a corpus: {', '.join(CORPUS_FILES)})")
     suffix = path.suffix.lower()
     if suffix in {".jsonl", ".json", ".parquet"}:
         return "\n\n".join(_dataset_rows(path))

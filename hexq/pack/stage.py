@@ -126,8 +126,8 @@ def allocate_layers(losses: list[torch.Tensor], orders: list[list[int]], setting
     if budget.total_bytes is None:
         avg = settings.avg_bits if budget.avg_bits is None else budget.avg_bits
         if not min(bits) <= avg <= max(bits):
-            raise HexqError(f"average-bit budget {avg} is outside the allowed widths {list(bits)}; the minimum that "
-                            f"fits is {min(bits)}")
+            raise HexqError(f"average-bit budget {avg} is outside the allowed widths {list(bits)}: pass --bits from "
+                            f"{min(bits)} to {max(bits)}")
         if 0 in bits and avg < smallest and not budget.allow_skipping:
             raise HexqError(f"average-bit budget {avg} is below the smallest stored width ({smallest} bits): "
                             + skipping)
