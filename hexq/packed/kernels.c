@@ -581,36 +581,39 @@ static AVX2 INLINE void transpose8(__m256i v[8]) {
     }
 }
 
-/* 8 rows of stream codes (src: 8 row_bytes and 64 readable bytes after) -> the rows8 layout at dst (cleared): per
-   block, each row's 32 codes as bytes in perm32 order (as to_planes_avx2), transposed so that register d holds
-   every row's dword d, then each plane's fields packed into its registers. */
-static AVX2 INLINE void to_rows8_avx2_bits(const uint8_t* src, uint8_t* dst, int64_t cols, const int bits) {
+/* 8 rows of stream codes (src: 8 row_bytes and 64 readable bytes after) -> the rows8 layout at dst: per block, each
+   row's 32 codes as bytes in perm32 order (as to_planes_avx2), transposed so that register d holds every row's
+   dword d, then each plane's fields packed into its registers (every byte of the block written). Block b: */
+static AVX2 INLINE void rows8_block_avx2(const uint8_t* src, uint8_t* dst, int64_t cols, int64_t b, const unpack16* u,
+                                         const int bits) {
     const int64_t row_bytes = cols * bits / 8;
-    const unpack16 u = unpack16_for(bits);
-    for (int64_t b = 0; b < cols / BLOCK; b++) {
-        __m256i t[8];
-        for (int r = 0; r < 8; r++) {
-            const uint8_t* p = src + r * row_bytes + b * 4 * bits;
-            t[r] = _mm256_packus_epi16(codes16(&u, p, bits), codes16(&u, p + 2 * bits, bits));
-        }
-        transpose8(t);
-        uint8_t* block = dst + b * 32 * bits;
-        int off = 0;
-        for (int w = 4; w >= 1; w >>= 1) {
-            if (!(bits & w)) continue;
-            const int per = 8 / w;
-            for (int m = 0; m < w; m++) {
-                __m256i reg = _mm256_setzero_si256();
-                for (int f = 0; f < per; f++) {
-                    const __m256i v = _mm256_and_si256(_mm256_srli_epi16(t[m * per + f], off),
-                                                       _mm256_set1_epi8((char)((1 << w) - 1)));
-                    reg = _mm256_or_si256(reg, _mm256_sll_epi16(v, _mm_cvtsi32_si128(w * f)));
-                }
-                _mm256_storeu_si256((__m256i*)(block + rows8_register(bits, w, m)), reg);
-            }
-            off += w;
-        }
+    __m256i t[8];
+    for (int r = 0; r < 8; r++) {
+        const uint8_t* p = src + r * row_bytes + b * 4 * bits;
+        t[r] = _mm256_packus_epi16(codes16(u, p, bits), codes16(u, p + 2 * bits, bits));
     }
+    transpose8(t);
+    uint8_t* block = dst + b * 32 * bits;
+    int off = 0;
+    for (int w = 4; w >= 1; w >>= 1) {
+        if (!(bits & w)) continue;
+        const int per = 8 / w;
+        for (int m = 0; m < w; m++) {
+            __m256i reg = _mm256_setzero_si256();
+            for (int f = 0; f < per; f++) {
+                const __m256i v = _mm256_and_si256(_mm256_srli_epi16(t[m * per + f], off),
+                                                   _mm256_set1_epi8((char)((1 << w) - 1)));
+                reg = _mm256_or_si256(reg, _mm256_sll_epi16(v, _mm_cvtsi32_si128(w * f)));
+            }
+            _mm256_storeu_si256((__m256i*)(block + rows8_register(bits, w, m)), reg);
+        }
+        off += w;
+    }
+}
+
+static AVX2 INLINE void to_rows8_avx2_bits(const uint8_t* src, uint8_t* dst, int64_t cols, const int bits) {
+    const unpack16 u = unpack16_for(bits);
+    for (int64_t b = 0; b < cols / BLOCK; b++) rows8_block_avx2(src, dst, cols, b, &u, bits);
 }
 
 static AVX2 void to_rows8_avx2(const uint8_t* src, uint8_t* dst, int64_t cols, int bits) {
@@ -773,6 +776,84 @@ static AVX512 INLINE __m512i codes64(const unpack64* u, const uint8_t* p, const 
     if (bits == 8) return _mm512_loadu_si512(p);
     const __m512i raw = _mm512_maskz_loadu_epi8(u->load, p);
     return _mm512_and_si512(_mm512_multishift_epi64_epi8(u->shift, _mm512_permutexvar_epi8(u->index, raw)), u->mask);
+}
+
+/* transpose8 on two blocks at once: block b in the low 256 bits of every register, b + 1 in the high (the unpacks
+   work within 128-bit lanes; vpermt2q takes the place of vperm2i128 in each half). */
+static AVX512 INLINE void transpose8_avx512(__m512i v[8]) {
+    __m512i a[8], b[8];
+    for (int i = 0; i < 8; i += 2) {
+        a[i] = _mm512_unpacklo_epi32(v[i], v[i + 1]);
+        a[i + 1] = _mm512_unpackhi_epi32(v[i], v[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        b[i] = _mm512_unpacklo_epi64(a[i], a[i + 2]);
+        b[i + 1] = _mm512_unpackhi_epi64(a[i], a[i + 2]);
+        b[i + 2] = _mm512_unpacklo_epi64(a[i + 1], a[i + 3]);
+        b[i + 3] = _mm512_unpackhi_epi64(a[i + 1], a[i + 3]);
+    }
+    const __m512i low = _mm512_set_epi64(13, 12, 5, 4, 9, 8, 1, 0), high = _mm512_set_epi64(15, 14, 7, 6, 11, 10, 3, 2);
+    for (int i = 0; i < 4; i++) {
+        const __m512i first = b[i], second = b[i + 4];
+        v[i] = _mm512_permutex2var_epi64(first, low, second);
+        v[i + 4] = _mm512_permutex2var_epi64(first, high, second);
+    }
+}
+
+/* to_rows8_avx2 two blocks at a time (an odd last block by rows8_block_avx2): each row's 64 codes of blocks b and
+   b + 1 cut into bytes as codes64 cuts them, its 64-bit lanes taken in perm32 order (codes 0-7, 16-23, 8-15, 24-31
+   of each block: a third of the AVX2 unpacking's instructions), then the transpose and the planes on 512-bit
+   registers, whose halves are the two blocks. The same bytes as to_rows8_avx2. */
+static AVX512 INLINE void to_rows8_avx512_bits(const uint8_t* src, uint8_t* dst, int64_t cols, const int bits) {
+    const int64_t row_bytes = cols * bits / 8, blocks = cols / BLOCK;
+    uint8_t index[64], shift[64];
+    for (int q = 0; q < 8; q++) {
+        const int lane = (q & 4) | (q & 1) << 1 | (q & 2) >> 1; /* lanes 0 2 1 3 of each block */
+        for (int j = 0; j < 8; j++) {
+            index[8 * q + j] = (uint8_t)(lane * bits + (j < bits ? j : 0));
+            shift[8 * q + j] = (uint8_t)(j * bits);
+        }
+    }
+    const __m512i idx = _mm512_loadu_si512(index), sh = _mm512_loadu_si512(shift);
+    const __m512i mask = _mm512_set1_epi8((char)((1 << bits) - 1));
+    const __mmask64 load = (1ULL << (8 * bits)) - 1;
+    int64_t b = 0;
+    for (; b + 1 < blocks; b += 2) {
+        __m512i t[8];
+        for (int r = 0; r < 8; r++) {
+            const __m512i raw = _mm512_maskz_loadu_epi8(load, src + r * row_bytes + b * 4 * bits);
+            t[r] = _mm512_and_si512(_mm512_multishift_epi64_epi8(sh, _mm512_permutexvar_epi8(idx, raw)), mask);
+        }
+        transpose8_avx512(t);
+        uint8_t* block = dst + b * 32 * bits;
+        int off = 0;
+        for (int w = 4; w >= 1; w >>= 1) {
+            if (!(bits & w)) continue;
+            const int per = 8 / w;
+            for (int m = 0; m < w; m++) {
+                __m512i reg = _mm512_setzero_si512();
+                for (int f = 0; f < per; f++) {
+                    const __m512i v = _mm512_and_si512(_mm512_srli_epi16(t[m * per + f], off),
+                                                       _mm512_set1_epi8((char)((1 << w) - 1)));
+                    reg = _mm512_or_si512(reg, _mm512_sll_epi16(v, _mm_cvtsi32_si128(w * f)));
+                }
+                _mm256_storeu_si256((__m256i*)(block + rows8_register(bits, w, m)), _mm512_castsi512_si256(reg));
+                _mm256_storeu_si256((__m256i*)(block + 32 * bits + rows8_register(bits, w, m)),
+                                    _mm512_extracti64x4_epi64(reg, 1));
+            }
+            off += w;
+        }
+    }
+    if (b < blocks) {
+        const unpack16 u = unpack16_for(bits);
+        rows8_block_avx2(src, dst, cols, b, &u, bits);
+    }
+}
+
+static AVX512 void to_rows8_avx512(const uint8_t* src, uint8_t* dst, int64_t cols, int bits) {
+#define CASE(B) case B: to_rows8_avx512_bits(src, dst, cols, B); return;
+    switch (bits) { CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) }
+#undef CASE
 }
 
 /* row_terms on 16 blocks at a time: float16 scale/zero of the row expanded to one value per block, w_b = scale *
@@ -1042,6 +1123,35 @@ static inline void put_rows8(uint8_t* group8, int r, int bits, int64_t i, uint32
     }
 }
 
+/* out[g * 8 + r] = in[r * groups + g]: 8 rows' scales (or zeros) interleaved one value at a time; with `vector`, 8
+   groups at a time by an 8 x 8 transpose of 16-bit values (SSE2: three rounds of unpacks). */
+static void interleave8(const uint16_t* in, uint16_t* out, int64_t groups, int vector) {
+    int64_t g = 0;
+#ifdef HEXQ_X86
+    for (; vector && g + 8 <= groups; g += 8) {
+        __m128i v[8], a[8], b[8];
+        for (int r = 0; r < 8; r++) v[r] = _mm_loadu_si128((const __m128i*)(in + r * groups + g));
+        for (int r = 0; r < 8; r += 2) { /* rows r, r + 1: groups 0-3, then 4-7, a value of each row in turn */
+            a[r] = _mm_unpacklo_epi16(v[r], v[r + 1]);
+            a[r + 1] = _mm_unpackhi_epi16(v[r], v[r + 1]);
+        }
+        for (int r = 0; r < 8; r += 4) { /* rows r .. r + 3: groups (0, 1), (2, 3), (4, 5), (6, 7) */
+            b[r] = _mm_unpacklo_epi32(a[r], a[r + 2]);
+            b[r + 1] = _mm_unpackhi_epi32(a[r], a[r + 2]);
+            b[r + 2] = _mm_unpacklo_epi32(a[r + 1], a[r + 3]);
+            b[r + 3] = _mm_unpackhi_epi32(a[r + 1], a[r + 3]);
+        }
+        for (int k = 0; k < 4; k++) { /* groups 2k and 2k + 1, rows 0-3 then 4-7 */
+            _mm_storeu_si128((__m128i*)(out + (g + 2 * k) * 8), _mm_unpacklo_epi64(b[k], b[k + 4]));
+            _mm_storeu_si128((__m128i*)(out + (g + 2 * k + 1) * 8), _mm_unpackhi_epi64(b[k], b[k + 4]));
+        }
+    }
+#endif
+    (void)vector;
+    for (; g < groups; g++)
+        for (int r = 0; r < 8; r++) out[g * 8 + r] = in[r * groups + g];
+}
+
 /* Rows 8G .. 8G + 7 from the stream into rows8 (forward) or back. `eight`: room for 8 row_bytes + 64, where the
    group's bytes are copied first (so in place is safe, and no load reads past the codes); scales and zeros through
    `grid` (8 groups values). */
@@ -1050,31 +1160,35 @@ static void relayout_rows8(const relayout_job* j, int64_t G, uint8_t* eight, uin
     uint8_t* dst = j->dst + G * bytes;
     memcpy(eight, j->src + G * bytes, (size_t)bytes);
     memset(eight + bytes, 0, 64);
-    memset(dst, 0, (size_t)bytes);
 #ifdef HEXQ_X86
-    if (j->forward && j->path != PATH_SCALAR) to_rows8_avx2(eight, dst, j->cols, j->bits);
+    if (j->forward && j->path == PATH_AVX512) to_rows8_avx512(eight, dst, j->cols, j->bits);
+    else if (j->forward && j->path != PATH_SCALAR) to_rows8_avx2(eight, dst, j->cols, j->bits);
     else
 #endif
-    for (int r = 0; r < 8; r++)
-        for (int64_t i = 0; i < j->cols; i++) {
-            if (j->forward) {
-                put_rows8(dst, r, j->bits, i, code_at(eight + r * row_bytes, i, j->bits));
-                continue;
+    {
+        memset(dst, 0, (size_t)bytes); /* the portable loops OR the fields in */
+        for (int r = 0; r < 8; r++)
+            for (int64_t i = 0; i < j->cols; i++) {
+                if (j->forward) {
+                    put_rows8(dst, r, j->bits, i, code_at(eight + r * row_bytes, i, j->bits));
+                    continue;
+                }
+                const uint32_t code = code_rows8(eight, r, j->bits, i);
+                const int64_t bit = i * j->bits;
+                uint8_t* row = dst + r * row_bytes;
+                row[bit >> 3] |= (uint8_t)(code << (bit & 7));
+                if ((bit & 7) + j->bits > 8) row[(bit >> 3) + 1] |= (uint8_t)(code >> (8 - (bit & 7)));
             }
-            const uint32_t code = code_rows8(eight, r, j->bits, i);
-            const int64_t bit = i * j->bits;
-            uint8_t* row = dst + r * row_bytes;
-            row[bit >> 3] |= (uint8_t)(code << (bit & 7));
-            if ((bit & 7) + j->bits > 8) row[(bit >> 3) + 1] |= (uint8_t)(code >> (8 - (bit & 7)));
-        }
+    }
     for (int a = 0; a < 2; a++) {
         memcpy(grid, j->src_grid[a] + 8 * G * groups, (size_t)(8 * groups) * 2);
         uint16_t* out = j->dst_grid[a] + 8 * G * groups;
+        if (j->forward) {
+            interleave8(grid, out, groups, j->path != PATH_SCALAR);
+            continue;
+        }
         for (int r = 0; r < 8; r++)
-            for (int64_t g = 0; g < groups; g++) {
-                if (j->forward) out[g * 8 + r] = grid[r * groups + g];
-                else out[r * groups + g] = grid[g * 8 + r];
-            }
+            for (int64_t g = 0; g < groups; g++) out[r * groups + g] = grid[g * 8 + r];
     }
 }
 
