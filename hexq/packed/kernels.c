@@ -756,14 +756,17 @@ typedef struct {
 } unpack64;
 
 /* 64 codes per step: one masked load of 8*bits bytes, vpermb moves the bytes of codes 8k..8k+7 into 64-bit lane k,
-   vpmultishiftqb cuts one code into each byte, a mask clears the bits above the code. */
-static AVX512 INLINE unpack64 unpack64_for(int bits) {
+   vpmultishiftqb cuts one code into each byte, a mask clears the bits above the code. perm32: each 32 codes' lanes
+   in perm32 order instead (codes 0-7, 16-23, 8-15, 24-31: the bytes of the planes and rows8 layouts). */
+static AVX512 INLINE unpack64 unpack64_for(int bits, int perm32) {
     uint8_t index[64], shift[64];
-    for (int k = 0; k < 8; k++)
+    for (int k = 0; k < 8; k++) {
+        const int lane = perm32 ? (k & 4) | (k & 1) << 1 | (k & 2) >> 1 : k;
         for (int j = 0; j < 8; j++) {
-            index[8 * k + j] = (uint8_t)(k * bits + (j < bits ? j : 0));
+            index[8 * k + j] = (uint8_t)(lane * bits + (j < bits ? j : 0));
             shift[8 * k + j] = (uint8_t)(j * bits);
         }
+    }
     unpack64 u;
     u.index = _mm512_loadu_si512(index);
     u.shift = _mm512_loadu_si512(shift);
@@ -801,29 +804,15 @@ static AVX512 INLINE void transpose8_avx512(__m512i v[8]) {
 }
 
 /* to_rows8_avx2 two blocks at a time (an odd last block by rows8_block_avx2): each row's 64 codes of blocks b and
-   b + 1 cut into bytes as codes64 cuts them, its 64-bit lanes taken in perm32 order (codes 0-7, 16-23, 8-15, 24-31
-   of each block: a third of the AVX2 unpacking's instructions), then the transpose and the planes on 512-bit
-   registers, whose halves are the two blocks. The same bytes as to_rows8_avx2. */
+   b + 1 cut into bytes by codes64 in perm32 order (a third of the AVX2 unpacking's instructions), then the transpose
+   and the planes on 512-bit registers, whose halves are the two blocks. The same bytes as to_rows8_avx2. */
 static AVX512 INLINE void to_rows8_avx512_bits(const uint8_t* src, uint8_t* dst, int64_t cols, const int bits) {
     const int64_t row_bytes = cols * bits / 8, blocks = cols / BLOCK;
-    uint8_t index[64], shift[64];
-    for (int q = 0; q < 8; q++) {
-        const int lane = (q & 4) | (q & 1) << 1 | (q & 2) >> 1; /* lanes 0 2 1 3 of each block */
-        for (int j = 0; j < 8; j++) {
-            index[8 * q + j] = (uint8_t)(lane * bits + (j < bits ? j : 0));
-            shift[8 * q + j] = (uint8_t)(j * bits);
-        }
-    }
-    const __m512i idx = _mm512_loadu_si512(index), sh = _mm512_loadu_si512(shift);
-    const __m512i mask = _mm512_set1_epi8((char)((1 << bits) - 1));
-    const __mmask64 load = (1ULL << (8 * bits)) - 1;
+    const unpack64 u = unpack64_for(bits, 1);
     int64_t b = 0;
     for (; b + 1 < blocks; b += 2) {
         __m512i t[8];
-        for (int r = 0; r < 8; r++) {
-            const __m512i raw = _mm512_maskz_loadu_epi8(load, src + r * row_bytes + b * 4 * bits);
-            t[r] = _mm512_and_si512(_mm512_multishift_epi64_epi8(sh, _mm512_permutexvar_epi8(idx, raw)), mask);
-        }
+        for (int r = 0; r < 8; r++) t[r] = codes64(&u, src + r * row_bytes + b * 4 * bits, bits);
         transpose8_avx512(t);
         uint8_t* block = dst + b * 32 * bits;
         int off = 0;
@@ -895,7 +884,7 @@ static AVX512 INLINE void row_terms_avx512(const hexq_gemv_task* t, const quanti
 static AVX512 INLINE void rows_avx512_bits(const hexq_gemv_task* t, const quantized_x* xq, int64_t r0, int64_t r1,
                                            const int bits, const int ntok) {
     const int64_t cols = t->cols, groups = cols / t->group, row_bytes = cols * bits / 8;
-    const unpack64 u = unpack64_for(bits);
+    const unpack64 u = unpack64_for(bits, 0);
     float w[MAX_TOK][MAX_BLOCKS];
     float s[MAX_BLOCKS], z[MAX_BLOCKS], zterm[MAX_TOK];
     const int64_t ahead = prefetch_ahead(row_bytes);
@@ -1346,7 +1335,7 @@ static AVX512 INLINE __m256i bf16_avx512(__m512 v) {
 
 static AVX512 void dequant_avx512(const uint8_t* packed, int bits, const uint16_t* scale, const uint16_t* zero,
                                     int64_t numel, int64_t group, void* out, int out_kind) {
-    const unpack64 u = unpack64_for(bits);
+    const unpack64 u = unpack64_for(bits, 0);
     const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     const __m512i second = _mm512_set_epi16(16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16,
                                             0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
