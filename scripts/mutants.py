@@ -392,6 +392,13 @@ MUTANTS = [
            "    dequant_part(j->packed + r0 * row_bytes, j->bits, j->scale + r0 * groups, j->zero + r0 * groups,",
            "    dequant_part(j->packed + r0 * row_bytes, j->bits, j->scale, j->zero + r0 * groups,",
            ("tests/test_packed_cpu.py",)),
+    # ------------------------------------------------------------------ a prefill pass's memory
+    Mutant("prefill-attention-repeats-heads", "hexq/model/attention.py",
+           "    if attention_mask is None or not grouped", "    if True or attention_mask is None or not grouped",
+           ("tests/test_prefill_memory.py",)),
+    Mutant("routed-row-windows-start-at-each-experts-first-row", "hexq/runtime/compute.py",
+           "                    window.append((weights, start + lo, hi - lo))",
+           "                    window.append((weights, start, hi - lo))", ("tests/test_prefill_memory.py",)),
     # ------------------------------------------------------------------ the native decode step (C)
     Mutant("native-resume-runs-the-layer-again", "hexq/packed/decode.c",
            "        const int resuming = layer == r->layer;", "        const int resuming = 0;",

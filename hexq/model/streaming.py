@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from hexq.base.errors import HexqError
 from hexq.base.hidden import HiddenStore
 from hexq.model.adapters import MoEAdapter, adapter_for, check_moe_layers
+from hexq.model.attention import ATTENTION
 from hexq.model.checkpoint import Checkpoint
 from hexq.model.folder import check_moe_folder
 from hexq.model.simulate import ExpertTap
@@ -189,7 +190,7 @@ class StreamedModel:
         self.config, self.source, self.device, self.dtype = config, source, device, compute_dtype
         self.adapter: MoEAdapter = adapter_for(config.model_type)
         with init_empty_weights(include_buffers=False):  # parameters on meta; buffers (rotary) real
-            model = AutoModelForCausalLM.from_config(config)
+            model = AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION)
         for module in model.modules():  # non-persistent buffers (rotary inv_freq) to the compute device
             for name, buffer in module._buffers.items():
                 if buffer is not None and buffer.device.type != "meta":

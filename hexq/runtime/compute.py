@@ -42,6 +42,9 @@ from hexq.runtime.cost import LatencyProfile, measure_latency, n_critical, shoul
 # ([vocab, hidden]: 151,936 rows at Qwen3-30B-A3B's vocabulary) a block at a time, in a decode step and in a
 # perplexity pass alike (PackedRows).
 EXPAND_ROWS = 16384
+# Routed rows computed from the codes at a time (Compute._experts_from_codes): their float32 input copies and
+# intermediates are what a prefill pass holds beside its per-token activations (hexq.runtime.memory).
+FROM_CODES_ROWS = 512
 # The dtype `hexq run --ppl` and `--kl-against` score the head in, whatever --dtype: float32, as `hexq eval` scores
 # (bf16 logits moved the served perplexity by ~0.01%).
 SCORING_DTYPE = torch.float32
@@ -225,20 +228,40 @@ class Compute:
             self._experts_from_codes(x, from_codes, y, act_fn, input_quant, mid_quant)
 
     def _experts_from_codes(self, x, batch, y, act_fn, input_quant, mid_quant) -> None:
-        x32 = x.float()
+        """The batch's experts from their codes, FROM_CODES_ROWS routed rows at a time (every step is row by row:
+        the activations are quantized per token or on a static range), so a prefill pass's float32 copies of its
+        rows and their intermediates stay that size however many tokens it routes."""
+        jobs = sorted((s, n, w) for w, s, n in batch)
+        for first in range(0, sum(n for _, n, _ in jobs), FROM_CODES_ROWS):
+            window, taken = [], 0
+            for start, count, weights in jobs:  # the rows [first, first + FROM_CODES_ROWS) of the batch's rows
+                lo, hi = max(first - taken, 0), min(first + FROM_CODES_ROWS - taken, count)
+                if lo < hi:
+                    window.append((weights, start + lo, hi - lo))
+                taken += count
+            self._window_from_codes(x, window, y, act_fn, input_quant, mid_quant)
+        self.counters.gemv_rows += sum(n for _, _, n in batch)
+
+    def _window_from_codes(self, x, batch, y, act_fn, input_quant, mid_quant) -> None:
+        offsets = [0]
+        for _, _, n in batch:
+            offsets.append(offsets[-1] + n)
+        rows = torch.empty(offsets[-1], x.shape[1], dtype=torch.float32, device=x.device)
+        for (_, s, n), o in zip(batch, offsets, strict=False):
+            rows[o:o + n] = x[s:s + n]
         if input_quant is not None:
-            x32 = input_quant(x32)
-        x32 = x32.contiguous()
+            rows = input_quant(rows).contiguous()
         inner = batch[0][0].gate_up.shape[0]
-        hidden = torch.empty(x.shape[0], inner, dtype=torch.float32, device=x.device)
-        self.kernels.gemv([GemvJob(w.gate_up, x32[s:s + n], hidden[s:s + n]) for w, s, n in batch])
+        hidden = torch.empty(rows.shape[0], inner, dtype=torch.float32, device=x.device)
+        self.kernels.gemv([GemvJob(w.gate_up, rows[o:o + n], hidden[o:o + n])
+                           for (w, _, n), o in zip(batch, offsets, strict=False)])
         gate, up = hidden.chunk(2, dim=-1)
-        mid = act_fn(gate) * up
+        mid = act_fn(gate).mul_(up)
         if mid_quant is not None:
             mid = mid_quant(mid)
         mid = mid.contiguous()
-        self.kernels.gemv([GemvJob(w.down, mid[s:s + n], y[s:s + n]) for w, s, n in batch])
-        self.counters.gemv_rows += sum(n for _, _, n in batch)
+        self.kernels.gemv([GemvJob(w.down, mid[o:o + n], y[s:s + n])
+                           for (w, s, n), o in zip(batch, offsets, strict=False)])
 
     def relaid(self, weights: ExpertWeights) -> ExpertWeights:
         """An expert re-laid in place for the kernels (hexq.packed.cpu `relayout`: rows8 on AVX-512, planes on AVX2;

@@ -48,6 +48,7 @@ from hexq.artifact.reader import Artifact
 from hexq.base.devices import peak_rss_bytes, resolve_device
 from hexq.base.errors import HexqError
 from hexq.model.adapters import adapter_for
+from hexq.model.attention import fused_on
 from hexq.model.folder import context_length
 from hexq.model.streaming import blocked_nll
 from hexq.runtime.cache import ExpertCache
@@ -56,7 +57,7 @@ from hexq.runtime.cost import admit_fill, calibration_usage, usage_update
 from hexq.runtime.coverage import NotNative
 from hexq.runtime.experts import USAGE_HORIZON, CachedExperts, RunState
 from hexq.runtime.graph import GraphDecoder
-from hexq.runtime.memory import check_memory_flags, kv_position_bytes, plan_memory, prefill_scratch_nbytes
+from hexq.runtime.memory import check_memory_flags, head_dims, kv_position_bytes, plan_memory, prefill_scratch_nbytes
 from hexq.runtime.model import build_model, dense_plan_bytes, expert_quantizers, skeleton
 from hexq.runtime.native import KV_CACHES, NativeDecoder
 from hexq.runtime.policy import check_policy_widths, make_policy, policy_context
@@ -80,7 +81,7 @@ GREEDY = Sampling()
 # the model's own maximum can be 40960 or more, whose KV cache alone would take gigabytes.
 DEFAULT_CONTEXT = 4096
 # Prompt tokens per forward pass of a prefill (llama.cpp's batch is 512). A pass's activations grow with its tokens
-# (SDPA's scores, heads x tokens x positions, most of all): a 2,367-token prompt on a 6-layer Qwen3-30B-A3B shape took
+# (the routed experts' rows of every token most of all): a 2,367-token prompt on a 6-layer Qwen3-30B-A3B shape took
 # 945 MiB over the loaded runtime in one pass, 187 MiB in passes of 256, which were also the fastest (10.3-10.6 s
 # against 11.7 in one pass, 11.5 in passes of 512, 11.8 of 128; AMD EPYC, 2 threads). The plan holds one pass
 # (hexq.runtime.memory.prefill_scratch_nbytes).
@@ -186,7 +187,8 @@ class Runtime:
             dense_bytes=dense_plan_bytes(streamed, artifact),
             scratch_bytes=sizes.scratch_nbytes + compute_scratch_nbytes(artifact, streamed, self.dtype,
                                                                          kernels is None)
-            + prefill_scratch_nbytes(streamed.config, artifact, PREFILL_CHUNK, context, self.dtype),
+            + prefill_scratch_nbytes(streamed.config, artifact, PREFILL_CHUNK, context, self.dtype,
+                                     fused_on(device, *head_dims(streamed.config)), torch.get_num_threads()),
             kv_bytes=context * kv_position_bytes(streamed.config, self.dtype, KV_CACHES[config.kv_cache]),
             context=context,
             expert_bytes=sum(allocated), largest_slot=sizes.largest_slot, cache_format=config.cache,

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from hexq.base.errors import HexqError
 from hexq.base.units import format_bytes
+from hexq.runtime.compute import FROM_CODES_ROWS
 
 
 @dataclass(frozen=True)
@@ -44,21 +45,48 @@ class MemoryPlan:
         return self.fast_tier_bytes >= self.expert_bytes
 
 
-def prefill_scratch_nbytes(config, artifact, tokens: int, context: int, dtype) -> int:
-    """The activations of one prefill pass of `tokens` tokens at up to `context` positions, an upper bound: the
-    attention scores (heads x tokens x positions, float32: what SDPA's math path holds; its flash path holds less)
-    and per token, in the compute dtype, 8 hidden-size vectors (residual, norms, attention and MoE outputs and their
-    sums), queries, keys, values and the attention output, the router's logits, the top_k routed experts' rows
-    (gate, up and down outputs) and 3 rows of the family's dense intermediate (a shared expert or a dense layer).
-    Measured on a 6-layer Qwen3-30B-A3B shape (AMD EPYC): 187 MiB over the loaded runtime for passes of 256 tokens
-    up to 2,367 positions, its DynamicCache included; this gives 199 MiB at 4096 positions."""
+# What a prefill's passes take of the process's RSS per byte a pass allocates at its peak: the C allocator keeps
+# freed blocks for reuse and each pass's differ in size as the KV cache grows. Measured on a 6-layer
+# Qwen3-30B-A3B shape (AMD EPYC, `--memory 566MB`, a 3,900-token prompt in 16 passes): the RSS over the loaded
+# runtime, less the KV cache, grew to 111 MiB for passes that allocated 31 MiB at their peak (their bound: 67).
+RETAINED = 2
+
+
+def prefill_scratch_nbytes(config, artifact, tokens: int, context: int, dtype, fused: bool, threads: int) -> int:
+    """What the prefill passes of `tokens` tokens at up to `context` positions take: RETAINED times what one pass
+    allocates, which this bounds from above. Per token:
+    in the compute dtype 8 hidden-size vectors (residual, norms, attention and MoE outputs and their sums), the
+    queries, keys, values and attention output, and 3 rows of the family's dense intermediate (a shared expert or
+    a dense layer); the router's float32 logits and probabilities; the top_k routed rows gathered (compute dtype)
+    with their float32 outputs and weighted sum (hexq.runtime.experts); the boolean mask's row of positions. Per
+    pass: the routed rows computed from the codes at a time (hexq.runtime.compute.FROM_CODES_ROWS), float32, with
+    their quantized copies and their gate/up outputs, SiLU-products and its quantized copy; and the attention's own:
+    `fused` (hexq.model.attention.fused_on), torch's fused CPU kernel, whose `threads` each hold a block of at
+    most 256 queries x 512 positions of float32 scores and their compute-dtype copy plus the queries' float32
+    outputs; else SDPA's math path, heads x tokens x positions float32 scores, and the key-value heads repeated
+    for the query heads.
+    Measured on a 6-layer Qwen3-30B-A3B shape (AMD EPYC, 2 threads, `--memory 540MiB`), the last pass of 256 tokens
+    at 768 positions: 40 MiB of torch allocations at its peak, 9 of them the grown KV cache (planned with the KV
+    cache); the bound is 67 MiB at 4,096 positions (the math path's: 257 MiB)."""
     hidden, heads = config.hidden_size, config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
-    routed = artifact.top_k * sum(rows for rows, _ in artifact.expert_shapes)
-    per_token = (8 * hidden + (2 * heads + 2 * kv_heads) * head_dim + artifact.num_experts + routed
-                 + 3 * (getattr(config, "intermediate_size", None) or 0))
-    return tokens * (per_token * dtype.itemsize + heads * context * 4)
+    top_k, inner = artifact.top_k, max(rows for rows, _ in artifact.expert_shapes) // 2  # gate_up is [2I, H]
+    per_token = (dtype.itemsize * (8 * hidden + (2 * heads + 2 * kv_heads) * head_dim
+                                   + 3 * (getattr(config, "intermediate_size", None) or 0))
+                 + 8 * artifact.num_experts + top_k * hidden * (dtype.itemsize + 4) + 4 * hidden + context)
+    window = min(tokens * top_k, FROM_CODES_ROWS) * 4 * (2 * hidden + 4 * inner)
+    if fused:
+        attention = threads * min(tokens, 256) * (512 * (4 + dtype.itemsize) + 4 * head_dim + 8)
+    else:
+        attention = tokens * heads * context * 4 + 2 * heads * context * head_dim * dtype.itemsize
+    return RETAINED * (tokens * per_token + window + attention)
+
+
+def head_dims(config) -> tuple[int, int]:
+    """(key, value) width per attention head: deepseek's MLA caches wider keys than values."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return getattr(config, "qk_head_dim", None) or head_dim, getattr(config, "v_head_dim", None) or head_dim
 
 
 def kv_position_bytes(config, dtype, native) -> int:
@@ -66,9 +94,7 @@ def kv_position_bytes(config, dtype, native) -> int:
     in the compute dtype (the transformers path's cache) plus the native step's `native` (which the prompt's cache
     is copied into: both exist at the handover)."""
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    key_dim = getattr(config, "qk_head_dim", None) or head_dim  # deepseek's MLA caches per-head keys and values
-    value_dim = getattr(config, "v_head_dim", None) or head_dim
+    key_dim, value_dim = head_dims(config)
     return config.num_hidden_layers * heads * (key_dim + value_dim) * (dtype.itemsize + native.itemsize)
 
 
