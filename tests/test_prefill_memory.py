@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 from transformers.integrations import sdpa_attention
@@ -17,6 +18,7 @@ import hexq.runtime.engine as engine
 from hexq.model.attention import attention_forward
 from hexq.runtime.engine import Runtime
 from hexq.runtime.memory import RETAINED, prefill_scratch_nbytes
+from hexq.runtime.model import expert_quantizers
 
 IDS = torch.randint(0, 8192, (48,), generator=torch.Generator().manual_seed(3))
 PROMPT = torch.randint(0, 8192, (1024,), generator=torch.Generator().manual_seed(4))
@@ -46,15 +48,29 @@ def test_masked_grouped_attention_runs_fused_without_repeating_heads(dtype, monk
     assert got.shape == (1, 5, 8, 16) and torch.equal(got, want)
 
 
-def test_routed_rows_in_windows_give_the_same_bits(mixed_artifact, monkeypatch):
-    """The routed rows computed from the codes FROM_CODES_ROWS at a time, windows cutting through experts' rows:
-    the same bits as in one window."""
-    with Runtime(mixed_artifact, threads=1) as runtime:
-        whole = runtime.window_states(IDS)
-        assert runtime.compute.counters.gemv_rows > 0  # the experts were computed from their codes
+def test_routed_rows_in_windows_give_the_same_bits(packed_artifact, monkeypatch):
+    """Three experts' rows (5, 7 and 4 of them) computed from the codes FROM_CODES_ROWS at a time, windows of 3
+    cutting through every expert's rows: the same bits as in one window."""
+    with Runtime(packed_artifact, threads=1) as runtime:
+        if runtime.compute.kernels is None:
+            pytest.skip("no CPU kernels")
+        bits = runtime.artifact.allocation[0]
+        experts = [e for e in range(len(bits)) if bits[e]][:3]
+        counts, batch, start = (5, 7, 4), [], 0
+        for expert, count in zip(experts, counts, strict=True):
+            weights = runtime.cache.get(0, expert, bits[expert])
+            if runtime.compute.lays_out(weights):
+                weights = runtime.cache.relayout(0, expert, runtime.compute.relaid)
+            batch.append((weights, start, count))
+            start += count
+        hidden = batch[0][0].down.shape[0]
+        x = torch.randn(start, hidden, generator=torch.Generator().manual_seed(5)).to(runtime.dtype)
+        quantizers = expert_quantizers(runtime.artifact, 0)
+        whole, windowed = (torch.full((start, hidden), float("nan")) for _ in range(2))
+        runtime.compute._experts_from_codes(x, batch, whole, F.silu, *quantizers)
         monkeypatch.setattr(compute, "FROM_CODES_ROWS", 3)
-        windowed = runtime.window_states(IDS)
-    assert torch.equal(windowed, whole)
+        runtime.compute._experts_from_codes(x, batch, windowed, F.silu, *quantizers)
+    assert not whole.isnan().any() and torch.equal(windowed, whole)
 
 
 def peak_allocated(run) -> int:
