@@ -79,7 +79,8 @@ def prefill_scratch_nbytes(config, artifact, tokens: int, context: int, dtype, f
     if fused:
         attention = threads * min(tokens, 256) * (512 * (4 + dtype.itemsize) + 4 * head_dim + 8)
     else:
-        attention = tokens * heads * context * 4 + 2 * heads * context * head_dim * dtype.itemsize
+        repeated = 2 * heads * context * head_dim * dtype.itemsize if kv_heads < heads else 0
+        attention = tokens * heads * context * 4 + repeated
     return RETAINED * (tokens * per_token + window + attention)
 
 
