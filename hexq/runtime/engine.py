@@ -45,7 +45,7 @@ import torch
 
 from hexq.artifact.format import STATS_SHARD
 from hexq.artifact.reader import Artifact
-from hexq.base.devices import peak_rss_bytes, resolve_device
+from hexq.base.devices import peak_rss_bytes, resolve_device, return_freed_memory
 from hexq.base.errors import HexqError
 from hexq.model.adapters import adapter_for
 from hexq.model.attention import fused_on
@@ -344,6 +344,7 @@ class Runtime:
             out = self.model.model(ids[:, start:start + PREFILL_CHUNK].to(self.device), past_key_values=past,
                                    use_cache=True)
             past = out.past_key_values
+            return_freed_memory()
             kept.append(out.last_hidden_state[0] if every else out.last_hidden_state[0, -1:].clone())
         return (torch.cat(kept) if every else kept[-1]), past
 

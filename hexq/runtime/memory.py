@@ -46,10 +46,12 @@ class MemoryPlan:
 
 
 # What a prefill's passes take of the process's RSS per byte a pass allocates at its peak: the C allocator keeps
-# freed blocks for reuse and each pass's differ in size as the KV cache grows. Measured on a 6-layer
-# Qwen3-30B-A3B shape (AMD EPYC, `--memory 566MB`, a 3,900-token prompt in 16 passes): the RSS over the loaded
-# runtime, less the KV cache, grew to 111 MiB for passes that allocated 31 MiB at their peak (their bound: 67).
-RETAINED = 2
+# freed blocks for reuse and each pass's differ in size as the KV cache grows; after each pass the freed heap is
+# handed back (hexq.base.devices.return_freed_memory). Measured on a 6-layer Qwen3-30B-A3B shape (AMD EPYC,
+# `--memory 566MB`, a 3,900-token prompt in 16 passes whose torch allocations peaked at 31 MiB, bound 67): peak RSS
+# 541 MiB over the interpreter's baseline with the plan at 540 (the planned KV cache and fast tier full); with the plan
+# at twice the bound, 515 MiB with the trim and 545 without.
+RETAINED = 1.5
 
 
 def prefill_scratch_nbytes(config, artifact, tokens: int, context: int, dtype, fused: bool, threads: int) -> int:
@@ -81,7 +83,7 @@ def prefill_scratch_nbytes(config, artifact, tokens: int, context: int, dtype, f
     else:
         repeated = 2 * heads * context * head_dim * dtype.itemsize if kv_heads < heads else 0
         attention = tokens * heads * context * 4 + repeated
-    return RETAINED * (tokens * per_token + window + attention)
+    return int(RETAINED * (tokens * per_token + window + attention))
 
 
 def head_dims(config) -> tuple[int, int]:
