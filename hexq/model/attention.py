@@ -6,7 +6,7 @@ queries follow cached positions) it first repeats each key-value head for its qu
 (32 query heads, 4 key-value heads, 128 wide) at 4,096 positions that is 64 MiB of keys and values per layer, the
 largest allocation of a prefill pass. On the CPU torch's fused (flash) kernel takes the boolean mask transformers
 builds and the grouped heads together, in blocks of queries and positions, so no [heads, tokens, positions] scores
-and no repeated heads exist; the outputs are the same bits (tests/test_attention.py), and it is faster (256
+and no repeated heads exist; the outputs are the same bits (tests/test_prefill_memory.py), and it is faster (256
 queries at 4,096 positions, AMD EPYC, 2 threads: 115 against 146 ms). The memory plan counts on it
 (hexq.runtime.memory.prefill_scratch_nbytes).
 """
