@@ -5,6 +5,7 @@ checked against torch's own count of the pass's allocations."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -81,7 +82,7 @@ def peak_allocated(run) -> int:
         run()
     with tempfile.NamedTemporaryFile(suffix=".json") as trace:
         prof.export_chrome_trace(trace.name)
-        events = json.load(open(trace.name))["traceEvents"]
+        events = json.loads(Path(trace.name).read_text())["traceEvents"]
     return max(e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]")
 
 
