@@ -293,24 +293,52 @@ def hexq_gguf(artifact: Path, work: Path) -> Path:
 
 def bytes_per_token_hexq(artifact: Path) -> dict:
     """Bytes one decode step reads: the dense part as served (quantized linears packed, the rest bf16, the embedding
-    table aside: one row) plus top_k experts per layer at the allocation's mean slot bytes."""
+    table aside: one row) plus top_k experts per layer at the allocation's mean slot bytes; less, for each packed
+    matrix, what the kernels' layout on this CPU leaves unread (CpuKernels.read_nbytes: rows8z4's zeros)."""
     import torch
 
     from hexq.artifact.reader import Artifact
+    from hexq.packed.cpu import load_cpu_kernels
+    from hexq.packed.weight import PROJECTIONS
     from hexq.runtime.model import dense_plan_bytes, skeleton
     from hexq.runtime.source import SlotSizes
 
     opened = Artifact(artifact)
     streamed = skeleton(opened, torch.device("cpu"), torch.bfloat16)
+    kernels = load_cpu_kernels()
     dense = dense_plan_bytes(streamed, opened)
+    for name in opened.quantized_linears:
+        if kernels is not None and opened.has_param(name):
+            weight = opened.packed_param(name, tuple(streamed.model.get_parameter(name).shape))
+            dense -= weight.nbytes - kernels.read_nbytes(weight)
     embed = streamed.model.model.embed_tokens.weight.numel() * 2
     tied = getattr(streamed.config, "tie_word_embeddings", False)
     sizes = SlotSizes.of(opened, "packed")
-    slots = [sizes.slot_bytes[b] for row in opened.allocation for b in row if b]
+    slots = []
+    for row, widths in enumerate(opened.allocation):
+        for expert, bits in enumerate(widths):
+            if bits:
+                slots.append(sizes.slot_bytes[bits] - sum(unread_zero_bytes(opened, kernels, row, expert, bits, p)
+                                                          for p in PROJECTIONS))
     top_k = opened.top_k
     experts = statistics.mean(slots) * top_k * len(opened.moe_layers)
     return {"dense": dense - (0 if tied else embed), "experts": experts, "total": dense - (0 if tied else embed)
             + experts}
+
+
+def unread_zero_bytes(opened, kernels, row: int, expert: int, bits: int, projection: str) -> int:
+    """Bytes of one stored expert matrix the kernels on this CPU do not read (CpuKernels.read_nbytes), from its zeros
+    alone (the codes are not read: they are read whole whatever the layout)."""
+    import torch
+
+    from hexq.artifact.format import expert_shard, replica_key
+    from hexq.packed.weight import PackedWeight
+
+    if kernels is None:
+        return 0
+    zero = opened.tensor(expert_shard(opened.moe_layers[row]), f"{replica_key(expert, bits, projection)}.zero")
+    weight = PackedWeight(torch.empty(0, dtype=torch.uint8), zero, zero, bits, opened.expert_shape(projection))
+    return weight.nbytes - kernels.read_nbytes(weight)
 
 
 def bytes_per_token_gguf(path: Path, top_k: int, num_experts: int) -> dict:

@@ -2,16 +2,18 @@
 
     python benchmarks/gemv_speed.py                       # every path this CPU runs, widths 2 3 4 8, 2 threads
     python benchmarks/gemv_speed.py --paths avx2 avx512 --bits 3 --threads 1 2
-    python benchmarks/gemv_speed.py --layouts planes rows8   # both layouts on the VNNI paths, taking turns
+    python benchmarks/gemv_speed.py --layouts planes rows8 rows8z4   # each layout on the VNNI paths, taking turns
 
 What one decode step asks of the kernels for one MoE layer of Qwen3-30B-A3B's shape: the 8 routed experts of a token
-(gate_up [1536, 2048] and down [2048, 768], asymmetric, groups of 32, float16 scale and zero, re-laid as the native step
-serves them: rows8 on the AVX-512 and AVX-VNNI paths, planes on AVX2; --layouts forces layouts), one token, one call for
+(gate_up [1536, 2048] and down [2048, 768], asymmetric, groups of 32, float16 scale and integer zero, re-laid as the
+native step serves them: rows8z4 on the AVX-512 and AVX-VNNI paths, planes on AVX2; --layouts forces layouts), one
+token, one call for
 the 8 gate_up products and one for the 8 down products (each layer's C tasks made once, so that no Python marshalling is
 timed: the native step has none). A layer's experts are drawn from --layers distinct layers' worth of random codes (a
 working set several times the last-level cache), cycled, so the codes come from memory as they do in a real step.
 
-Bytes per layer: codes + scales + zeros of the 16 matrices; GB/s = bytes / median seconds per layer (median over
+Bytes per layer: codes + scales + zeros of the 16 matrices as the kernels read them (PackedWeight.nbytes: rows8z4's
+zeros in 4 bits); GB/s = bytes / median seconds per layer (median over
 --reps passes over the working set, the paths taking turns); share = the median over the passes of the pass's GB/s
 over the read bandwidth measured in the same pass (torch.sum over a 2 GiB float32 tensor on the same threads, timed
 after the paths in every pass: the machine's speed drifts, and a bandwidth measured once before would compare the
@@ -45,10 +47,6 @@ def random_weight(rows: int, cols: int, bits: int, generator: torch.Generator) -
     scale = (torch.rand(rows, cols // GROUP, generator=generator) * 0.02 + 0.001).half()
     zero = torch.randint(0, 1 << bits, (rows, cols // GROUP), generator=generator).half()
     return PackedWeight(codes, scale, zero, bits, (rows, cols), "stream")
-
-
-def weight_bytes(weight: PackedWeight) -> int:
-    return weight.codes.numel() + 2 * weight.scale.numel() + 2 * weight.zero.numel()
 
 
 def layer_jobs(layer: dict, x: torch.Tensor, mid: torch.Tensor, y_up: torch.Tensor, y_down: torch.Tensor):
@@ -121,7 +119,7 @@ def main() -> None:
                                                                  "but scalar)")
     parser.add_argument("--bits", type=int, nargs="+", default=[2, 3, 4, 8])
     parser.add_argument("--threads", type=int, nargs="+", default=[2])
-    parser.add_argument("--layouts", nargs="+", default=None, choices=["planes", "rows8"],
+    parser.add_argument("--layouts", nargs="+", default=None, choices=["planes", "rows8", "rows8z4"],
                         help="re-lay the codes so on every path, each layout a run of its own (default: each path's "
                              "own, as hexq run re-lays them)")
     parser.add_argument("--layers", type=int, default=16, help="distinct layers of experts cycled (working set)")
@@ -141,13 +139,12 @@ def main() -> None:
             generator = torch.Generator().manual_seed(bits)
             stream = [{name: [random_weight(*SHAPES[name], bits, generator) for _ in range(TOP_K)]
                        for name in SHAPES} for _ in range(args.layers)]
-            layer_bytes = sum(weight_bytes(w) for name in SHAPES for w in stream[0][name])
             reference = base.with_path("scalar")
             runs = {}
             for path in paths:
                 kernels = load_cpu_kernels(path, threads)
                 for layout in args.layouts or [None]:
-                    if layout == "rows8" and path not in ("avx512", "avxvnni"):
+                    if layout in ("rows8", "rows8z4") and path not in ("avx512", "avxvnni"):
                         continue  # only the VNNI GEMVs read rows8 at speed (the others through the portable code)
                     copies = [{name: [kernels.relayout(replace(w, codes=w.codes.clone(), scale=w.scale.clone(),
                                                                zero=w.zero.clone()), layout) for w in layer[name]]
@@ -161,6 +158,7 @@ def main() -> None:
                   f"(passes {min(bandwidth):.1f}-{max(bandwidth):.1f})")
             for name, (kernels, layers, layout) in runs.items():
                 error, seconds = check(kernels, reference, layers[0]), statistics.median(timed[name])
+                layer_bytes = sum(w.nbytes for name in SHAPES for w in layers[0][name])  # as read: rows8z4's zeros
                 # each pass's GB/s over the bandwidth measured in that pass: the share a drift does not move
                 per_pass = zip(timed[name], bandwidth, strict=True)
                 share = statistics.median(layer_bytes / s / 1e9 / gbps for s, gbps in per_pass)

@@ -189,7 +189,7 @@ def test_dequantize_is_the_torch_path_bit_for_bit(path: str, bits: int) -> None:
                                want.view(torch.int16 if dtype != torch.float32 else torch.int32)), (group, dtype)
 
 
-@pytest.mark.parametrize("layout", ["stream", "planes", "rows8"])
+@pytest.mark.parametrize("layout", ["stream", "planes", "rows8", "rows8z4"])
 def test_dequantize_on_threads_is_the_torch_path_bit_for_bit(layout: str) -> None:
     """Rows split across the pool (blocks of 64 rows, the last one short): every row written once, bit for bit."""
     for bits in (3, 4, 8) if layout == "stream" else (3, 4):
@@ -302,12 +302,102 @@ def test_rows8_layout_is_its_description_and_goes_back(path: str, bits: int) -> 
         assert torch.equal(back.scale, scale) and torch.equal(back.zero, zero), cols
 
 
+def zeros4_reference(zero: torch.Tensor) -> torch.Tensor:
+    """The zeros [rows, groups] (integers in [0, 15]) as the rows8z4 layout holds them, from kernels.c "zeros as 4-bit
+    integers" (not from the C code): the array's first quarter holds, group of 8 rows after group, for each group g a
+    little-endian 32-bit word with row r's zero in bits [4 r, 4 r + 4); the rest is zero."""
+    rows, groups = zero.shape
+    nibbles = zero.long().view(rows // 8, 8, groups).transpose(1, 2)  # [row groups, groups, 8 rows]
+    words = (nibbles << (4 * torch.arange(8))).sum(dim=-1)  # disjoint bits
+    array = torch.zeros(rows * groups * 2, dtype=torch.uint8)
+    array[:rows * groups // 2] = torch.stack([(words >> (8 * i)) & 255 for i in range(4)], dim=-1).view(-1)
+    return array
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("bits", range(1, 5))
+def test_rows8z4_layout_is_its_description_and_goes_back(path: str, bits: int) -> None:
+    """rows8z4: the codes and scales as rows8 lays them, the zeros in 4 bits each (kernels.c "zeros as 4-bit
+    integers"), and back to the same stream, scales and zeros."""
+    kernels = KERNELS.with_path(path)
+    for cols, groups in ((96, 3), (768, 6)):
+        codes = torch.randint(0, 1 << bits, (24, cols), generator=torch.Generator().manual_seed(bits))
+        scale = torch.randn(24, groups, generator=torch.Generator().manual_seed(cols)).half()
+        zero = torch.randint(0, 16, (24, groups), generator=torch.Generator().manual_seed(cols + 1)).half()
+        weight = PackedWeight(pack_bits(codes, bits), scale.clone(), zero.clone(), bits, (24, cols))
+        stored = weight.codes.clone()
+        z4 = kernels.relayout(weight, "rows8z4")
+        assert z4.layout == "rows8z4" and z4.codes is weight.codes and z4.scale is weight.scale  # in place
+        assert z4.zero.data_ptr() == weight.zero.data_ptr() and z4.zero.shape == (6, groups)  # its first quarter
+        assert z4.nbytes == weight.nbytes - 24 * groups * 2 * 3 // 4  # what a product reads
+        want_codes, want_scale, _ = rows8_reference(codes, bits, scale, zero)
+        assert torch.equal(z4.codes.view(3, -1), want_codes) and torch.equal(z4.scale, want_scale), cols
+        assert torch.equal(weight.zero.view(torch.uint8).view(-1), zeros4_reference(zero)), cols
+        back = kernels.stream(z4)
+        assert back.layout == "stream" and torch.equal(back.codes, stored), cols
+        assert torch.equal(back.scale, scale) and torch.equal(back.zero, zero), cols
+
+
+def test_zeros_fit4_reads_every_float16_as_its_value() -> None:
+    """kernels.c half_nibble decides from the float16 bits: every one of the 65,536 patterns fits exactly when its
+    value is an integer in [0, 15] (-0 included; NaN, infinities, subnormals and fractions not)."""
+    every = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    value = every.float()
+    want = (value >= 0) & (value <= 15) & (value == value.round())
+    got = torch.tensor([KERNELS.zeros_fit4(every[i:i + 1]) for i in range(every.numel())])
+    assert torch.equal(got, want), every[got != want][:8]
+    assert KERNELS.zeros_fit4(torch.arange(16, dtype=torch.float16)) and not KERNELS.zeros_fit4(every)
+
+
+def test_rows8z4_refuses_zeros_it_cannot_hold() -> None:
+    """A zero that is not an integer in [0, 15], or codes wider than 4 bits: rows8 keeps float16 zeros, and a forced
+    rows8z4 writes nothing."""
+    codes, scale, zero, _ = packed_matrix(16, 256, 3, 32, False, seed=0)
+    for bad in (0.5, 16.0, -1.0, float("nan")):
+        odd = zero.clone()
+        odd[9, 3] = bad
+        weight = PackedWeight(codes.clone(), scale.clone(), odd.clone(), 3, (16, 256))
+        for path in ("avx512", "avxvnni"):
+            if path in PATHS:
+                assert KERNELS.with_path(path).layout_for(weight) == "rows8", bad
+        same = KERNELS.relayout(weight, "rows8z4")
+        assert same.layout == "stream" and torch.equal(same.codes, codes), bad  # nothing written
+        assert torch.equal(same.zero.view(torch.int16), odd.view(torch.int16)), bad
+    wide = PackedWeight(*packed_matrix(16, 256, 5, 32, False, seed=0)[:3], 5, (16, 256))
+    assert 0 <= wide.zero.min() and wide.zero.max() <= 31
+    wide = PackedWeight(wide.codes, wide.scale, wide.zero.clamp(max=15), 5, (16, 256))  # zeros that would fit
+    for path in ("avx512", "avxvnni"):
+        if path in PATHS:
+            assert KERNELS.with_path(path).layout_for(wide) == "rows8"
+    assert KERNELS.relayout(wide, "rows8z4").layout == "stream"
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_gemv_from_rows8z4_is_rows8_bit_for_bit(path: str) -> None:
+    """The same zeros as float32 either way: the same outputs to the bit (widths 2-4, symmetric and asymmetric,
+    groups of 32 and 128, 1-6 tokens)."""
+    kernels = KERNELS.with_path(path)
+    for bits in (2, 3, 4):
+        for group, symmetric, ntok in ((32, False, 1), (128, True, 3), (32, True, 6)):
+            codes, scale, zero, _ = packed_matrix(48, 512, bits, group, symmetric, seed=bits * 3 + ntok)
+            outs = []
+            for layout in ("rows8", "rows8z4"):
+                weight = kernels.relayout(PackedWeight(codes.clone(), scale.clone(), zero.clone(), bits, (48, 512)),
+                                          layout)
+                assert weight.layout == layout
+                x = torch.randn(ntok, 512, generator=torch.Generator().manual_seed(bits))
+                outs.append(torch.full((ntok, 48), float("nan")))
+                kernels.gemv([GemvJob(weight, x, outs[-1])])
+            assert torch.equal(outs[0], outs[1]), (bits, group, symmetric, ntok)
+
+
 def test_layout_for_each_path() -> None:
-    """rows8 on the VNNI paths for whole groups of 8 rows, planes otherwise; 8-bit codes keep the stream."""
+    """rows8z4 on the VNNI paths for whole groups of 8 rows of widths 1-4 whose zeros fit in 4 bits, planes
+    otherwise; 8-bit codes keep the stream."""
     codes, scale, zero, _ = packed_matrix(16, 352, 3, 32, False, seed=0)
     weight = PackedWeight(codes, scale, zero, 3, (16, 352))
     for path in PATHS:
-        assert KERNELS.with_path(path).layout_for(weight) == ("rows8" if path in ("avx512", "avxvnni") else "planes")
+        assert KERNELS.with_path(path).layout_for(weight) == ("rows8z4" if path in ("avx512", "avxvnni") else "planes")
     if "avx512" in PATHS:
         avx512 = KERNELS.with_path("avx512")
         assert avx512.layout_for(weight.rows(0, 12)) == "planes"  # not whole groups of 8
@@ -318,12 +408,15 @@ def test_layout_for_each_path() -> None:
 
 
 # (layout, [(cols, group)]): planes over whole units and a stream tail
-LAYOUT_SHAPES = [("planes", ((352, 32), (384, 128), (512, 64))), ("rows8", ((96, 32), (512, 64), (768, 128)))]
+LAYOUT_SHAPES = [("planes", ((352, 32), (384, 128), (512, 64))), ("rows8", ((96, 32), (512, 64), (768, 128))),
+                 ("rows8z4", ((96, 32), (768, 128)))]
+# (layout, bits, shapes): rows8z4 holds widths 2-4 here (1-bit grids' zeros are floats)
+RELAID = [(layout, bits, shapes) for layout, shapes in LAYOUT_SHAPES
+          for bits in (range(2, 5) if layout == "rows8z4" else range(1, 8))]
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("bits", range(1, 8))
-@pytest.mark.parametrize("layout, shapes", LAYOUT_SHAPES)
+@pytest.mark.parametrize("layout, bits, shapes", RELAID)
 def test_gemv_on_relaid_codes_within_its_bound(path: str, bits: int, layout: str, shapes) -> None:
     """The GEMV from re-laid codes: the same bound as from the stream (the same int16 products; only the float32
     sums' order differs), 1-6 tokens, groups of 32, 64 and 128. Planes: over whole units and a stream tail; 512
@@ -345,8 +438,7 @@ def test_gemv_on_relaid_codes_within_its_bound(path: str, bits: int, layout: str
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("bits", range(1, 8))
-@pytest.mark.parametrize("layout, shapes", LAYOUT_SHAPES)
+@pytest.mark.parametrize("layout, bits, shapes", RELAID)
 def test_dequantize_relaid_codes_is_the_torch_path_bit_for_bit(path: str, bits: int, layout: str, shapes) -> None:
     kernels = KERNELS.with_path(path)
     for cols, group in shapes:

@@ -24,6 +24,10 @@ On the AVX-512 and AVX-VNNI paths matrices of whole groups of 8 rows go one step
 (kernels.c "the rows8 layout"): 8 rows interleaved block by block, scales and zeros too, so that one vpdpbusd
 multiplies 4 codes of each of 8 rows and a block's scaling is one FMA for 8 rows (3-bit experts from memory on an
 AMD EPYC, 2 threads: 0.85 ms per layer against 1.05 from the planes; benchmarks/gemv_speed.py --layouts planes rows8).
+Where every zero of a matrix of widths 1-4 is an integer in [0, 15] (asymmetric grids' zero points are, unless the
+recipe asks for float ones; symmetric grids' are 2^(bits - 1)) its zeros go into 4 bits each within their own region
+("rows8z4", kernels.c "zeros as 4-bit integers"): a 3-bit expert in groups of 32 then reads 3.625 bits per weight
+instead of 4, and a decode step reads that much less; the slot keeps its size.
 It pays where a matrix is read many times: the native decode step re-lays every resident expert and dense matrix
 it serves when it is built (hexq.runtime.native); a miss loaded for one use keeps the stream. Re-laid codes are read
 only by these kernels (GEMV and dequantization take every layout on every path; `stream` gives a stored-layout copy
@@ -65,7 +69,7 @@ from pathlib import Path
 import torch
 
 from hexq.base.io import cache_dir
-from hexq.packed.weight import LAYOUTS, ROWS8, PackedWeight
+from hexq.packed.weight import LAYOUTS, ROWS8, ROWS8_LAYOUTS, PackedWeight, zeros_as_laid
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +153,8 @@ class CpuKernels:
         library.hexq_dequant.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                          ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
                                          ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+        library.hexq_zeros_fit4.restype = ctypes.c_int
+        library.hexq_zeros_fit4.argtypes = [ctypes.c_void_p, ctypes.c_int64]
         library.hexq_relayout.restype = ctypes.c_int
         library.hexq_relayout.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 5
         self._local = threading.local()
@@ -210,13 +216,30 @@ class CpuKernels:
 
     def layout_for(self, weight: PackedWeight) -> str:
         """The layout `relayout` gives `weight` on this path: "rows8" where the VNNI GEMV reads 8 rows at a time
-        (whole groups of 8 rows), "planes" for the other matrices of widths 1-7 the kernels take, else its own (8-bit
-        codes are bytes already; other devices' codes stay as stored)."""
+        (whole groups of 8 rows), "rows8z4" for those of widths 1-4 whose zeros are all integers in [0, 15] (kernels.c
+        "zeros as 4-bit integers"), "planes" for the other matrices of widths 1-7 the kernels take, else its own
+        (8-bit codes are bytes already; other devices' codes stay as stored)."""
         rows, cols = weight.shape
         if (weight.layout != "stream" or weight.codes.device.type != "cpu" or not 1 <= weight.bits <= 7
                 or not gemv_takes(weight.shape, weight.bits, weight.scale.shape[-1], self.path) or cols % BLOCK):
             return weight.layout
-        return "rows8" if self.path in ("avx512", "avxvnni") and rows % ROWS8 == 0 else "planes"
+        if self.path not in ("avx512", "avxvnni") or rows % ROWS8:
+            return "planes"
+        return "rows8z4" if weight.bits <= 4 and self.zeros_fit4(weight.zero) else "rows8"
+
+    def zeros_fit4(self, zero: torch.Tensor) -> bool:
+        """Whether every zero point is an integer in [0, 15] (what the rows8z4 layout holds): kernels.c
+        hexq_zeros_fit4, from the float16 bits (asked at every re-layout, a cache miss's too)."""
+        if zero.dtype != torch.float16 or zero.device.type != "cpu" or not zero.is_contiguous():
+            return False
+        return bool(self.library.hexq_zeros_fit4(zero.data_ptr(), zero.numel()))
+
+    def read_nbytes(self, weight: PackedWeight) -> int:
+        """Bytes a product of `weight` reads once `relayout` has laid it out for this path (layout_for): its
+        PackedWeight.nbytes, rows8z4's zeros a quarter of theirs."""
+        if weight.layout == "stream" and self.layout_for(weight) == "rows8z4":
+            return weight.nbytes - weight.zero.nbytes + zeros_as_laid(weight.zero, "rows8z4").nbytes
+        return weight.nbytes
 
     def relayout(self, weight: PackedWeight, layout: str | None = None) -> PackedWeight:
         """`weight` with its codes (and for rows8 its scales and zeros) re-laid in place into `layout` (default
@@ -230,15 +253,16 @@ class CpuKernels:
         # every cache miss of the native step under a small fast tier
         if self._relayout(weight, weight, layout, forward=True) != 0:
             return weight
-        return dataclasses.replace(weight, layout=layout)
+        return dataclasses.replace(weight, zero=zeros_as_laid(weight.zero, layout), layout=layout)
 
     def stream(self, weight: PackedWeight) -> PackedWeight:
         """A stream-layout copy of re-laid codes (for the torch path and checks); `weight` itself if it is one."""
         if weight.layout == "stream":
             return weight
+        rows8 = weight.layout in ROWS8_LAYOUTS
         copy = dataclasses.replace(weight, codes=torch.empty_like(weight.codes), layout="stream",
-                                   scale=torch.empty_like(weight.scale) if weight.layout == "rows8" else weight.scale,
-                                   zero=torch.empty_like(weight.zero) if weight.layout == "rows8" else weight.zero)
+                                   scale=torch.empty_like(weight.scale) if rows8 else weight.scale,
+                                   zero=torch.empty_like(weight.scale) if rows8 else weight.zero)
         if self._relayout(weight, copy, weight.layout, forward=False) != 0:
             raise ValueError(f"a {weight.bits}-bit {list(weight.shape)} matrix cannot be in the {weight.layout} layout")
         return copy

@@ -322,14 +322,130 @@ static inline uint32_t code_rows8(const uint8_t* group8, int r, int bits, int64_
 /* Code i of row r of a task, in any layout (the portable path's reader). */
 static inline uint32_t task_code(const hexq_gemv_task* t, int64_t r, int64_t i) {
     const int64_t row_bytes = t->cols * t->bits / 8;
-    if (t->layout == LAYOUT_ROWS8) return code_rows8(t->codes + (r & ~7) * row_bytes, (int)(r & 7), t->bits, i);
+    if (is_rows8(t->layout)) return code_rows8(t->codes + (r & ~7) * row_bytes, (int)(r & 7), t->bits, i);
     const uint8_t* row = t->codes + r * row_bytes;
     return t->layout == LAYOUT_PLANES ? code_planes(row, t->cols, t->bits, i) : code_at(row, i, t->bits);
 }
 
-/* Where scale and zero g of row r lie, in any layout. */
+/* Where scale g of row r lies (and zero g, but in LAYOUT_ROWS8_Z4), in any layout. */
 static inline int64_t grid_index(int layout, int64_t r, int64_t g, int64_t groups) {
-    return layout == LAYOUT_ROWS8 ? (r & ~7) * groups + g * 8 + (r & 7) : r * groups + g;
+    return is_rows8(layout) ? (r & ~7) * groups + g * 8 + (r & 7) : r * groups + g;
+}
+
+/* ------------------------------------------------------------------------------------------ zeros as 4-bit integers */
+
+/* Why. A 3-bit matrix in groups of 32 with a float16 scale and zero per group reads 4 bits per weight, a quarter of
+   them the grid; yet an asymmetric grid's zero point is an integer in [0, 2^bits - 1] unless the recipe asks for a
+   float one (hexq.algos.quant.grid_params), and a symmetric grid's is 2^(bits - 1). Held as 4-bit integers, the zeros
+   of a matrix of 1-4-bit codes cost 1/8 bit per weight instead of 1/2: a 3-bit expert reads 3.625 bits per weight
+   (-9%), a 4-bit one 4.5 (-10%), and a decode step, which is bound by what it reads, is that much shorter.
+
+   The layout (LAYOUT_ROWS8_Z4, chosen by hexq.packed.cpu.CpuKernels.layout_for where every zero of a matrix is an
+   integer in [0, 15]): rows8, but the zeros packed into the first quarter of the array their float16 values held, one
+   stream: 4 groups bytes per group of 8 rows, 4 bytes per group: bits [4 r, 4 r + 4) of the little-endian 32-bit
+   word of group g of rows 8G .. 8G + 7 (at byte 4 groups G + 4 g) hold the zero of row 8G + r; the other three
+   quarters are zero. One stream, not a quarter of each group of rows' own region: read at a stride, the quarters
+   came slower than the whole regions had (the hardware prefetchers follow a stream). The same values: only where they
+   lie and in how many bits. */
+static inline const uint8_t* zeros4_of(const uint16_t* zero, int64_t r, int64_t g, int64_t groups) {
+    return (const uint8_t*)zero + (r & ~7) * groups / 2 + 4 * g;
+}
+
+/* The zeros of rows r on (r a multiple of 8 in the rows8 layouts), in any layout. */
+static inline const uint16_t* zero_rows(const uint16_t* zero, int layout, int64_t r, int64_t groups) {
+    return layout == LAYOUT_ROWS8_Z4 ? (const uint16_t*)((const uint8_t*)zero + r * groups / 2) : zero + r * groups;
+}
+
+/* Zero g of row r, in any layout. */
+static inline float zero_at(const uint16_t* zero, int layout, int64_t r, int64_t g, int64_t groups) {
+    if (layout == LAYOUT_ROWS8_Z4) return (float)((zeros4_of(zero, r, g, groups)[(r & 7) / 2] >> (4 * (r & 1))) & 15);
+    return half_to_float(zero[grid_index(layout, r, g, groups)]);
+}
+
+/* The integer in [0, 15] a float16 value is (-0 counts as 0), or -1: from its bits, no float conversion (a zero
+   array is checked and packed at every re-layout, a cache miss's too). A positive normal value 2^k (1 + m / 1024)
+   is an integer below 16 when 0 <= k <= 3 and the mantissa's low 10 - k bits are clear. */
+static inline int half_nibble(uint16_t h) {
+    if (!(h & 0x7fff)) return 0;
+    if (h & 0x8000) return -1;
+    const int k = (h >> 10) - 15, m = h & 0x3ff;
+    if (k < 0 || k > 3 || (m & ((1 << (10 - k)) - 1))) return -1;
+    return (1024 + m) >> (10 - k);
+}
+
+#if defined(__x86_64__)
+/* hexq_zeros_fit4 8 values at a time (F16C): the same answer, ordered comparisons failing a NaN as half_nibble does. */
+__attribute__((target("avx2,f16c"))) static int zeros_fit4_avx2(const uint16_t* zero, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(zero + i)));
+        const __m256 whole = _mm256_cmp_ps(v, _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                                           _CMP_EQ_OQ);
+        const __m256 in = _mm256_and_ps(_mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GE_OQ),
+                                        _mm256_cmp_ps(v, _mm256_set1_ps(15.0f), _CMP_LE_OQ));
+        if (_mm256_movemask_ps(_mm256_and_ps(whole, in)) != 0xff) return 0;
+    }
+    for (; i < n; i++)
+        if (half_nibble(zero[i]) < 0) return 0;
+    return 1;
+}
+#endif
+
+/* Whether every one of n float16 zeros is an integer in [0, 15] (what LAYOUT_ROWS8_Z4 holds; hexq.packed.cpu's
+   layout_for asks, and hexq_relayout before it writes anything). */
+int hexq_zeros_fit4(const uint16_t* zero, int64_t n) {
+#if defined(__x86_64__)
+    if (cpu_has_avx2()) return zeros_fit4_avx2(zero, n);
+#endif
+    for (int64_t i = 0; i < n; i++)
+        if (half_nibble(zero[i]) < 0) return 0;
+    return 1;
+}
+
+#if defined(__x86_64__)
+/* zeros4_pack on 8 groups at a time (F16C): each row's values converted and shifted into the 8 groups' words. */
+__attribute__((target("avx2,f16c"))) static void zeros4_pack_avx2(const uint16_t* grid, uint8_t* out,
+                                                                  int64_t groups) {
+    for (int64_t g = 0; g < groups; g += 8) {
+        __m256i words = _mm256_setzero_si256();
+        for (int r = 0; r < 8; r++) {
+            const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(grid + r * groups + g)));
+            words = _mm256_or_si256(words, _mm256_slli_epi32(_mm256_cvttps_epi32(v), 4 * r));
+        }
+        _mm256_storeu_si256((__m256i*)(out + 4 * g), words);
+    }
+}
+#endif
+
+/* The 4-bit zeros of rows 8G .. 8G + 7 (their float16 values row-major in `grid`, checked by hexq_zeros_fit4) at
+   `out`: 4 bytes per group (kernels.c "zeros as 4-bit integers"). */
+static void zeros4_pack(const uint16_t* grid, uint8_t* out, int64_t groups, int path) {
+#if defined(__x86_64__)
+    if (path != PATH_SCALAR && groups % 8 == 0 && cpu_has_avx2()) {
+        zeros4_pack_avx2(grid, out, groups);
+        return;
+    }
+#endif
+    (void)path;
+    for (int64_t g = 0; g < groups; g++) {
+        uint32_t word = 0;
+        for (int r = 0; r < 8; r++) word |= (uint32_t)half_nibble(grid[r * groups + g]) << (4 * r);
+        memcpy(out + 4 * g, &word, 4);
+    }
+}
+
+/* LAYOUT_ROWS8_Z4's zeros back to float16 [rows, groups] (row-major) at dst, through a copy (dst may be src). Returns
+   0, or -1 without the memory for the copy (nothing written). */
+static int zeros4_back(const uint16_t* src, uint16_t* dst, int64_t rows, int64_t groups) {
+    const size_t n = (size_t)(rows * groups);
+    uint16_t* packed = malloc(n / 2);
+    if (!packed) return -1;
+    memcpy(packed, src, n / 2);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t g = 0; g < groups; g++)
+            dst[r * groups + g] = float_to_half(zero_at(packed, LAYOUT_ROWS8_Z4, r, g, groups));
+    free(packed);
+    return 0;
 }
 
 /* One row of codes: from the stream into planes (to_planes) or back, on the portable path. The stream's tail (the
@@ -368,6 +484,7 @@ typedef struct {
     uint16_t* dst_grid[2];
     int64_t rows, cols, groups;
     int bits, layout, forward, path;
+    uint8_t* zeros4;         /* LAYOUT_ROWS8_Z4 forward: the 4-bit zeros, packed here, then over the float16 ones */
     uint8_t* eights;         /* rows8: one buffer of 8 rows per thread, */
     _Atomic uint64_t idle;   /* those no item holds (one bit each) */
 } relayout_job;
@@ -378,26 +495,42 @@ static void relayout_item(void* arg, int64_t item);
 
 /* dst (rows x cols codes; src itself: in place, through a copy of each row or group of 8 rows; else not overlapping
    src) = src re-laid, stream -> `layout` (forward 1) or back, on instruction-set path `path` (the same bytes on every
-   path). LAYOUT_ROWS8 re-lays the scales and zeros [rows, groups] too (src_scale -> dst_scale, likewise zero; the
-   same array: in place); LAYOUT_PLANES leaves them (and takes NULL). Returns 0, or -1 for a shape or width the
-   layout does not take (then nothing was written). */
+   path). The rows8 layouts re-lay the scales and zeros [rows, groups] too (src_scale -> dst_scale, likewise zero;
+   the same array: in place); LAYOUT_PLANES leaves them (and takes NULL). Returns 0, or -1 for a shape or width the
+   layout does not take (LAYOUT_ROWS8_Z4: widths 1-4), or (LAYOUT_ROWS8_Z4, forward) a zero that is not an integer
+   in [0, 15]: then nothing was written. */
 int hexq_relayout(const uint8_t* src, uint8_t* dst, const uint16_t* src_scale, uint16_t* dst_scale,
                   const uint16_t* src_zero, uint16_t* dst_zero, int64_t rows, int64_t cols, int64_t groups, int bits,
                   int layout, int forward, int path, int threads) {
     if (!takes_planes(cols, bits) || cols / BLOCK > MAX_BLOCKS || rows < 0 || !(hexq_paths() >> path & 1)) return -1;
-    if (layout == LAYOUT_ROWS8
+    if (is_rows8(layout)
         && (!takes_rows8(rows, cols, bits) || groups <= 0 || cols % groups || !src_scale || !dst_scale || !src_zero
             || !dst_zero))
         return -1;
-    if (layout != LAYOUT_PLANES && layout != LAYOUT_ROWS8) return -1;
+    if (layout != LAYOUT_PLANES && !is_rows8(layout)) return -1;
+    if (layout == LAYOUT_ROWS8_Z4 && (bits > 4 || (forward && !hexq_zeros_fit4(src_zero, rows * groups)))) return -1;
     threads = threads < 1 ? 1 : threads > 64 ? 64 : threads;
     relayout_job job = {src, dst, {src_scale, src_zero}, {dst_scale, dst_zero}, rows, cols, groups, bits, layout,
-                        forward, path, NULL, threads == 64 ? ~0ULL : (1ULL << threads) - 1};
-    if (layout == LAYOUT_ROWS8) { /* up to 229 KB a thread: not on its stack; refused before anything is written */
+                        forward, path, NULL, NULL, threads == 64 ? ~0ULL : (1ULL << threads) - 1};
+    if (is_rows8(layout)) { /* up to 229 KB a thread: not on its stack; refused before anything is written */
         job.eights = malloc((size_t)threads * (size_t)(8 * (cols * bits / 8) + 64));
         if (!job.eights) return -1;
     }
+    const size_t n = (size_t)(rows * groups);
+    if (layout == LAYOUT_ROWS8_Z4 && forward && !(job.zeros4 = malloc(n / 2))) {
+        free(job.eights);
+        return -1;
+    }
+    if (layout == LAYOUT_ROWS8_Z4 && !forward && zeros4_back(src_zero, dst_zero, rows, groups) != 0) {
+        free(job.eights);
+        return -1;
+    }
     parallel(relayout_item, &job, (rows + RELAYOUT_ROWS - 1) / RELAYOUT_ROWS, threads);
+    if (job.zeros4) { /* every group's float16 zeros read: the 4-bit ones over them, the rest of the array zero */
+        memcpy(dst_zero, job.zeros4, n / 2);
+        memset((uint8_t*)dst_zero + n / 2, 0, n * 2 - n / 2);
+        free(job.zeros4);
+    }
     free(job.eights);
     return 0;
 }
@@ -411,7 +544,7 @@ static void rows_scalar(const hexq_gemv_task* t, const quantized_x* xq, int64_t 
     for (int64_t r = r0; r < r1; r++) {
         for (int64_t g = 0; g < groups; g++) {
             s[g] = half_to_float(t->scale[grid_index(t->layout, r, g, groups)]);
-            z[g] = half_to_float(t->zero[grid_index(t->layout, r, g, groups)]);
+            z[g] = zero_at(t->zero, t->layout, r, g, groups);
         }
         row_terms(t, xq, s, z, r, t->ntok, w, zterm);
         for (int k = 0; k < t->ntok; k++) {
@@ -719,7 +852,7 @@ static AVX2 INLINE void rows_avx2_bits(const hexq_gemv_task* t, const quantized_
 }
 
 static AVX2 void rows_avx2(const hexq_gemv_task* t, const quantized_x* xq, int64_t r0, int64_t r1) {
-    if (t->layout == LAYOUT_ROWS8) { /* only the AVX-512 path re-lays codes so; any path still reads them */
+    if (is_rows8(t->layout)) { /* only the VNNI paths re-lay codes so; any path still reads them */
         rows_scalar(t, xq, r0, r1);
         return;
     }
@@ -1010,7 +1143,7 @@ static AVX2 INLINE void rows8_block_codes(const uint8_t* group8, int64_t b, cons
 #endif
 
 static AVX512 void rows_avx512(const hexq_gemv_task* t, const quantized_x* xq, int64_t r0, int64_t r1) {
-    const int planes = t->layout == LAYOUT_PLANES && t->bits < 8, rows8 = t->layout == LAYOUT_ROWS8;
+    const int planes = t->layout == LAYOUT_PLANES && t->bits < 8, rows8 = is_rows8(t->layout);
     if ((planes && planes_blocks(t->cols, t->bits) != t->cols / BLOCK)  /* a stream tail: AVX2's code reads both */
         || (rows8 && (r0 % 8 || r1 % 8))) {  /* never from the pool's items (multiples of 8 rows); still correct */
         (rows8 ? rows_scalar : rows_avx2)(t, xq, r0, r1);
@@ -1046,7 +1179,7 @@ static AVX512 void rows_avx512(const hexq_gemv_task* t, const quantized_x* xq, i
    path is offered where AVX512-VNNI and VL give the same instruction in its EVEX encoding (rows8_avx512), so that
    every machine with either runs this path's code and its tests. The two copies are one source (vnni256.h). */
 static AVX2 void rows_avxvnni(const hexq_gemv_task* t, const quantized_x* xq, int64_t r0, int64_t r1) {
-    if (t->layout == LAYOUT_ROWS8 && !(r0 % 8) && !(r1 % 8)) {
+    if (is_rows8(t->layout) && !(r0 % 8) && !(r1 % 8)) {
 #ifdef HEXQ_AVXVNNI_VEX
         if (cpu_has_avxvnni()) {
             rows8_avxvnni(t, xq, r0, r1);
@@ -1170,6 +1303,11 @@ static void relayout_rows8(const relayout_job* j, int64_t G, uint8_t* eight, uin
             }
     }
     for (int a = 0; a < 2; a++) {
+        if (a == 1 && j->layout == LAYOUT_ROWS8_Z4) { /* packed aside (forward), or already back (zeros4_back) */
+            const uint16_t* zeros = j->src_grid[1] + 8 * G * groups;
+            if (j->forward) zeros4_pack(zeros, j->zeros4 + 4 * G * groups, groups, j->path);
+            break;
+        }
         memcpy(grid, j->src_grid[a] + 8 * G * groups, (size_t)(8 * groups) * 2);
         uint16_t* out = j->dst_grid[a] + 8 * G * groups;
         if (j->forward) {
@@ -1185,7 +1323,7 @@ static void relayout_item(void* arg, int64_t item) {
     const relayout_job* j = (const relayout_job*)arg;
     const int64_t row_bytes = j->cols * j->bits / 8, r0 = item * RELAYOUT_ROWS;
     const int64_t r1 = r0 + RELAYOUT_ROWS < j->rows ? r0 + RELAYOUT_ROWS : j->rows;
-    if (j->layout == LAYOUT_ROWS8) { /* at most `threads` items at once: one of the job's buffers is idle */
+    if (is_rows8(j->layout)) { /* at most `threads` items at once: one of the job's buffers is idle */
         relayout_job* shared = (relayout_job*)arg;
         uint64_t idle = atomic_load(&shared->idle);
         while (!idle || !atomic_compare_exchange_weak(&shared->idle, &idle, idle & (idle - 1)))
@@ -1394,7 +1532,7 @@ static AVX512 void dequant_avx512(const uint8_t* packed, int bits, const uint16_
    quarters: one qword permute), widened to 16-bit indices into a table of the group's 16 values q s - z s, one
    vpermw for 32 outputs (dequant_avx512's table for the stream). Twice the speed of the AVX2 code per weight. */
 static AVX512 void dequant_rows8_avx512(const uint8_t* packed, int bits, const uint16_t* scale, const uint16_t* zero,
-                                        int64_t rows, int64_t group, int64_t cols, void* out) {
+                                        int layout, int64_t rows, int64_t group, int64_t cols, void* out) {
     const int64_t row_bytes = cols * bits / 8, groups = cols / group;
     const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     for (int64_t r0 = 0; r0 < rows; r0 += 8)
@@ -1402,8 +1540,9 @@ static AVX512 void dequant_rows8_avx512(const uint8_t* packed, int bits, const u
             __m256i t[8];
             rows8_block_codes(packed + r0 * row_bytes, blk, bits, t);
             for (int r = 0; r < 8; r++) {
-                const int64_t at = grid_index(LAYOUT_ROWS8, r0 + r, blk * BLOCK / group, groups);
-                const float sf = _cvtsh_ss(scale[at]), zf = _cvtsh_ss(zero[at]);
+                const int64_t g = blk * BLOCK / group;
+                const float sf = _cvtsh_ss(scale[grid_index(layout, r0 + r, g, groups)]);
+                const float zf = zero_at(zero, layout, r0 + r, g, groups);
                 const __m512i table = _mm512_castsi256_si512(
                     bf16_avx512(_mm512_fmadd_ps(iota, _mm512_set1_ps(sf), _mm512_set1_ps(-(zf * sf)))));
                 const __m512i q = _mm512_cvtepu8_epi16(_mm256_permute4x64_epi64(t[r], 0xd8));
@@ -1429,15 +1568,16 @@ static void dequant_planes(const uint8_t* packed, int bits, const uint16_t* scal
    block is (dequant_block_avx2); the portable path reads each code with code_rows8. */
 #ifdef HEXQ_X86
 static AVX2 void dequant_rows8_avx2(const uint8_t* packed, int bits, const uint16_t* scale, const uint16_t* zero,
-                                    int64_t rows, int64_t group, int64_t cols, void* out, int out_kind) {
+                                    int layout, int64_t rows, int64_t group, int64_t cols, void* out, int out_kind) {
     const int64_t row_bytes = cols * bits / 8, groups = cols / group;
     for (int64_t r0 = 0; r0 < rows; r0 += 8)
         for (int64_t blk = 0; blk < cols / BLOCK; blk++) {
             __m256i t[8];
             rows8_block_codes(packed + r0 * row_bytes, blk, bits, t);
             for (int r = 0; r < 8; r++) {
-                const int64_t at = grid_index(LAYOUT_ROWS8, r0 + r, blk * BLOCK / group, groups);
-                dequant_block_avx2(t[r], _cvtsh_ss(scale[at]), _cvtsh_ss(zero[at]), out, (r0 + r) * cols + blk * BLOCK,
+                const int64_t g = blk * BLOCK / group;
+                dequant_block_avx2(t[r], _cvtsh_ss(scale[grid_index(layout, r0 + r, g, groups)]),
+                                   zero_at(zero, layout, r0 + r, g, groups), out, (r0 + r) * cols + blk * BLOCK,
                                    out_kind);
             }
         }
@@ -1445,11 +1585,12 @@ static AVX2 void dequant_rows8_avx2(const uint8_t* packed, int bits, const uint1
 #endif
 
 static void dequant_rows8_scalar(const uint8_t* packed, int bits, const uint16_t* scale, const uint16_t* zero,
-                                 int64_t rows, int64_t group, int64_t cols, void* out, int out_kind) {
+                                 int layout, int64_t rows, int64_t group, int64_t cols, void* out, int out_kind) {
     const int64_t row_bytes = cols * bits / 8, groups = cols / group;
     for (int64_t i = 0; i < rows * cols; i++) {
-        const int64_t r = i / cols, at = grid_index(LAYOUT_ROWS8, r, i % cols / group, groups);
-        const float s = half_to_float(scale[at]), z = half_to_float(zero[at]), b = -(z * s);
+        const int64_t r = i / cols, g = i % cols / group;
+        const float s = half_to_float(scale[grid_index(layout, r, g, groups)]), z = zero_at(zero, layout, r, g, groups);
+        const float b = -(z * s);
         const float q = (float)code_rows8(packed + (r & ~7) * row_bytes, (int)(r & 7), bits, i % cols);
         if (out_kind == 0) ((float*)out)[i] = (q - z) * s;
         else if (out_kind == 1) ((uint16_t*)out)[i] = float_to_bf16(q * s + b);
@@ -1463,17 +1604,19 @@ static int dequant_part(const uint8_t* packed, int bits, const uint16_t* scale, 
     if (bits < 1 || bits > 8 || group <= 0 || numel % group || out_kind < 0 || out_kind > 2
         || !(hexq_paths() >> path & 1))
         return -1;
-    if (layout == LAYOUT_PLANES || layout == LAYOUT_ROWS8) { /* every path takes them: they have no other reader */
+    if (layout == LAYOUT_PLANES || is_rows8(layout)) { /* every path takes them: they have no other reader */
         if (!takes_planes(cols, bits) || numel % cols || group % BLOCK || cols % group) return -1;
-        if (layout == LAYOUT_ROWS8 && !takes_rows8(numel / cols, cols, bits)) return -1;
+        if (is_rows8(layout) && !takes_rows8(numel / cols, cols, bits)) return -1;
         if (!run) return 0;
+        const int64_t rows = numel / cols;
         if (layout == LAYOUT_PLANES) dequant_planes(packed, bits, scale, zero, numel, group, cols, out, out_kind, path);
 #ifdef HEXQ_X86
         else if (path == PATH_AVX512 && bits <= 4 && out_kind == 1)
-            dequant_rows8_avx512(packed, bits, scale, zero, numel / cols, group, cols, out);
-        else if (path != PATH_SCALAR) dequant_rows8_avx2(packed, bits, scale, zero, numel / cols, group, cols, out, out_kind);
+            dequant_rows8_avx512(packed, bits, scale, zero, layout, rows, group, cols, out);
+        else if (path != PATH_SCALAR)
+            dequant_rows8_avx2(packed, bits, scale, zero, layout, rows, group, cols, out, out_kind);
 #endif
-        else dequant_rows8_scalar(packed, bits, scale, zero, numel / cols, group, cols, out, out_kind);
+        else dequant_rows8_scalar(packed, bits, scale, zero, layout, rows, group, cols, out, out_kind);
         return 0;
     }
 #ifdef HEXQ_X86
@@ -1506,7 +1649,8 @@ static void dequant_item(void* arg, int64_t item) {
     const dequant_job* j = (const dequant_job*)arg;
     const int64_t r0 = item * DEQUANT_ROWS, r1 = r0 + DEQUANT_ROWS < j->rows ? r0 + DEQUANT_ROWS : j->rows;
     const int64_t row_bytes = j->cols * j->bits / 8, groups = j->cols / j->group, size = j->out_kind == 0 ? 4 : 2;
-    dequant_part(j->packed + r0 * row_bytes, j->bits, j->scale + r0 * groups, j->zero + r0 * groups,
+    const uint16_t* zero = zero_rows(j->zero, j->layout, r0, groups);
+    dequant_part(j->packed + r0 * row_bytes, j->bits, j->scale + r0 * groups, zero,
                  (r1 - r0) * j->cols, j->group, (char*)j->out + r0 * j->cols * size, j->out_kind, j->path, j->cols,
                  j->layout, 1);
 }
@@ -1514,7 +1658,7 @@ static void dequant_item(void* arg, int64_t item) {
 /* out[i] for i < numel (rows of `cols` codes): the matrix the codes stand for, on `threads` threads (a block of
    DEQUANT_ROWS rows per pool item where rows are whole bytes and whole groups; else on the calling thread). Returns
    0, or -1 if the path does not take these inputs (nothing written; the caller then uses another path). layout:
-   LAYOUT_STREAM, LAYOUT_PLANES or LAYOUT_ROWS8. Why threads: a prefill expands most experts of every layer (~0.66 ms
+   any of the LAYOUT_ values. Why threads: a prefill expands most experts of every layer (~0.66 ms
    each for a real-shaped 3-bit matrix on one core), which was half of a 128-token prompt's time on 2 cores. */
 int hexq_dequant(const uint8_t* packed, int bits, const uint16_t* scale, const uint16_t* zero, int64_t numel,
                  int64_t group, void* out, int out_kind, int path, int64_t cols, int layout, int threads) {

@@ -65,13 +65,16 @@ enum { PATH_SCALAR = 0, PATH_AVX2 = 1, PATH_AVX512 = 2, PATH_AVXVNNI = 3 };
    layout"): the same bytes per row, the codes of a block of 32 split into 4-, 2- and 1-bit planes so that a block
    unpacks to 32 bytes with a shift and a mask per plane. ROWS8: the VNNI GEMVs' form (AVX-512 and AVX-VNNI paths;
    kernels.c "the rows8 layout"): rows in groups of 8, each row in planes, the 8 rows' bytes interleaved 4 at a time
-   and their scales and zeros one at a time, so that one register holds 4 codes of each of 8 rows. */
-enum { LAYOUT_STREAM = 0, LAYOUT_PLANES = 1, LAYOUT_ROWS8 = 2 };
+   and their scales and zeros one at a time, so that one register holds 4 codes of each of 8 rows. ROWS8_Z4: rows8
+   with each zero as a 4-bit integer (kernels.c "zeros as 4-bit integers"), for matrices whose zeros all are. */
+enum { LAYOUT_STREAM = 0, LAYOUT_PLANES = 1, LAYOUT_ROWS8 = 2, LAYOUT_ROWS8_Z4 = 3 };
+
+static inline int is_rows8(int layout) { return layout == LAYOUT_ROWS8 || layout == LAYOUT_ROWS8_Z4; }
 
 /* y[t, r] = sum_c W[r, c] x[t, c] for r in [0, rows), t in [0, ntok), W = (q - zero) * scale per group of `group`
    codes of a row; q: `bits`-bit codes, one little-endian bit stream, row-major (hexq.packed.bitpack); scale and
    zero float16 [rows, cols / group]; x float32 [ntok, cols] (row stride x_stride), y float32 (row stride y_stride);
-   layout: LAYOUT_STREAM, LAYOUT_PLANES or LAYOUT_ROWS8 (then codes, scales and zeros are re-laid, see above). */
+   layout: one of the LAYOUT_ values (rows8: codes, scales and zeros re-laid, see above). */
 typedef struct {
     const uint8_t* codes;
     const uint16_t* scale;

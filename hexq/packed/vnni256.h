@@ -29,12 +29,22 @@ static VNNI256 INLINE void VNNI256_NAME(rows8_block)(const uint8_t* group8, cons
     }
 }
 
-/* The end of group g for 8 rows: total += s_g (acc - z_g zx_g), acc cleared (scale and zero: the group's 8 values). */
-static VNNI256 INLINE void VNNI256_NAME(rows8_group)(const uint16_t* scale, const uint16_t* zero,
+/* The end of group g for 8 rows: total += s_g (acc - z_g zx_g), acc cleared (scale and zero: the group's 8 values;
+   z4: the zeros as 4-bit integers, kernels.c "zeros as 4-bit integers", one 32-bit word for the 8 rows). */
+static VNNI256 INLINE void VNNI256_NAME(rows8_group)(const uint16_t* scale, const void* zero, const int z4,
                                                      float zx[][MAX_BLOCKS], int64_t g, const int ntok, __m256* acc,
                                                      __m256* total) {
     const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)scale));
-    const __m256 z = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)zero));
+    __m256 z;
+    if (z4) {
+        int32_t word;
+        memcpy(&word, zero, 4);
+        const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+        z = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts),
+                                                _mm256_set1_epi32(15)));
+    } else {
+        z = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)zero));
+    }
     for (int t = 0; t < ntok; t++) {
         total[t] = _mm256_fmadd_ps(s, _mm256_fnmadd_ps(z, _mm256_set1_ps(zx[t][g]), acc[t]), total[t]);
         acc[t] = _mm256_setzero_ps();
@@ -47,7 +57,7 @@ static VNNI256 INLINE void VNNI256_NAME(rows8_group)(const uint16_t* scale, cons
    y = sum_g s_g (sum_{b in g} dx_b dot_b - z_g sum_{b in g} dx_b sum_b): one conversion and FMA per block and one
    float16 scale and zero per group for 8 rows. r0 and r1: multiples of 8. */
 static VNNI256 INLINE void VNNI256_NAME(rows8_bits)(const hexq_gemv_task* t, const quantized_x* xq, int64_t r0,
-                                                    int64_t r1, const int bits, const int ntok) {
+                                                    int64_t r1, const int bits, const int ntok, const int z4) {
     const int64_t cols = t->cols, blocks = cols / BLOCK, row_bytes = cols * bits / 8, groups = cols / t->group;
     const int64_t per_group = t->group / BLOCK;
     float zx[MAX_TOK][MAX_BLOCKS]; /* per token and group: sum over its blocks of dx_b sum_b */
@@ -62,6 +72,7 @@ static VNNI256 INLINE void VNNI256_NAME(rows8_bits)(const hexq_gemv_task* t, con
         const uint8_t* group8 = t->codes + r * row_bytes;
         const uint16_t* scale = t->scale + r * groups;
         const uint16_t* zero = t->zero + r * groups;
+        const uint8_t* zero4 = (const uint8_t*)t->zero + r * groups / 2; /* z4 */
         __m256 total[MAX_TOK], acc[MAX_TOK];
         for (int k = 0; k < ntok; k++) total[k] = acc[k] = _mm256_setzero_ps();
         for (int64_t b = 0, g = 0, in_group = 0; b < blocks; b++) {
@@ -70,7 +81,8 @@ static VNNI256 INLINE void VNNI256_NAME(rows8_bits)(const hexq_gemv_task* t, con
             for (int o = 0; o < 32 * bits; o += 64) __builtin_prefetch(ahead + o, 0, 3);
             VNNI256_NAME(rows8_block)(group8, xq, cols, blocks, b, bits, ntok, acc);
             if (++in_group == per_group) {
-                VNNI256_NAME(rows8_group)(scale + g * 8, zero + g * 8, zx, g, ntok, acc, total);
+                const void* zeros = z4 ? (const void*)(zero4 + 4 * g) : (const void*)(zero + g * 8);
+                VNNI256_NAME(rows8_group)(scale + g * 8, zeros, z4, zx, g, ntok, acc, total);
                 g++;
                 in_group = 0;
             }
@@ -79,16 +91,20 @@ static VNNI256 INLINE void VNNI256_NAME(rows8_bits)(const hexq_gemv_task* t, con
     }
 }
 
-/* Rows [r0, r1) of a rows8 task (r0 and r1 multiples of 8; bits 1-7), the width and token count spelled out. */
+/* Rows [r0, r1) of a rows8 task (r0 and r1 multiples of 8; bits 1-7), the width, token count and zeros' form
+   spelled out (4-bit zeros: widths 1-4 only, the only ones whose zeros all fit). */
 static VNNI256 void VNNI256_NAME(rows8)(const hexq_gemv_task* t, const quantized_x* xq, int64_t r0, int64_t r1) {
-#define CASE(B)                                                                              \
+#define CASE(B, Z)                                                                           \
     case B:                                                                                  \
         switch (t->ntok) {                                                                   \
-            case 1: VNNI256_NAME(rows8_bits)(t, xq, r0, r1, B, 1); return;                   \
-            case 2: VNNI256_NAME(rows8_bits)(t, xq, r0, r1, B, 2); return;                   \
-            case 3: VNNI256_NAME(rows8_bits)(t, xq, r0, r1, B, 3); return;                   \
-            default: VNNI256_NAME(rows8_bits)(t, xq, r0, r1, B, 4); return;                  \
+            case 1: VNNI256_NAME(rows8_bits)(t, xq, r0, r1, B, 1, Z); return;                \
+            case 2: VNNI256_NAME(rows8_bits)(t, xq, r0, r1, B, 2, Z); return;                \
+            case 3: VNNI256_NAME(rows8_bits)(t, xq, r0, r1, B, 3, Z); return;                \
+            default: VNNI256_NAME(rows8_bits)(t, xq, r0, r1, B, 4, Z); return;               \
         }
-    switch (t->bits) { CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) }
+    if (t->layout == LAYOUT_ROWS8_Z4) {
+        switch (t->bits) { CASE(1, 1) CASE(2, 1) CASE(3, 1) CASE(4, 1) }
+    }
+    switch (t->bits) { CASE(1, 0) CASE(2, 0) CASE(3, 0) CASE(4, 0) CASE(5, 0) CASE(6, 0) CASE(7, 0) }
 #undef CASE
 }

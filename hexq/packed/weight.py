@@ -19,11 +19,13 @@ from hexq.packed.bitpack import OUT_DTYPES, DequantScratch, dequantize_into, pac
 CODE_PAD = 8
 SCALE_DTYPE = torch.float16
 PROJECTIONS = ("gate_up", "down")  # a routed expert's two stored matrices: gate and up fused [2I, H], down [H, I]
-# How codes lie in memory (kernels.h, in this order): "stream" is what is stored (hexq.packed.bitpack); "planes" and
-# "rows8" (which re-lays the scales and zeros too, 8 rows interleaved) are the CPU kernels' forms, made at load by
-# CpuKernels.relayout and read only by the CPU kernels.
-LAYOUTS = ("stream", "planes", "rows8")
-ROWS8 = 8  # rows a group of the rows8 layout interleaves
+# How codes lie in memory (kernels.h, in this order): "stream" is what is stored (hexq.packed.bitpack); "planes",
+# "rows8" (which re-lays the scales and zeros too, 8 rows interleaved) and "rows8z4" (rows8 with each zero a 4-bit
+# integer: kernels.c "zeros as 4-bit integers") are the CPU kernels' forms, made at load by CpuKernels.relayout and
+# read only by the CPU kernels.
+LAYOUTS = ("stream", "planes", "rows8", "rows8z4")
+ROWS8_LAYOUTS = ("rows8", "rows8z4")
+ROWS8 = 8  # rows a group of a rows8 layout interleaves
 
 
 class Grid(Protocol):
@@ -37,7 +39,8 @@ class Grid(Protocol):
 @dataclass(frozen=True)
 class PackedWeight:
     """One quantized matrix as stored: packed codes [ceil(bits*numel/8)] uint8, scale and zero [out, groups]; its
-    codes in `layout` (LAYOUTS: as stored unless the CPU kernels re-laid them)."""
+    codes in `layout` (LAYOUTS: as stored unless the CPU kernels re-laid them; rows8z4's zero is [out / 4, groups],
+    its float16 array's first quarter holding 4-bit zeros: `nbytes` is what a product reads)."""
 
     codes: torch.Tensor
     scale: torch.Tensor
@@ -55,16 +58,24 @@ class PackedWeight:
 
     def rows(self, start: int, stop: int) -> PackedWeight:
         """Rows [start, stop) as a PackedWeight of their own (views, no copy): in any layout a row's codes are its
-        own cols * bits / 8 bytes when that is a whole number (in rows8, those of whole groups of 8 rows)."""
+        own cols * bits / 8 bytes when that is a whole number (in a rows8 layout, those of whole groups of 8 rows)."""
         rows, cols = self.shape
         if cols * self.bits % 8:
             raise ValueError(f"a row of {cols} {self.bits}-bit codes does not end on a byte: rows cannot be cut out")
         start, stop = max(0, start), min(rows, stop)
-        if self.layout == "rows8" and (start % ROWS8 or stop % ROWS8):
+        if self.layout in ROWS8_LAYOUTS and (start % ROWS8 or stop % ROWS8):
             raise ValueError(f"rows [{start}, {stop}) of a rows8 matrix: the layout interleaves groups of {ROWS8}")
         row_bytes = cols * self.bits // 8
-        return PackedWeight(self.codes[start * row_bytes:stop * row_bytes], self.scale[start:stop],
-                            self.zero[start:stop], self.bits, (stop - start, cols), self.layout)
+        # rows8z4's zeros: 4 bits each, in row order (CpuKernels.relayout): those of rows [a, b) are its rows [a/4, b/4)
+        zero = self.zero[start // 4:stop // 4] if self.layout == "rows8z4" else self.zero[start:stop]
+        return PackedWeight(self.codes[start * row_bytes:stop * row_bytes], self.scale[start:stop], zero, self.bits,
+                            (stop - start, cols), self.layout)
+
+
+def zeros_as_laid(zero: torch.Tensor, layout: str) -> torch.Tensor:
+    """The zeros a matrix in `layout` reads, from their whole float16 array [rows, groups]: in rows8z4 its first
+    quarter, which holds them as 4-bit integers (CpuKernels.relayout), else all of it."""
+    return zero[:zero.shape[0] // 4] if layout == "rows8z4" else zero
 
 
 def pack_weight(codes: torch.Tensor, meta: Grid) -> PackedWeight:

@@ -33,7 +33,7 @@ from hexq.base.io import cache_dir, write_json_atomic
 from hexq.model.simulate import quantized_expert_output
 from hexq.packed.bitpack import DequantScratch
 from hexq.packed.cpu import SOURCE, GemvJob, gemv_takes, load_cpu_kernels
-from hexq.packed.weight import PackedWeight, dequantize_packed_into
+from hexq.packed.weight import PackedWeight, dequantize_packed_into, zeros_as_laid
 from hexq.runtime import cost
 from hexq.runtime.cache import ExpertWeights
 from hexq.runtime.cost import LatencyProfile, measure_latency, n_critical, should_fill
@@ -363,8 +363,8 @@ class PackedLinear(torch.nn.Module):
 
     @property
     def weight_packed(self) -> PackedWeight:
-        return PackedWeight(self.codes, self.scale, self.zero, self.bits, (self.out_features, self.in_features),
-                            self.layout)
+        return PackedWeight(self.codes, self.scale, zeros_as_laid(self.zero, self.layout), self.bits,
+                            (self.out_features, self.in_features), self.layout)
 
     def relayout(self, kernels) -> PackedWeight:
         """Its codes re-laid in place for the CPU kernels (hexq.packed.cpu.CpuKernels.relayout); the new weight."""
