@@ -7,18 +7,18 @@
 What one decode step asks of the kernels for one MoE layer of Qwen3-30B-A3B's shape: the 8 routed experts of a token
 (gate_up [1536, 2048] and down [2048, 768], asymmetric, groups of 32, float16 scale and integer zero, re-laid as the
 native step serves them: rows8z4 on the AVX-512 and AVX-VNNI paths, planes on AVX2; --layouts forces layouts), one
-token, one call for
-the 8 gate_up products and one for the 8 down products (each layer's C tasks made once, so that no Python marshalling is
-timed: the native step has none). A layer's experts are drawn from --layers distinct layers' worth of random codes (a
-working set several times the last-level cache), cycled, so the codes come from memory as they do in a real step.
+token, one call for the 8 gate_up products and one for the 8 down products (each layer's C tasks made once, so that no
+Python marshalling is timed: the native step has none). A layer's experts are drawn from --layers distinct layers' worth
+of random codes (a working set several times the last-level cache), cycled, so the codes come from memory as they do in
+a real step.
 
 Bytes per layer: codes + scales + zeros of the 16 matrices as the kernels read them (PackedWeight.nbytes: rows8z4's
-zeros in 4 bits); GB/s = bytes / median seconds per layer (median over
---reps passes over the working set, the paths taking turns); share = the median over the passes of the pass's GB/s
-over the read bandwidth measured in the same pass (torch.sum over a 2 GiB float32 tensor on the same threads, timed
-after the paths in every pass: the machine's speed drifts, and a bandwidth measured once before would compare the
-kernels with another minute's machine). Every path's outputs are checked against the scalar path's on one layer (the
-same integer arithmetic, so the bound is float32 summation order).
+zeros in 4 bits); GB/s = bytes / median seconds per layer (median over --reps passes over the working set, the paths
+taking turns); share = the median over the passes of the pass's GB/s over the read bandwidth measured in the same pass
+(torch.sum over a 2 GiB float32 tensor on the same threads, timed after the paths in every pass: the machine's speed
+drifts, and a bandwidth measured once before would compare the kernels with another minute's machine). Every path's
+outputs are checked against the scalar path's on one layer (the same integer arithmetic, so the bound is float32
+summation order).
 """
 
 from __future__ import annotations

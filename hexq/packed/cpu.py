@@ -25,9 +25,9 @@ On the AVX-512 and AVX-VNNI paths matrices of whole groups of 8 rows go one step
 multiplies 4 codes of each of 8 rows and a block's scaling is one FMA for 8 rows (3-bit experts from memory on an
 AMD EPYC, 2 threads: 0.85 ms per layer against 1.05 from the planes; benchmarks/gemv_speed.py --layouts planes rows8).
 Where every zero of a matrix of widths 1-4 is an integer in [0, 15] (asymmetric grids' zero points are, unless the
-recipe asks for float ones; symmetric grids' are 2^(bits - 1)) its zeros go into 4 bits each within their own region
-("rows8z4", kernels.c "zeros as 4-bit integers"): a 3-bit expert in groups of 32 then reads 3.625 bits per weight
-instead of 4, and a decode step reads that much less; the slot keeps its size.
+recipe asks for float ones; symmetric grids' are 2^(bits - 1)) its zeros go into 4 bits each, packed in row order into
+the first quarter of their array ("rows8z4", kernels.c "zeros as 4-bit integers"): a 3-bit expert in groups of 32 then
+reads 3.625 bits per weight instead of 4, and a decode step reads that much less; the slot keeps its size.
 It pays where a matrix is read many times: the native decode step re-lays every resident expert and dense matrix
 it serves when it is built (hexq.runtime.native); a miss loaded for one use keeps the stream. Re-laid codes are read
 only by these kernels (GEMV and dequantization take every layout on every path; `stream` gives a stored-layout copy

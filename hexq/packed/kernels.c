@@ -1304,8 +1304,7 @@ static void relayout_rows8(const relayout_job* j, int64_t G, uint8_t* eight, uin
     }
     for (int a = 0; a < 2; a++) {
         if (a == 1 && j->layout == LAYOUT_ROWS8_Z4) { /* packed aside (forward), or already back (zeros4_back) */
-            const uint16_t* zeros = j->src_grid[1] + 8 * G * groups;
-            if (j->forward) zeros4_pack(zeros, j->zeros4 + 4 * G * groups, groups, j->path);
+            if (j->forward) zeros4_pack(j->src_grid[1] + 8 * G * groups, j->zeros4 + 4 * G * groups, groups, j->path);
             break;
         }
         memcpy(grid, j->src_grid[a] + 8 * G * groups, (size_t)(8 * groups) * 2);

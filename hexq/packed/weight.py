@@ -66,16 +66,21 @@ class PackedWeight:
         if self.layout in ROWS8_LAYOUTS and (start % ROWS8 or stop % ROWS8):
             raise ValueError(f"rows [{start}, {stop}) of a rows8 matrix: the layout interleaves groups of {ROWS8}")
         row_bytes = cols * self.bits // 8
-        # rows8z4's zeros: 4 bits each, in row order (CpuKernels.relayout): those of rows [a, b) are its rows [a/4, b/4)
-        zero = self.zero[start // 4:stop // 4] if self.layout == "rows8z4" else self.zero[start:stop]
+        zero = zero_rows(self.zero, self.layout, start, stop)
         return PackedWeight(self.codes[start * row_bytes:stop * row_bytes], self.scale[start:stop], zero, self.bits,
                             (stop - start, cols), self.layout)
 
 
+def zero_rows(zero: torch.Tensor, layout: str, start: int, stop: int) -> torch.Tensor:
+    """The zeros of rows [start, stop) of a matrix in `layout`, from its zero array: in rows8z4, whose zeros are 4-bit
+    integers in row order over the float16 array's first quarter (CpuKernels.relayout), that array's rows
+    [start / 4, stop / 4); else its rows [start, stop)."""
+    return zero[start // 4:stop // 4] if layout == "rows8z4" else zero[start:stop]
+
+
 def zeros_as_laid(zero: torch.Tensor, layout: str) -> torch.Tensor:
-    """The zeros a matrix in `layout` reads, from their whole float16 array [rows, groups]: in rows8z4 its first
-    quarter, which holds them as 4-bit integers (CpuKernels.relayout), else all of it."""
-    return zero[:zero.shape[0] // 4] if layout == "rows8z4" else zero
+    """The zeros a matrix in `layout` reads, from their whole float16 array [rows, groups] (zero_rows of every row)."""
+    return zero_rows(zero, layout, 0, zero.shape[0])
 
 
 def pack_weight(codes: torch.Tensor, meta: Grid) -> PackedWeight:
