@@ -17,8 +17,9 @@ zeros in 4 bits); GB/s = bytes / median seconds per layer (median over --reps pa
 taking turns); share = the median over the passes of the pass's GB/s over the read bandwidth measured in the same pass
 (torch.sum over a 2 GiB float32 tensor on the same threads, timed after the paths in every pass: the machine's speed
 drifts, and a bandwidth measured once before would compare the kernels with another minute's machine). Every path's
-outputs are checked against the scalar path's on one layer (the same integer arithmetic, so the bound is float32
-summation order).
+outputs are compared with the scalar path's on one layer: float32 summation order (~1e-6) where both read int16
+activation blocks, the int8 blocks' rounding (~1e-2 of the largest output) for the VNNI paths' rows8 GEMVs (kernels.c
+"int8 activation blocks").
 """
 
 from __future__ import annotations

@@ -331,7 +331,8 @@ def run(
             with progress_bar() as bar:
                 task = bar.add_task(f"ppl {ppl}", total=None)
                 value, scored, seconds = runtime_perplexity(
-                    runtime, ids, seqlen, windows, lambda done, total: bar.update(task, completed=done, total=total))
+                    runtime, ids, seqlen, windows, lambda done, total: bar.update(task, completed=done, total=total),
+                    decoded=decode == "native")
             run_stats = runtime.stats(tokens_per_second=scored / seconds)
             console.print(f"perplexity {value:.3f} on {ppl} (window {seqlen}, {scored:,} tokens scored, "
                           f"{scored / seconds:.0f} tokens/s)")

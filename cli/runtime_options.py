@@ -27,7 +27,8 @@ KernelsOpt = Annotated[str, typer.Option("--kernels", help="How packed weights a
                                          "with torch ops).")]
 DecodeOpt = Annotated[str, typer.Option("--decode", help="How a generated token is computed: auto (the native step "
                                         "where it covers the run, else the transformers model), native, or "
-                                        "transformers.")]
+                                        "transformers. With --ppl, native scores every position after a window's "
+                                        "first through the native step.")]
 WarmOpt = Annotated[str, typer.Option("--warm", help="Warm start: none, or placement scheme 1 (paths), 2 "
                                       "(frequency), 3 (two-stage, pack's).")]
 CostModelOpt = Annotated[bool, typer.Option("--cost-model/--no-cost-model", help="Per-miss fill or transient load "

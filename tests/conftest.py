@@ -44,6 +44,22 @@ def needs_kernels(kernels) -> pytest.MarkDecorator:
     return pytest.mark.skipif(kernels is None and not IN_CI, reason="no C compiler: the CPU kernels cannot be built "
                               "here")
 
+def activation_levels(path: str, layout: str) -> int:
+    """The largest integer of the activation blocks a GEMV of codes in `layout` reads on CPU path `path` (each block's
+    step is its max|x| over it): 127, int8 blocks, for the rows8 layouts on the VNNI paths (kernels.c "int8
+    activation blocks"), else 32767, int16 blocks."""
+    return 127 if path in ("avx512", "avxvnni") and layout in ("rows8", "rows8z4") else 32767
+
+
+def int8_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x [n, cols] as the int8 activation blocks hold it (kernels.c "int8 activation blocks"): each block of 32 on
+    the integers times max|x| / 127, in float32 as quantize_x computes them."""
+    blocks = x.view(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    q = torch.round(blocks * torch.where(amax > 0, 127 / amax, 0)).clamp(-127, 127)
+    return (q * (amax / 127)).view_as(x)
+
+
 def from_codes(runtime):
     """The runtime with every matrix the kernels take computed from its codes, whatever the machine's measured cost
     model would pick (on tiny matrices it may expand them: one call's overhead outweighs the bytes, and expanded

@@ -32,11 +32,17 @@ from hexq.packed.cpu import available_paths, load_cpu_kernels
 from hexq.runtime.compute import Profiles
 from hexq.runtime.engine import Runtime
 from hexq.runtime.native import AHEAD_RANGES, MAT_ABSENT, NativeDecoder, byte_ranges, top_k_bytes
-from tests.conftest import REFERENCE_MODELS, needs_kernels, save_tiny_model, small_recipe
+from tests.conftest import REFERENCE_MODELS, activation_levels, needs_kernels, save_tiny_model, small_recipe
 
 KERNELS = load_cpu_kernels()
 pytestmark = needs_kernels(KERNELS)
-TYPICAL, FLIPS = 1e-4, 2e-2
+# compare's median step: float32 summation order where the GEMVs read int16 activation blocks. Where this machine's
+# default path reads int8 blocks (the VNNI paths' rows8 GEMVs: kernels.c "int8 activation blocks") the two paths'
+# inputs, equal to float32 rounding, round to neighbouring int8 values at near ties often enough that the median is a
+# flip's size: one int8 step (1/127 of a block's largest) in one input (measured 1.4e-3 to 3.1e-3 on 3 of the
+# symmetric g128 artifact's 10 steps). Every step: within FLIPS, where W8A8 grid codes flip too.
+TYPICAL = 1e-4 if KERNELS is None or activation_levels(KERNELS.path, "rows8") == 32767 else 5e-3
+FLIPS = 2e-2
 STEPS = 10
 PROMPT = torch.randint(1, 8192, (1, 9), generator=torch.Generator().manual_seed(5))
 
@@ -117,19 +123,26 @@ def test_without_activation_quantization_only_rounding_order_differs(a16_artifac
     assert agrees(compare(a16_artifact, carry=True), flips=1e-4)
 
 
-def test_float16_kv_cache_within_its_rounding(a16_artifact):
+def test_float16_kv_cache_within_its_rounding(a16_artifact, monkeypatch):
     """The native step's float16 KV cache (the default; `compare` runs float32): every cached key and value carries a
     relative error of at most u = 2^-11 (binary16, rounded to nearest), a value row's error passes to the attention
     output no larger (a convex combination), a key's moves a score by at most u |q| |k| scaling. Through 4 layers
     and 16 steps, each on its own cache, the logits stay within u of the transformers path's (measured 1.2e-4 to
-    2.2e-4 against 3e-5 for float32); a row read at the wrong offset or width moves them by O(1)."""
+    2.2e-4 against 3e-5 for float32); a row read at the wrong offset or width moves them by O(1). On a path whose
+    GEMVs read int16 activation blocks (AVX2, attention's code on every path but the scalar one): from int8 blocks
+    (kernels.c "int8 activation blocks") a cache rounding that carries an input across a rounding boundary of its
+    block moves it by a whole step, 1/127 of the block's largest, which is not the cache's error (measured 3.7e-4)."""
+    monkeypatch.setenv("HEXQ_CPU_PATH", "avx2" if "avx2" in available_paths(KERNELS.library) else "scalar")
     assert agrees(compare(a16_artifact, steps=16, carry=True, kv_cache="f16"), typical=2.0**-11, flips=2.0**-11)
 
 
 @pytest.mark.parametrize("path", ["scalar", "avx2", "avxvnni", "avx512"])
 def test_every_kernel_path(a16_artifact, path):
-    """Every instruction-set path this CPU runs gives the native step the same logits (they differ only in float32
-    summation order: 1e-5 relative), the KV cache in float16 (F16C's loads on the AVX2 and AVX-512 paths)."""
+    """Every instruction-set path this CPU runs gives the native step the same logits, the KV cache in float16
+    (F16C's loads on the AVX2 and AVX-512 paths): paths that read the same activation blocks differ only in float32
+    summation order (1e-5 relative); the VNNI paths' rows8 GEMVs read int8 blocks (kernels.c "int8 activation
+    blocks"), each input moved by at most 1/254 of its block's largest, and their logits are held to that, 4e-3 of
+    the scalar path's (measured 3.4e-4)."""
     if KERNELS is None or path not in available_paths(KERNELS.library):
         pytest.skip(f"this CPU does not run the {path} path")
     logits = {}
@@ -143,7 +156,8 @@ def test_every_kernel_path(a16_artifact, path):
                 logits[name] = torch.stack([runtime.native.step(t) for t in (17, 400, 9)])
         finally:
             os.environ.pop("HEXQ_CPU_PATH")
-    assert float((logits[path] - logits["scalar"]).norm() / logits["scalar"].norm()) <= 1e-4
+    allowed = 1e-4 if activation_levels(path, "rows8") == activation_levels("scalar", "rows8") else 4e-3
+    assert float((logits[path] - logits["scalar"]).norm() / logits["scalar"].norm()) <= allowed
 
 
 @pytest.mark.parametrize("path", ["scalar", "avx2", "avx512"])

@@ -3,6 +3,8 @@ error bounds derived from the arithmetic, and the dequantization bit for bit aga
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -11,7 +13,7 @@ from hexq.packed import cpu
 from hexq.packed.bitpack import dequantize_into, pack_bits
 from hexq.packed.cpu import GemvJob, gemv_takes, load_cpu_kernels
 from hexq.packed.weight import PackedWeight, dequantize_packed
-from tests.conftest import IN_CI, needs_kernels
+from tests.conftest import IN_CI, activation_levels, int8_blocks, needs_kernels
 
 KERNELS = load_cpu_kernels()
 pytestmark = needs_kernels(KERNELS)
@@ -68,9 +70,10 @@ def test_the_avx_vnni_copy_has_no_avx512_instruction():
 
 
 def test_activation_blocks_are_the_portable_ones_on_every_path():
-    """quantize_x (the int16 activation blocks every packed GEMV reads) has a portable copy and an AVX2 one written
-    with intrinsics: every path's blocks, scales and sums equal the scalar path's bit for bit, on blocks of zeros,
-    signed zeros, outliers, magnitudes from 1e-30 to 1e30, a NaN and an infinity."""
+    """quantize_x (the activation blocks every packed GEMV reads: int16, and int8 for the VNNI paths' rows8 GEMVs) has
+    a portable copy and an AVX2 one written with intrinsics: every path's blocks, scales and sums equal the scalar
+    path's bit for bit, on blocks of zeros, signed zeros, outliers, magnitudes from 1e-30 to 1e30, a NaN and an
+    infinity; and the int8 blocks are round(x / (max|x| / 127)) in the planes' byte order (kernels.c perm32)."""
     import ctypes
 
     generator = torch.Generator().manual_seed(3)
@@ -81,20 +84,27 @@ def test_activation_blocks_are_the_portable_ones_on_every_path():
     x[4, 7] = float("nan")
     x[5, 9] = float("inf")
     x[6] = torch.round(x[6] / x[6].abs().max() * 32767) / 32767 * 3.0  # values on the grid: ties to round
+    x[7] = torch.round(x[7] / x[7].abs().max() * 127) / 127 * 3.0  # on the int8 grid
     x = x.reshape(-1).contiguous()
     blocks = x.numel() // 32
 
     def blocks_of(path: str) -> tuple[torch.Tensor, ...]:
-        q, dx, sums = torch.empty(x.numel(), dtype=torch.int16), torch.empty(blocks), torch.empty(blocks,
-                                                                                                 dtype=torch.int32)
+        out = (torch.empty(x.numel(), dtype=torch.int16), torch.empty(blocks), torch.empty(blocks, dtype=torch.int32),
+               torch.empty(x.numel(), dtype=torch.int8), torch.empty(blocks), torch.empty(blocks, dtype=torch.int32))
         done = KERNELS.library.hexq_quantize_x(ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(x.numel()),
-                                               cpu.PATHS.index(path), ctypes.c_void_p(q.data_ptr()),
-                                               ctypes.c_void_p(dx.data_ptr()), ctypes.c_void_p(sums.data_ptr()))
+                                               cpu.PATHS.index(path), *(ctypes.c_void_p(t.data_ptr()) for t in out))
         assert done == 0, path
-        return q, dx.view(torch.int32), sums  # dx bit for bit (a NaN scale included)
+        q, dx, sums, q8, dx8, sums8 = out
+        return q, dx.view(torch.int32), sums, q8, dx8.view(torch.int32), sums8  # scales bit for bit (a NaN's too)
 
     want = blocks_of("scalar")
     assert int(want[0].abs().max()) == 32767 and want[0][4 * 32 + 7] == -32767  # the clamp took the NaN
+    perm32 = torch.tensor([j ^ 24 if j >> 3 in (1, 2) else j for j in range(32)])
+    amax = x.view(blocks, 32)[8:].abs().amax(dim=-1, keepdim=True)  # finite blocks from the 9th on
+    int8 = torch.round(x.view(blocks, 32)[8:] * (127 / amax)).to(torch.int8)  # float32, as the kernels compute it
+    assert torch.equal(want[3].view(blocks, 32)[8:], int8[:, perm32])
+    assert torch.equal(want[5], want[3].view(blocks, 32).sum(dim=-1, dtype=torch.int32))
+    assert int(want[3].view(blocks, 32)[4, 7]) == -127  # the NaN (byte 7 holds value 7), clamped as in int16
     for path in PATHS:
         assert all(torch.equal(a, b) for a, b in zip(blocks_of(path), want, strict=True)), path
 
@@ -109,12 +119,13 @@ def packed_matrix(rows: int, cols: int, bits: int, group: int, symmetric: bool, 
     return pack_bits(codes, bits), scale, zero, weights
 
 
-def gemv_bound(weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """|y - W x| the GEMV may show, from its arithmetic: x is rounded to int16 per block of 32 with step
-    dx = max|x| / 32767, so each value moves by at most dx / 2; everything after is integer or float32 (products
-    of codes and int16 values are exact in int32; the float32 sums carry at most gamma_n of sum |w x|)."""
+def gemv_bound(weights: torch.Tensor, x: torch.Tensor, levels: float = 32767) -> torch.Tensor:
+    """|y - W x| the GEMV may show, from its arithmetic: x is rounded per block of 32 to integers of at most `levels`
+    (32767: int16, 127: int8; activation_levels says which a layout reads on a path; inf: x exactly) with step
+    dx = max|x| / levels, so each value moves by at most dx / 2; everything after is integer or float32 (products of
+    codes and int16 or int8 values are exact in int32; the float32 sums carry at most gamma_n of sum |w x|)."""
     blocks = x.double().abs().view(x.shape[0], -1, 32).amax(dim=-1)
-    step = (blocks / 32767).repeat_interleave(32, dim=-1)
+    step = (blocks / levels).repeat_interleave(32, dim=-1)
     rounding = (step / 2) @ weights.abs().T
     n = weights.shape[1]
     u = torch.finfo(torch.float32).eps / 2
@@ -418,10 +429,12 @@ RELAID = [(layout, bits, shapes) for layout, shapes in LAYOUT_SHAPES
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("layout, bits, shapes", RELAID)
 def test_gemv_on_relaid_codes_within_its_bound(path: str, bits: int, layout: str, shapes) -> None:
-    """The GEMV from re-laid codes: the same bound as from the stream (the same int16 products; only the float32
-    sums' order differs), 1-6 tokens, groups of 32, 64 and 128. Planes: over whole units and a stream tail; 512
-    columns are 16 blocks, whole units of every width: the rows the AVX-512 path reads with its byte products (a
-    stream tail goes to the AVX2 code). rows8: 8 rows per pass on AVX-512, the portable reader on the others."""
+    """The GEMV from re-laid codes within the bound of the activation blocks it reads (the stream's int16 blocks,
+    only the float32 sums' order differing; the rows8 layouts' int8 blocks on the VNNI paths, where it is also the
+    product of those int8 blocks, emulated here, to float32 rounding), 1-6 tokens, groups of 32, 64 and 128. Planes:
+    over whole units and a stream tail; 512 columns are 16 blocks, whole units of every width: the rows the AVX-512
+    path reads with its byte products (a stream tail goes to the AVX2 code). rows8: 8 rows per pass on the VNNI
+    paths, the portable reader on the others."""
     kernels = KERNELS.with_path(path)
     for cols, group in shapes:
         for symmetric, ntok in ((False, 1), (True, 3), (False, 6)):
@@ -434,7 +447,11 @@ def test_gemv_on_relaid_codes_within_its_bound(path: str, bits: int, layout: str
             y = torch.full((ntok, 40), float("nan"))
             kernels.gemv([GemvJob(relaid, x, y)])
             want = x.double() @ weights.T
-            assert ((y.double() - want).abs() <= gemv_bound(weights, x)).all(), (cols, symmetric, ntok)
+            levels = activation_levels(path, layout)
+            assert ((y.double() - want).abs() <= gemv_bound(weights, x, levels)).all(), (cols, symmetric, ntok)
+            if levels == 127:  # from the int8 blocks themselves only float32 sums are left
+                x8 = int8_blocks(x).double()
+                assert ((y.double() - x8 @ weights.T).abs() <= gemv_bound(weights, x8, math.inf)).all(), cols
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -116,6 +116,22 @@ def test_bf16_linears_from_the_codes_are_the_fp32_ones_rounded_once(quantizer):
 
 @needs_kernels(KERNELS)
 @pytest.mark.parametrize("path", available_paths(KERNELS.library) if KERNELS else [])
+def test_decoded_perplexity_matches_eval_on_every_path(packed_artifact, eval_perplexity, path, monkeypatch):
+    """`hexq run --ppl --decode native`: every position after a window's first scored by the native decode step, with
+    each path's own activation blocks (int8 in the VNNI paths' rows8 GEMVs), within the 0.1% of `hexq eval` that
+    `hexq run` is held to; refused with one line where the native step does not serve the run."""
+    monkeypatch.setenv("HEXQ_CPU_PATH", path)
+    with Runtime(packed_artifact, dtype="fp32") as runtime:
+        assert runtime.native is not None and runtime.compute.path == path
+        got, scored, _ = runtime_perplexity(runtime, IDS, 52, None, decoded=True)
+    assert scored == 5 * 51 and abs(got / eval_perplexity - 1) <= 1e-3, (got, eval_perplexity)
+    with Runtime(packed_artifact, dtype="fp32", decode="transformers") as runtime:
+        with pytest.raises(HexqError, match="native decode step does not serve"):
+            runtime_perplexity(runtime, IDS, 52, 1, decoded=True)
+
+
+@needs_kernels(KERNELS)
+@pytest.mark.parametrize("path", available_paths(KERNELS.library) if KERNELS else [])
 def test_every_cpu_path_serves_the_same_model(packed_artifact, eval_perplexity, path, monkeypatch):
     monkeypatch.setenv("HEXQ_CPU_PATH", path)
     with Runtime(packed_artifact, dtype="fp32") as runtime:
@@ -126,7 +142,7 @@ def test_every_cpu_path_serves_the_same_model(packed_artifact, eval_perplexity, 
     assert abs(got / want - 1) <= 1e-3
 
 
-def test_decode_from_the_codes_tracks_the_exact_model(packed_artifact):
+def test_decode_from_the_codes_tracks_the_exact_model(packed_artifact, monkeypatch):
     """Position by position (prefill) and token by token (the GEMV path of decode), the logits from the codes stay
     within float32-level noise of the exact mode (measured ~3e-5 relative; the int16 activation blocks round each
     input to 1/32767 of its block's range), except where an input of a W8A8 linear lands on a near tie of its 8-bit
@@ -135,7 +151,11 @@ def test_decode_from_the_codes_tracks_the_exact_model(packed_artifact):
     positions and the decode steps from the third on; the router's top-k agreed at every position, its margins
     >= 6e-3). How many positions that reaches moves with the calibration's grids, so at least a quarter of the
     positions are held to 1e-4 and every one to 1e-2: a wrong code, scale or zero point moves every position that
-    reads it by more."""
+    reads it by more. On a path whose GEMVs read int16 blocks: the VNNI paths' rows8 GEMVs read int8 blocks, which
+    put their own rounding (measured 1.5e-4 to 3.2e-3) on every position (their bounds: tests/test_packed_cpu.py;
+    their perplexity: test_decoded_perplexity_matches_eval_on_every_path)."""
+    if KERNELS is not None:
+        monkeypatch.setenv("HEXQ_CPU_PATH", "avx2" if "avx2" in available_paths(KERNELS.library) else "scalar")
     exact = Runtime(packed_artifact, dtype="fp32", cache="fp32", kernels="torch")
     served = from_codes(Runtime(packed_artifact, dtype="fp32"))
     try:

@@ -160,15 +160,33 @@ def runtime_divergence(runtime, text: str, ids: torch.Tensor, seqlen: int, max_w
         reference_hidden.close()
 
 
+def decoded_window_nll(runtime, window: torch.Tensor) -> torch.Tensor:
+    """Summed next-token NLL of one window scored through the native decode step: the first token prefilled by the
+    transformers path, every later one a decode step, so that what is scored is the arithmetic `hexq run` generates
+    with (the step's re-laid codes and activation blocks: kernels.c "int8 activation blocks")."""
+    logits, past = runtime._next_logits(window[None, :1], None)
+    runtime.native.start(past, 1, len(window))
+    nll = torch.zeros((), dtype=torch.float64)
+    for position in range(1, len(window)):
+        if position > 1:
+            logits = runtime.native.step(int(window[position - 1]))
+        nll -= torch.log_softmax(logits.double(), dim=-1)[int(window[position])]
+    return nll
+
+
 def runtime_perplexity(runtime, ids: torch.Tensor, seqlen: int, max_windows: int | None,
-                       progress: Callable[[int, int], None] | None = None) -> tuple[float, int, float]:
+                       progress: Callable[[int, int], None] | None = None,
+                       decoded: bool = False) -> tuple[float, int, float]:
     """(perplexity, tokens scored, seconds) of a hexq.runtime.engine.Runtime with the GPTQ protocol (the windows of
-    `make_windows`), one window per forward pass so that the precision policy sees each as a sequence."""
+    `make_windows`), one window per forward pass so that the precision policy sees each as a sequence; `decoded`:
+    every position after a window's first through the native decode step (decoded_window_nll)."""
     check_window_length(seqlen, runtime.plan.context)
+    if decoded and runtime.native is None:
+        raise HexqError(f"the native decode step does not serve this run ({runtime.decode_path})")
     windows = make_windows(ids, seqlen, max_windows)
     nll, started = 0.0, time.perf_counter()
     for index, window in enumerate(windows):
-        nll += float(runtime.window_nll(window))
+        nll += float(decoded_window_nll(runtime, window) if decoded else runtime.window_nll(window))
         if progress:
             progress(index + 1, len(windows))
     scored = len(windows) * (seqlen - 1)

@@ -9,12 +9,13 @@ codes of one little-endian bit stream). x is quantized per block of 32 values to
 that (q - z) s . x = s dx (q . xq - z sum(xq)) per block: the codes go through integer multiply-adds (AVX2
 `vpmaddwd`; AVX-512 VNNI `vpdpwssd` from the stream, and from the planes layout `vpdpbusd` on the codes as bytes
 against xq split into its high and low bytes, the same integers without widening the codes) and one float
-multiply-add per block. int16 keeps 15 bits of every value relative
-to its block's largest, so the relative error of an output is ~3e-5 (measured; tests/test_packed_cpu.py bounds it),
-far below what the weights' own float16 scales and the bf16 activations of a served model carry; int8 activation
-blocks (what llama.cpp does) would be ~10x cheaper in multiplies but measured ~5e-3 here, and decode is bound by
-the bytes, not the multiplies. A task is one matrix with its own tokens; one call runs many tasks (all experts of a
-layer, mixed widths) on a pool of threads that work on rows.
+multiply-add per block. int16 keeps 15 bits of every value relative to its block's largest, so the relative error
+of an output is ~3e-5 (measured; tests/test_packed_cpu.py bounds it). The rows8 GEMVs of the VNNI paths (the
+decode step's experts, below) read int8 blocks instead (dx = max|x| / 127, llama.cpp's Q8_0 activations; kernels.c
+"int8 activation blocks"): one vpdpbusd per 4 codes of 8 rows where int16 took two, the kernel's instructions being
+as much its limit as the bytes at 1-4 bits; each output then carries up to ~5e-3 relative error, and the served
+perplexity stays within 0.1% of `hexq eval` (docs/runtime.md, "Activation blocks"). A task is one matrix with its
+own tokens; one call runs many tasks (all experts of a layer, mixed widths) on a pool of threads that work on rows.
 
 The planes layout. Reading the stored stream, the GEMV spends most of its instructions cutting codes out of it (a
 3-bit code straddles bytes), not waiting for the bytes. `relayout` re-lays a matrix's codes in place, once, into

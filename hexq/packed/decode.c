@@ -445,7 +445,7 @@ typedef struct {
     rows_fn packed_rows;
     float_rows_fn float_rows;
     w8a8_rows_fn w8a8_rows; /* the path's W8A8 matrices in integer arithmetic (NULL: none) */
-    int bytes;  /* the VNNI paths (AVX-512, AVX-VNNI): x's bytes for their planes and rows8 GEMVs */
+    int bytes;  /* the VNNI paths (AVX-512, AVX-VNNI): x's bytes and int8 blocks for their planes and rows8 GEMVs */
     int path;
 } phase;
 
@@ -566,6 +566,9 @@ static void input_init(input_set* set, uint8_t** p, int64_t cols, int readers) {
         b->q.sum = (int32_t*)carve(p, cols / BLOCK * 4 + 4);
         b->q.lo = carve(p, cols);
         b->q.hi = (int8_t*)carve(p, cols);
+        b->q.q8 = (int8_t*)carve(p, cols);
+        b->q.dx8 = (float*)carve(p, cols / BLOCK * 4 + 4);
+        b->q.sum8 = (int32_t*)carve(p, cols / BLOCK * 4 + 4);
         b->codes.q = (int8_t*)carve(p, cols);
     }
 }
@@ -635,7 +638,7 @@ static void add_product(phase* p, input_set* set, const float* src, int64_t cols
     if (!b->blocks && cols % BLOCK == 0 && m->kind == MAT_PACKED && !takes_w8a8(m, codes)) {
         const hexq_gemv_task t = {0, 0, 0, b->value, 0, 0, cols, BLOCK, cols, 0, 1, 1, LAYOUT_STREAM};
         quantized_x q = b->q;
-        if (!p->bytes) q.lo = NULL; /* the bytes are read on the VNNI paths only */
+        if (!p->bytes) q.lo = NULL, q.q8 = NULL; /* the bytes and int8 blocks are read on the VNNI paths only */
         quantize_x(&t, &q, p->path);
         b->blocks = 1;
     }

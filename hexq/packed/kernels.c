@@ -49,6 +49,16 @@ static inline int perm32(int j) { return (j >> 3 == 1 || j >> 3 == 2) ? j ^ 24 :
 /* A block's step dx: its largest |x| on int16's 32767 (both copies of quantize_x). */
 static inline float block_step(float amax) { return amax / 32767.0f; }
 
+/* int8 activation blocks. The rows8 GEMV multiplies a dword of codes by a dword of x with one vpdpbusd per byte of x
+   it reads: int16 blocks take two (high and low byte) and int8 blocks one, which on the AVX-512 path of an AMD EPYC
+   (Zen 4) took a 3-bit block of 8 rows from 10.7 to 7.9 ns read from memory (7.6 to 6.3 in cache): at 1-4 bits that
+   kernel is bound by its instructions nearly as much as by memory. An int8 block of 32 values with step
+   dx8 = max|x| / 127 is llama.cpp's Q8_0 activation, which its Q4_0 and K-quant products read; each value moves by at
+   most dx8 / 2, 1/254 of its block's largest, under a 4-bit code's own rounding of the weight (1/30 of its group's
+   range) by a factor 8 and more. The rows8 GEMVs read them on the VNNI paths (the decode step's experts); the int16
+   blocks stay for every other product. */
+static inline float block_step8(float amax) { return amax / 127.0f; }
+
 static inline __attribute__((always_inline)) void quantize_x_body(const hexq_gemv_task* t, quantized_x* out) {
     const int64_t blocks = t->cols / BLOCK;
     for (int k = 0; k < t->ntok; k++) {
@@ -69,6 +79,17 @@ static inline __attribute__((always_inline)) void quantize_x_body(const hexq_gem
             }
             out->dx[k * blocks + b] = dx;
             out->sum[k * blocks + b] = sum;
+            if (!out->q8) continue;
+            const float inv8 = amax > 0.0f ? 127.0f / amax : 0.0f;
+            int32_t sum8 = 0;
+            for (int p = 0; p < BLOCK; p++) { /* byte p holds value perm32(p), as the rows8 codes lie */
+                const int32_t v = (int32_t)nearbyintf(x[b * BLOCK + perm32(p)] * inv8);
+                const int8_t q = (int8_t)(v > 127 ? 127 : v < -127 ? -127 : v);
+                out->q8[k * t->cols + b * BLOCK + p] = q;
+                sum8 += q;
+            }
+            out->dx8[k * blocks + b] = block_step8(amax);
+            out->sum8[k * blocks + b] = sum8;
         }
     }
 }
@@ -123,6 +144,26 @@ __attribute__((target("avx2,fma"))) static void quantize_x_avx2(const hexq_gemv_
             s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
             out->dx[k * blocks + b] = dx;
             out->sum[k * blocks + b] = _mm_cvtsi128_si32(s4);
+            if (!out->q8) continue;
+            /* int8: vpackssdw then vpacksswb leave dwords of values 0-3, 8-11, 16-19, 24-27, 4-7, ...; vpermd puts
+               them in perm32's order (0-7, 16-23, 8-15, 24-31) */
+            const __m256 inv8 = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+            const __m256i top8 = _mm256_set1_epi32(127), bottom8 = _mm256_set1_epi32(-127);
+            __m256i q8[4], sum8 = _mm256_setzero_si256();
+            for (int i = 0; i < 4; i++) {
+                const __m256 scaled = _mm256_round_ps(_mm256_mul_ps(v[i], inv8),
+                                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                q8[i] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(scaled), top8), bottom8);
+                sum8 = _mm256_add_epi32(sum8, q8[i]);
+            }
+            const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q8[0], q8[1]), _mm256_packs_epi32(q8[2], q8[3]));
+            _mm256_storeu_si256((__m256i*)(out->q8 + k * t->cols + b * BLOCK),
+                                _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 2, 6, 1, 5, 3, 7)));
+            s4 = _mm_add_epi32(_mm256_castsi256_si128(sum8), _mm256_extracti128_si256(sum8, 1));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+            out->dx8[k * blocks + b] = block_step8(amax);
+            out->sum8[k * blocks + b] = _mm_cvtsi128_si32(s4);
         }
     }
 }
@@ -180,12 +221,14 @@ HIDDEN void quantize_x(const hexq_gemv_task* t, quantized_x* out, int path) {
     if (out->lo) split_bytes_portable(n, out);
 }
 
-/* For the tests: x [n] (n a multiple of 32) into q [n], dx and sum [n / 32] as `path` computes them, so that the
-   copies of quantize_x can be compared bit for bit. Returns -1 for a path this CPU does not run. */
-int hexq_quantize_x(const float* x, int64_t n, int path, int16_t* q, float* dx, int32_t* sum) {
+/* For the tests: x [n] (n a multiple of 32) into q [n], dx and sum [n / 32], and q8 [n], dx8 and sum8 [n / 32]
+   (q8 NULL: not), as `path` computes them, so that the copies of quantize_x can be compared bit for bit. Returns -1
+   for a path this CPU does not run. */
+int hexq_quantize_x(const float* x, int64_t n, int path, int16_t* q, float* dx, int32_t* sum, int8_t* q8, float* dx8,
+                    int32_t* sum8) {
     if (!(hexq_paths() >> path & 1) || n % BLOCK) return -1;
     const hexq_gemv_task t = {0, 0, 0, x, 0, 0, n, BLOCK, n, 0, 1, 1, LAYOUT_STREAM};
-    quantized_x out = {q, dx, sum, NULL, NULL};
+    quantized_x out = {q, dx, sum, NULL, NULL, q8, dx8, sum8};
     quantize_x(&t, &out, path);
     return 0;
 }
@@ -1828,7 +1871,9 @@ static void gemv_item(void* arg, int64_t item) {
         part.y = t->y + k * t->y_stride;
         const quantized_x* q = &c->xq[lo];
         const quantized_x slice = {q->q + k * t->cols, q->dx + k * blocks, q->sum + k * blocks,
-                                   q->lo ? q->lo + k * t->cols : NULL, q->lo ? q->hi + k * t->cols : NULL};
+                                   q->lo ? q->lo + k * t->cols : NULL, q->lo ? q->hi + k * t->cols : NULL,
+                                   q->q8 ? q->q8 + k * t->cols : NULL, q->q8 ? q->dx8 + k * blocks : NULL,
+                                   q->q8 ? q->sum8 + k * blocks : NULL};
         c->rows(&part, &slice, r0, r1);
     }
 }
@@ -1841,7 +1886,8 @@ int64_t hexq_gemv_scratch(const hexq_gemv_task* tasks, int ntasks) {
     int64_t bytes = 0;
     for (int i = 0; i < ntasks; i++) {
         const int64_t values = (int64_t)tasks[i].ntok * tasks[i].cols;
-        bytes += 2 * ((values * 2 + 63) / 64 * 64) + 2 * ((values / BLOCK * 4 + 63) / 64 * 64);
+        bytes += 2 * ((values * 2 + 63) / 64 * 64) + 2 * ((values / BLOCK * 4 + 63) / 64 * 64); /* int16, bytes */
+        bytes += (values + 63) / 64 * 64 + 2 * ((values / BLOCK * 4 + 63) / 64 * 64);            /* int8 */
     }
     return bytes;
 }
@@ -1868,9 +1914,16 @@ int hexq_gemv(const hexq_gemv_task* tasks, int ntasks, int path, int threads, ui
         scratch += (values / BLOCK * 4 + 63) / 64 * 64;
         xq[i].sum = (int32_t*)scratch;
         scratch += (values / BLOCK * 4 + 63) / 64 * 64;
-        xq[i].lo = path == PATH_AVX512 || path == PATH_AVXVNNI ? scratch : NULL; /* only their rows read the bytes */
+        const int vnni = path == PATH_AVX512 || path == PATH_AVXVNNI; /* only their rows read bytes and int8 */
+        xq[i].lo = vnni ? scratch : NULL;
         xq[i].hi = (int8_t*)(scratch + values);
         scratch += (values * 2 + 63) / 64 * 64;
+        xq[i].q8 = vnni ? (int8_t*)scratch : NULL;
+        scratch += (values + 63) / 64 * 64;
+        xq[i].dx8 = (float*)scratch;
+        scratch += (values / BLOCK * 4 + 63) / 64 * 64;
+        xq[i].sum8 = (int32_t*)scratch;
+        scratch += (values / BLOCK * 4 + 63) / 64 * 64;
     }
     gemv_ctx ctx = {tasks, xq, first, ntasks, rows_for(path), path};
     parallel(quantize_item, &ctx, ntasks, threads);

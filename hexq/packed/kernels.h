@@ -85,18 +85,22 @@ typedef struct {
     int32_t bits, ntok, layout;
 } hexq_gemv_task;
 
-#define BLOCK 32            /* activation block: one int16 scale per 32 values of x */
+#define BLOCK 32            /* activation block: one scale per 32 values of x */
 #define MAX_BLOCKS 1024     /* blocks per row the kernels take (cols / 32) */
 
 /* x of one task, quantized: xq = round(x / dx) in int16 per block of 32 values with dx = max|x| / 32767 (so every
    value keeps 15 bits relative to its block's largest: relative error <= 2^-16 of that, far under float16 weights'
-   own), and each block's sum of xq for the zero term. */
+   own), and each block's sum of xq for the zero term. The rows8 GEMVs of the VNNI paths read x in int8 blocks instead
+   (q8 = round(x / dx8), dx8 = max|x| / 127: kernels.c "int8 activation blocks" says why). */
 typedef struct {
     int16_t* q;   /* [ntok, cols] */
     float* dx;    /* [ntok, blocks] */
     int32_t* sum; /* [ntok, blocks] */
     uint8_t* lo;  /* [ntok, cols] q = 256 hi + lo, each block's bytes in the planes' order (kernels.c perm32), for */
-    int8_t* hi;   /* the VNNI paths' byte products; lo NULL: not computed */
+    int8_t* hi;   /* the AVX-512 planes GEMV's byte products; lo NULL: not computed */
+    int8_t* q8;   /* [ntok, cols] int8 blocks in the planes' byte order, for the rows8 GEMVs; q8 NULL: not computed */
+    float* dx8;   /* [ntok, blocks] */
+    int32_t* sum8; /* [ntok, blocks] sum of q8 */
 } quantized_x;
 
 /* The row functions prefetch the codes, scales and zeros of the row PREFETCH_BYTES of codes ahead (kernels.c

@@ -5,28 +5,25 @@
    functions' target attribute), DPBUSD (the intrinsic: acc += unsigned bytes . signed bytes per dword) and
    VNNI256_NAME(f) (the copy's names). */
 
-/* Block b of 8 rows into acc[t] (8 lanes, one per row): dx_b times the block's integer dot product with token t's
-   x. Two accumulators per byte half (even and odd dwords) so that the vpdpbusd chains are half as long. */
+/* Block b of 8 rows into acc[t] (8 lanes, one per row): dx8_b times the block's integer dot product with token t's
+   int8 x (kernels.c "int8 activation blocks"): one vpdpbusd per dword, codes unsigned and x signed. Two accumulators
+   (even and odd dwords) so that the vpdpbusd chains are half as long. */
 static VNNI256 INLINE void VNNI256_NAME(rows8_block)(const uint8_t* group8, const quantized_x* xq, int64_t cols,
                                                      int64_t blocks, int64_t b, const int bits, const int ntok,
                                                      __m256* acc) {
-    __m256i hi[MAX_TOK][2], lo[MAX_TOK][2];
-    for (int t = 0; t < ntok; t++) hi[t][0] = hi[t][1] = lo[t][0] = lo[t][1] = _mm256_setzero_si256();
+    __m256i dot[MAX_TOK][2];
+    for (int t = 0; t < ntok; t++) dot[t][0] = dot[t][1] = _mm256_setzero_si256();
 #pragma GCC unroll 8 /* every dword's loads and shifts constant, the accumulators in registers */
     for (int d = 0; d < 8; d++) {
         const __m256i q = rows8_dword(group8, b, d, bits);
         for (int t = 0; t < ntok; t++) {
-            const int32_t h = ((const int32_t*)(xq->hi + t * cols + b * BLOCK))[d];
-            const int32_t l = ((const int32_t*)(xq->lo + t * cols + b * BLOCK))[d];
-            hi[t][d & 1] = DPBUSD(hi[t][d & 1], q, _mm256_set1_epi32(h));
-            lo[t][d & 1] = DPBUSD(lo[t][d & 1], _mm256_set1_epi32(l), q);
+            const int32_t x = ((const int32_t*)(xq->q8 + t * cols + b * BLOCK))[d];
+            dot[t][d & 1] = DPBUSD(dot[t][d & 1], q, _mm256_set1_epi32(x));
         }
     }
-    for (int t = 0; t < ntok; t++) {
-        const __m256i dot = _mm256_add_epi32(_mm256_slli_epi32(_mm256_add_epi32(hi[t][0], hi[t][1]), 8),
-                                             _mm256_add_epi32(lo[t][0], lo[t][1]));
-        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(xq->dx[t * blocks + b]), acc[t]);
-    }
+    for (int t = 0; t < ntok; t++)
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(dot[t][0], dot[t][1])),
+                                 _mm256_set1_ps(xq->dx8[t * blocks + b]), acc[t]);
 }
 
 /* The end of group g for 8 rows: total += s_g (acc - z_g zx_g), acc cleared (scale and zero: the group's 8 values;
@@ -52,20 +49,19 @@ static VNNI256 INLINE void VNNI256_NAME(rows8_group)(const uint16_t* scale, cons
 }
 
 /* The rows8 layout on 256-bit VNNI, 8 rows per pass. A block's dot product for 8 rows: 8 dwords of codes, each times
-   one broadcast dword of x's high and low bytes (as block_vnni: q . x = 256 (q . hi) + (lo . q)); per lane
-   |q . x| <= 32 * 127 * 32767 < 2^31 (exact in float32 for codes of at most 4 bits, rounded once beyond). Then
-   y = sum_g s_g (sum_{b in g} dx_b dot_b - z_g sum_{b in g} dx_b sum_b): one conversion and FMA per block and one
+   one broadcast dword of x's int8 block; per lane |q . x8| <= 32 * 127 * 127 < 2^24, exact in float32. Then
+   y = sum_g s_g (sum_{b in g} dx8_b dot_b - z_g sum_{b in g} dx8_b sum8_b): one conversion and FMA per block and one
    float16 scale and zero per group for 8 rows. r0 and r1: multiples of 8. */
 static VNNI256 INLINE void VNNI256_NAME(rows8_bits)(const hexq_gemv_task* t, const quantized_x* xq, int64_t r0,
                                                     int64_t r1, const int bits, const int ntok, const int z4) {
     const int64_t cols = t->cols, blocks = cols / BLOCK, row_bytes = cols * bits / 8, groups = cols / t->group;
     const int64_t per_group = t->group / BLOCK;
-    float zx[MAX_TOK][MAX_BLOCKS]; /* per token and group: sum over its blocks of dx_b sum_b */
+    float zx[MAX_TOK][MAX_BLOCKS]; /* per token and group: sum over its blocks of dx8_b sum8_b */
     for (int k = 0; k < ntok; k++)
         for (int64_t g = 0; g < groups; g++) {
             float acc = 0.0f;
             for (int64_t b = g * per_group; b < (g + 1) * per_group; b++)
-                acc += xq->dx[k * blocks + b] * (float)xq->sum[k * blocks + b];
+                acc += xq->dx8[k * blocks + b] * (float)xq->sum8[k * blocks + b];
             zx[k][g] = acc;
         }
     for (int64_t r = r0; r < r1; r += 8) {
