@@ -51,6 +51,14 @@ def activation_levels(path: str, layout: str) -> int:
     return 127 if path in ("avx512", "avxvnni") and layout in ("rows8", "rows8z4") else 32767
 
 
+def int16_path(kernels) -> str:
+    """The fastest path this CPU runs whose GEMVs all read int16 activation blocks (activation_levels): AVX2, else the
+    scalar one."""
+    from hexq.packed.cpu import available_paths
+
+    return "avx2" if "avx2" in available_paths(kernels.library) else "scalar"
+
+
 def int8_blocks(x: torch.Tensor) -> torch.Tensor:
     """x [n, cols] as the int8 activation blocks hold it (kernels.c "int8 activation blocks"): each block of 32 on
     the integers times max|x| / 127, in float32 as quantize_x computes them."""

@@ -32,7 +32,7 @@ from hexq.packed.cpu import available_paths, load_cpu_kernels
 from hexq.runtime.compute import Profiles
 from hexq.runtime.engine import Runtime
 from hexq.runtime.native import AHEAD_RANGES, MAT_ABSENT, NativeDecoder, byte_ranges, top_k_bytes
-from tests.conftest import REFERENCE_MODELS, activation_levels, needs_kernels, save_tiny_model, small_recipe
+from tests.conftest import REFERENCE_MODELS, activation_levels, int16_path, needs_kernels, save_tiny_model, small_recipe
 
 KERNELS = load_cpu_kernels()
 pytestmark = needs_kernels(KERNELS)
@@ -132,7 +132,7 @@ def test_float16_kv_cache_within_its_rounding(a16_artifact, monkeypatch):
     GEMVs read int16 activation blocks (AVX2, attention's code on every path but the scalar one): from int8 blocks
     (kernels.c "int8 activation blocks") a cache rounding that carries an input across a rounding boundary of its
     block moves it by a whole step, 1/127 of the block's largest, which is not the cache's error (measured 3.7e-4)."""
-    monkeypatch.setenv("HEXQ_CPU_PATH", "avx2" if "avx2" in available_paths(KERNELS.library) else "scalar")
+    monkeypatch.setenv("HEXQ_CPU_PATH", int16_path(KERNELS))
     assert agrees(compare(a16_artifact, steps=16, carry=True, kv_cache="f16"), typical=2.0**-11, flips=2.0**-11)
 
 

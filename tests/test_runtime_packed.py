@@ -21,7 +21,7 @@ from hexq.packed.weight import pack_weight
 from hexq.runtime.compute import Compute
 from hexq.runtime.engine import Runtime
 from hexq.runtime.model import artifact_model
-from tests.conftest import DEVICES, from_codes, needs_kernels
+from tests.conftest import DEVICES, from_codes, int16_path, needs_kernels
 
 from reference import stream_logits
 
@@ -155,7 +155,7 @@ def test_decode_from_the_codes_tracks_the_exact_model(packed_artifact, monkeypat
     put their own rounding (measured 1.5e-4 to 3.2e-3) on every position (their bounds: tests/test_packed_cpu.py;
     their perplexity: test_decoded_perplexity_matches_eval_on_every_path)."""
     if KERNELS is not None:
-        monkeypatch.setenv("HEXQ_CPU_PATH", "avx2" if "avx2" in available_paths(KERNELS.library) else "scalar")
+        monkeypatch.setenv("HEXQ_CPU_PATH", int16_path(KERNELS))
     exact = Runtime(packed_artifact, dtype="fp32", cache="fp32", kernels="torch")
     served = from_codes(Runtime(packed_artifact, dtype="fp32"))
     try:
