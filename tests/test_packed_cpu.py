@@ -90,12 +90,12 @@ def test_activation_blocks_are_the_portable_ones_on_every_path():
 
     def blocks_of(path: str) -> tuple[torch.Tensor, ...]:
         out = (torch.empty(x.numel(), dtype=torch.int16), torch.empty(blocks), torch.empty(blocks, dtype=torch.int32),
-               torch.empty(x.numel(), dtype=torch.int8), torch.empty(blocks), torch.empty(blocks, dtype=torch.int32))
+               torch.empty(x.numel(), dtype=torch.int8), torch.empty(blocks), torch.empty(blocks))
         done = KERNELS.library.hexq_quantize_x(ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(x.numel()),
                                                cpu.PATHS.index(path), *(ctypes.c_void_p(t.data_ptr()) for t in out))
         assert done == 0, path
-        q, dx, sums, q8, dx8, sums8 = out
-        return q, dx.view(torch.int32), sums, q8, dx8.view(torch.int32), sums8  # scales bit for bit (a NaN's too)
+        q, dx, sums, q8, dx8, zx8 = out
+        return q, dx.view(torch.int32), sums, q8, dx8.view(torch.int32), zx8.view(torch.int32)  # bit for bit (NaN too)
 
     want = blocks_of("scalar")
     assert int(want[0].abs().max()) == 32767 and want[0][4 * 32 + 7] == -32767  # the clamp took the NaN
@@ -103,7 +103,8 @@ def test_activation_blocks_are_the_portable_ones_on_every_path():
     amax = x.view(blocks, 32)[8:].abs().amax(dim=-1, keepdim=True)  # finite blocks from the 9th on
     int8 = torch.round(x.view(blocks, 32)[8:] * (127 / amax)).to(torch.int8)  # float32, as the kernels compute it
     assert torch.equal(want[3].view(blocks, 32)[8:], int8[:, perm32])
-    assert torch.equal(want[5], want[3].view(blocks, 32).sum(dim=-1, dtype=torch.int32))
+    sums8 = want[3].view(blocks, 32).sum(dim=-1, dtype=torch.int32)  # zx8: dx8 times the int8 block's sum
+    assert torch.equal(want[5][8:], (want[4].view(torch.float32) * sums8.float()).view(torch.int32)[8:])
     assert int(want[3].view(blocks, 32)[4, 7]) == -127  # the NaN (byte 7 holds value 7), clamped as in int16
     for path in PATHS:
         assert all(torch.equal(a, b) for a, b in zip(blocks_of(path), want, strict=True)), path

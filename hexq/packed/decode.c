@@ -568,7 +568,7 @@ static void input_init(input_set* set, uint8_t** p, int64_t cols, int readers) {
         b->q.hi = (int8_t*)carve(p, cols);
         b->q.q8 = (int8_t*)carve(p, cols);
         b->q.dx8 = (float*)carve(p, cols / BLOCK * 4 + 4);
-        b->q.sum8 = (int32_t*)carve(p, cols / BLOCK * 4 + 4);
+        b->q.zx8 = (float*)carve(p, cols / BLOCK * 4 + 4);
         b->codes.q = (int8_t*)carve(p, cols);
     }
 }

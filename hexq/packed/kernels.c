@@ -89,7 +89,7 @@ static inline __attribute__((always_inline)) void quantize_x_body(const hexq_gem
                 sum8 += q;
             }
             out->dx8[k * blocks + b] = block_step8(amax);
-            out->sum8[k * blocks + b] = sum8;
+            out->zx8[k * blocks + b] = out->dx8[k * blocks + b] * (float)sum8;
         }
     }
 }
@@ -165,7 +165,7 @@ __attribute__((target("avx2,fma"))) static void quantize_x_avx2(const hexq_gemv_
             _mm256_storeu_si256((__m256i*)(out->q8 + k * t->cols + b * BLOCK),
                                 _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 2, 6, 1, 5, 3, 7)));
             out->dx8[k * blocks + b] = block_step8(amax);
-            out->sum8[k * blocks + b] = hsum_epi32(sum8);
+            out->zx8[k * blocks + b] = out->dx8[k * blocks + b] * (float)hsum_epi32(sum8);
         }
     }
 }
@@ -223,14 +223,14 @@ HIDDEN void quantize_x(const hexq_gemv_task* t, quantized_x* out, int path) {
     if (out->lo) split_bytes_portable(n, out);
 }
 
-/* For the tests: x [n] (n a multiple of 32) into q [n], dx and sum [n / 32], and q8 [n], dx8 and sum8 [n / 32]
+/* For the tests: x [n] (n a multiple of 32) into q [n], dx and sum [n / 32], and q8 [n], dx8 and zx8 [n / 32]
    (q8 NULL: not), as `path` computes them, so that the copies of quantize_x can be compared bit for bit. Returns -1
    for a path this CPU does not run. */
 int hexq_quantize_x(const float* x, int64_t n, int path, int16_t* q, float* dx, int32_t* sum, int8_t* q8, float* dx8,
-                    int32_t* sum8) {
+                    float* zx8) {
     if (!(hexq_paths() >> path & 1) || n % BLOCK) return -1;
     const hexq_gemv_task t = {0, 0, 0, x, 0, 0, n, BLOCK, n, 0, 1, 1, LAYOUT_STREAM};
-    quantized_x out = {q, dx, sum, NULL, NULL, q8, dx8, sum8};
+    quantized_x out = {q, dx, sum, NULL, NULL, q8, dx8, zx8};
     quantize_x(&t, &out, path);
     return 0;
 }
@@ -1875,7 +1875,7 @@ static void gemv_item(void* arg, int64_t item) {
         const quantized_x slice = {q->q + k * t->cols, q->dx + k * blocks, q->sum + k * blocks,
                                    q->lo ? q->lo + k * t->cols : NULL, q->lo ? q->hi + k * t->cols : NULL,
                                    q->q8 ? q->q8 + k * t->cols : NULL, q->q8 ? q->dx8 + k * blocks : NULL,
-                                   q->q8 ? q->sum8 + k * blocks : NULL};
+                                   q->q8 ? q->zx8 + k * blocks : NULL};
         c->rows(&part, &slice, r0, r1);
     }
 }
@@ -1924,7 +1924,7 @@ int hexq_gemv(const hexq_gemv_task* tasks, int ntasks, int path, int threads, ui
         scratch += (values + 63) / 64 * 64;
         xq[i].dx8 = (float*)scratch;
         scratch += (values / BLOCK * 4 + 63) / 64 * 64;
-        xq[i].sum8 = (int32_t*)scratch;
+        xq[i].zx8 = (float*)scratch;
         scratch += (values / BLOCK * 4 + 63) / 64 * 64;
     }
     gemv_ctx ctx = {tasks, xq, first, ntasks, rows_for(path), path};

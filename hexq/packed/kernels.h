@@ -100,7 +100,7 @@ typedef struct {
     int8_t* hi;   /* the AVX-512 planes GEMV's byte products; lo NULL: not computed */
     int8_t* q8;   /* [ntok, cols] int8 blocks in the planes' byte order, for the rows8 GEMVs; q8 NULL: not computed */
     float* dx8;   /* [ntok, blocks] */
-    int32_t* sum8; /* [ntok, blocks] sum of q8 */
+    float* zx8;   /* [ntok, blocks] dx8 times the block's sum of q8: its share of a zero point's term (vnni256.h) */
 } quantized_x;
 
 /* The row functions prefetch the codes, scales and zeros of the row PREFETCH_BYTES of codes ahead (kernels.c

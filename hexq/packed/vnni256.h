@@ -29,7 +29,7 @@ static VNNI256 INLINE void VNNI256_NAME(rows8_block)(const uint8_t* group8, cons
 /* The end of group g for 8 rows: total += s_g (acc - z_g zx_g), acc cleared (scale and zero: the group's 8 values;
    z4: the zeros as 4-bit integers, kernels.c "zeros as 4-bit integers", one 32-bit word for the 8 rows). */
 static VNNI256 INLINE void VNNI256_NAME(rows8_group)(const uint16_t* scale, const void* zero, const int z4,
-                                                     float zx[][MAX_BLOCKS], int64_t g, const int ntok, __m256* acc,
+                                                     const float* const* zx, int64_t g, const int ntok, __m256* acc,
                                                      __m256* total) {
     const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)scale));
     __m256 z;
@@ -50,20 +50,24 @@ static VNNI256 INLINE void VNNI256_NAME(rows8_group)(const uint16_t* scale, cons
 
 /* The rows8 layout on 256-bit VNNI, 8 rows per pass. A block's dot product for 8 rows: 8 dwords of codes, each times
    one broadcast dword of x's int8 block; per lane |q . x8| <= 32 * 127 * 127 < 2^24, exact in float32. Then
-   y = sum_g s_g (sum_{b in g} dx8_b dot_b - z_g sum_{b in g} dx8_b sum8_b): one conversion and FMA per block and one
-   float16 scale and zero per group for 8 rows. r0 and r1: multiples of 8. */
+   y = sum_g s_g (sum_{b in g} dx8_b dot_b - z_g sum_{b in g} zx8_b), zx8_b = dx8_b sum(q8_b) from quantize_x: one
+   conversion and FMA per block and one float16 scale and zero per group for 8 rows. r0 and r1: multiples of 8. */
 static VNNI256 INLINE void VNNI256_NAME(rows8_bits)(const hexq_gemv_task* t, const quantized_x* xq, int64_t r0,
                                                     int64_t r1, const int bits, const int ntok, const int z4) {
     const int64_t cols = t->cols, blocks = cols / BLOCK, row_bytes = cols * bits / 8, groups = cols / t->group;
     const int64_t per_group = t->group / BLOCK;
-    float zx[MAX_TOK][MAX_BLOCKS]; /* per token and group: sum over its blocks of dx8_b sum8_b */
-    for (int k = 0; k < ntok; k++)
-        for (int64_t g = 0; g < groups; g++) {
+    /* per token and group: the sum over its blocks of zx8_b; groups of one block read zx8 itself (a pool item is 16
+       rows: summing every group of the row per item cost a tenth of this GEMV's time) */
+    float sums[MAX_TOK][MAX_BLOCKS];
+    const float* zx[MAX_TOK];
+    for (int k = 0; k < ntok; k++) {
+        zx[k] = per_group == 1 ? xq->zx8 + k * blocks : sums[k];
+        for (int64_t g = 0; per_group > 1 && g < groups; g++) {
             float acc = 0.0f;
-            for (int64_t b = g * per_group; b < (g + 1) * per_group; b++)
-                acc += xq->dx8[k * blocks + b] * (float)xq->sum8[k * blocks + b];
-            zx[k][g] = acc;
+            for (int64_t b = g * per_group; b < (g + 1) * per_group; b++) acc += xq->zx8[k * blocks + b];
+            sums[k][g] = acc;
         }
+    }
     for (int64_t r = r0; r < r1; r += 8) {
         const uint8_t* group8 = t->codes + r * row_bytes;
         const uint16_t* scale = t->scale + r * groups;
