@@ -2,11 +2,11 @@
 
     python benchmarks/gemv_speed.py                       # every path this CPU runs, widths 2 3 4 8, 2 threads
     python benchmarks/gemv_speed.py --paths avx2 avx512 --bits 3 --threads 1 2
-    python benchmarks/gemv_speed.py --layouts planes rows8 rows8z4   # each layout on the VNNI paths, taking turns
+    python benchmarks/gemv_speed.py --layouts planes rows8 rows8z4   # each layout on the SIMD paths, taking turns
 
 What one decode step asks of the kernels for one MoE layer of Qwen3-30B-A3B's shape: the 8 routed experts of a token
 (gate_up [1536, 2048] and down [2048, 768], asymmetric, groups of 32, float16 scale and integer zero, re-laid as the
-native step serves them: rows8z4 on the AVX-512 and AVX-VNNI paths, planes on AVX2; --layouts forces layouts), one
+native step serves them: rows8z4 on the AVX-512, AVX-VNNI and AVX2 paths; --layouts forces layouts), one
 token, one call for the 8 gate_up products and one for the 8 down products (each layer's C tasks made once, so that no
 Python marshalling is timed: the native step has none). A layer's experts are drawn from --layers distinct layers' worth
 of random codes (a working set several times the last-level cache), cycled, so the codes come from memory as they do in
@@ -18,7 +18,7 @@ taking turns); share = the median over the passes of the pass's GB/s over the re
 (torch.sum over a 2 GiB float32 tensor on the same threads, timed after the paths in every pass: the machine's speed
 drifts, and a bandwidth measured once before would compare the kernels with another minute's machine). Every path's
 outputs are compared with the scalar path's on one layer: float32 summation order (~1e-6) where both read int16
-activation blocks, the int8 blocks' rounding (~1e-2 of the largest output) for the VNNI paths' rows8 GEMVs (kernels.c
+activation blocks, the int8 blocks' rounding (~1e-2 of the largest output) for the SIMD paths' rows8 GEMVs (kernels.c
 "int8 activation blocks").
 """
 
@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from runtime import bandwidth_tensor, read_pass
 
-from hexq.packed.cpu import GemvJob, available_paths, load_cpu_kernels
+from hexq.packed.cpu import ROWS8_PATHS, GemvJob, available_paths, load_cpu_kernels
 from hexq.packed.weight import PackedWeight
 
 from provenance import start_run, write_results
@@ -145,8 +145,8 @@ def main() -> None:
             for path in paths:
                 kernels = load_cpu_kernels(path, threads)
                 for layout in args.layouts or [None]:
-                    if layout in ("rows8", "rows8z4") and path not in ("avx512", "avxvnni"):
-                        continue  # only the VNNI GEMVs read rows8 at speed (the others through the portable code)
+                    if layout in ("rows8", "rows8z4") and path not in ROWS8_PATHS:
+                        continue  # the portable path reads rows8 too, slowly
                     copies = [{name: [kernels.relayout(replace(w, codes=w.codes.clone(), scale=w.scale.clone(),
                                                                zero=w.zero.clone()), layout) for w in layer[name]]
                                for name in SHAPES} for layer in stream]  # re-laid in place: a copy per run

@@ -46,17 +46,15 @@ def needs_kernels(kernels) -> pytest.MarkDecorator:
 
 def activation_levels(path: str, layout: str) -> int:
     """The largest integer of the activation blocks a GEMV of codes in `layout` reads on CPU path `path` (each block's
-    step is its max|x| over it): 127, int8 blocks, for the rows8 layouts on the VNNI paths (kernels.c "int8
-    activation blocks"), else 32767, int16 blocks."""
-    return 127 if path in ("avx512", "avxvnni") and layout in ("rows8", "rows8z4") else 32767
+    step is its max|x| over it): 127, int8 blocks, for the rows8 layouts on the paths that read them at speed
+    (hexq.packed.cpu.ROWS8_PATHS; kernels.c "int8 activation blocks"), else 32767, int16 blocks."""
+    from hexq.packed.cpu import ROWS8_PATHS
+
+    return 127 if path in ROWS8_PATHS and layout in ("rows8", "rows8z4") else 32767
 
 
-def int16_path(kernels) -> str:
-    """The fastest path this CPU runs whose GEMVs all read int16 activation blocks (activation_levels): AVX2, else the
-    scalar one."""
-    from hexq.packed.cpu import available_paths
-
-    return "avx2" if "avx2" in available_paths(kernels.library) else "scalar"
+# The path whose GEMVs all read int16 activation blocks (activation_levels): the portable one.
+INT16_PATH = "scalar"
 
 
 def int8_blocks(x: torch.Tensor) -> torch.Tensor:

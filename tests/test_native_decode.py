@@ -32,12 +32,12 @@ from hexq.packed.cpu import available_paths, load_cpu_kernels
 from hexq.runtime.compute import Profiles
 from hexq.runtime.engine import Runtime
 from hexq.runtime.native import AHEAD_RANGES, MAT_ABSENT, NativeDecoder, byte_ranges, top_k_bytes
-from tests.conftest import REFERENCE_MODELS, activation_levels, int16_path, needs_kernels, save_tiny_model, small_recipe
+from tests.conftest import INT16_PATH, REFERENCE_MODELS, activation_levels, needs_kernels, save_tiny_model, small_recipe
 
 KERNELS = load_cpu_kernels()
 pytestmark = needs_kernels(KERNELS)
 # compare's median step: float32 summation order where the GEMVs read int16 activation blocks. Where this machine's
-# default path reads int8 blocks (the VNNI paths' rows8 GEMVs: kernels.c "int8 activation blocks") the two paths'
+# default path reads int8 blocks (the SIMD paths' rows8 GEMVs: kernels.c "int8 activation blocks") the two paths'
 # inputs, equal to float32 rounding, round to neighbouring int8 values at near ties often enough that the median is a
 # flip's size: one int8 step (1/127 of a block's largest) in one input (measured 1.4e-3 to 3.1e-3 on 3 of the
 # symmetric g128 artifact's 10 steps). Every step: within FLIPS, where W8A8 grid codes flip too.
@@ -128,11 +128,12 @@ def test_float16_kv_cache_within_its_rounding(a16_artifact, monkeypatch):
     relative error of at most u = 2^-11 (binary16, rounded to nearest), a value row's error passes to the attention
     output no larger (a convex combination), a key's moves a score by at most u |q| |k| scaling. Through 4 layers
     and 16 steps, each on its own cache, the logits stay within u of the transformers path's (measured 1.2e-4 to
-    2.2e-4 against 3e-5 for float32); a row read at the wrong offset or width moves them by O(1). On a path whose
-    GEMVs read int16 activation blocks (AVX2, attention's code on every path but the scalar one): from int8 blocks
-    (kernels.c "int8 activation blocks") a cache rounding that carries an input across a rounding boundary of its
-    block moves it by a whole step, 1/127 of the block's largest, which is not the cache's error (measured 3.7e-4)."""
-    monkeypatch.setenv("HEXQ_CPU_PATH", int16_path(KERNELS))
+    2.2e-4 against 3e-5 for float32); a row read at the wrong offset or width moves them by O(1). On the path whose
+    GEMVs read int16 activation blocks (the portable one; the SIMD paths' float16 rows: test_every_kernel_path): from
+    int8 blocks (kernels.c "int8 activation blocks") a cache rounding that carries an input across a rounding boundary
+    of its block moves it by a whole step, 1/127 of the block's largest, which is not the cache's error (measured
+    3.7e-4)."""
+    monkeypatch.setenv("HEXQ_CPU_PATH", INT16_PATH)
     assert agrees(compare(a16_artifact, steps=16, carry=True, kv_cache="f16"), typical=2.0**-11, flips=2.0**-11)
 
 
@@ -140,7 +141,7 @@ def test_float16_kv_cache_within_its_rounding(a16_artifact, monkeypatch):
 def test_every_kernel_path(a16_artifact, path):
     """Every instruction-set path this CPU runs gives the native step the same logits, the KV cache in float16
     (F16C's loads on the AVX2 and AVX-512 paths): paths that read the same activation blocks differ only in float32
-    summation order (1e-5 relative); the VNNI paths' rows8 GEMVs read int8 blocks (kernels.c "int8 activation
+    summation order (1e-5 relative); the SIMD paths' rows8 GEMVs read int8 blocks (kernels.c "int8 activation
     blocks"), each input moved by at most 1/254 of its block's largest, and their logits are held to that, 4e-3 of
     the scalar path's (measured 3.4e-4)."""
     if KERNELS is None or path not in available_paths(KERNELS.library):
@@ -230,15 +231,16 @@ def planes_artifact(tmp_path_factory):
     return folder / "model.hexq"
 
 
-VNNI_LAYOUTS = {"rows8", "rows8z4"}  # 4-bit zeros for the 3- and 4-bit experts (integer zero points), not 1 and 2
+ROWS8_LAYOUTS = {"rows8", "rows8z4"}  # 4-bit zeros for the 3- and 4-bit experts (integer zero points), not 1 and 2
 
 
-@pytest.mark.parametrize("path, layouts", [("avx2", {"planes"}), ("avxvnni", VNNI_LAYOUTS), ("avx512", VNNI_LAYOUTS)])
+@pytest.mark.parametrize("path, layouts", [("scalar", {"planes"}), ("avx2", ROWS8_LAYOUTS),
+                                           ("avxvnni", ROWS8_LAYOUTS), ("avx512", ROWS8_LAYOUTS)])
 def test_native_step_on_relaid_codes_is_the_stream_transformers_path(planes_artifact, monkeypatch, path, layouts):
-    """The native step re-lays every resident expert and dense matrix into its path's layouts (planes on AVX2, rows8
-    and rows8z4 on the VNNI paths); the transformers path of a runtime without the native step reads the stream as
-    stored. With no activation grid both carry their own KV cache and differ by float32 summation order only (1e-4
-    allowed)."""
+    """The native step re-lays every resident expert and dense matrix into its path's layouts (planes on the portable
+    path, rows8 and rows8z4 on the SIMD paths); the transformers path of a runtime without the native step reads the
+    stream as stored. With no activation grid both carry their own KV cache and differ by float32 summation order
+    only (1e-4 allowed)."""
     from hexq.artifact.reader import Artifact
 
     if KERNELS is None or path not in available_paths(KERNELS.library):

@@ -11,7 +11,7 @@ import torch
 from hexq.algos.quant import QuantMeta, QuantSpec, dequantize, quantize
 from hexq.packed import cpu
 from hexq.packed.bitpack import dequantize_into, pack_bits
-from hexq.packed.cpu import GemvJob, gemv_takes, load_cpu_kernels
+from hexq.packed.cpu import ROWS8_PATHS, GemvJob, gemv_takes, load_cpu_kernels
 from hexq.packed.weight import PackedWeight, dequantize_packed
 from tests.conftest import IN_CI, activation_levels, int8_blocks, needs_kernels
 
@@ -70,7 +70,7 @@ def test_the_avx_vnni_copy_has_no_avx512_instruction():
 
 
 def test_activation_blocks_are_the_portable_ones_on_every_path():
-    """quantize_x (the activation blocks every packed GEMV reads: int16, and int8 for the VNNI paths' rows8 GEMVs) has
+    """quantize_x (the activation blocks every packed GEMV reads: int16, and int8 for the SIMD paths' rows8 GEMVs) has
     a portable copy and an AVX2 one written with intrinsics: every path's blocks, scales and sums equal the scalar
     path's bit for bit, on blocks of zeros, signed zeros, outliers, magnitudes from 1e-30 to 1e30, a NaN and an
     infinity; and the int8 blocks are round(x / (max|x| / 127)) in the planes' byte order (kernels.c perm32)."""
@@ -369,7 +369,7 @@ def test_rows8z4_refuses_zeros_it_cannot_hold() -> None:
         odd = zero.clone()
         odd[9, 3] = bad
         weight = PackedWeight(codes.clone(), scale.clone(), odd.clone(), 3, (16, 256))
-        for path in ("avx512", "avxvnni"):
+        for path in ROWS8_PATHS:
             if path in PATHS:
                 assert KERNELS.with_path(path).layout_for(weight) == "rows8", bad
         same = KERNELS.relayout(weight, "rows8z4")
@@ -378,7 +378,7 @@ def test_rows8z4_refuses_zeros_it_cannot_hold() -> None:
     wide = PackedWeight(*packed_matrix(16, 256, 5, 32, False, seed=0)[:3], 5, (16, 256))
     assert 0 <= wide.zero.min() and wide.zero.max() <= 31
     wide = PackedWeight(wide.codes, wide.scale, wide.zero.clamp(max=15), 5, (16, 256))  # zeros that would fit
-    for path in ("avx512", "avxvnni"):
+    for path in ROWS8_PATHS:
         if path in PATHS:
             assert KERNELS.with_path(path).layout_for(wide) == "rows8"
     assert KERNELS.relayout(wide, "rows8z4").layout == "stream"
@@ -403,13 +403,33 @@ def test_gemv_from_rows8z4_is_rows8_bit_for_bit(path: str) -> None:
             assert torch.equal(outs[0], outs[1]), (bits, group, symmetric, ntok)
 
 
+def test_rows8_gemv_is_one_on_every_simd_path() -> None:
+    """The rows8 GEMV is one source (vnni256.h) compiled with EVEX and VEX vpdpbusd and with AVX2's vpmaddubsw +
+    vpmaddwd (kernels.c dpbusd_avx2, exact for codes of at most 7 bits): the same integer dot products and float32
+    operations, so the same outputs to the bit on every SIMD path this CPU runs, widths 1-7, 1-5 tokens."""
+    paths = [path for path in ROWS8_PATHS if path in PATHS]
+    if len(paths) < 2:
+        pytest.skip("fewer than two SIMD paths on this CPU")
+    for bits in range(1, 8):
+        codes, scale, zero, _ = packed_matrix(64, 1024, bits, 32, bits % 2 == 1, seed=bits)
+        x = torch.randn(bits % 5 + 1, 1024, generator=torch.Generator().manual_seed(bits)) * 4.0  # 127 * 127 pairs
+        outs = []
+        for path in paths:
+            kernels = KERNELS.with_path(path)
+            weight = kernels.relayout(PackedWeight(codes.clone(), scale.clone(), zero.clone(), bits, (64, 1024)),
+                                      "rows8")
+            outs.append(torch.full((x.shape[0], 64), float("nan")))
+            kernels.gemv([GemvJob(weight, x, outs[-1])])
+        assert all(torch.equal(out, outs[0]) for out in outs), bits
+
+
 def test_layout_for_each_path() -> None:
-    """rows8z4 on the VNNI paths for whole groups of 8 rows of widths 1-4 whose zeros fit in 4 bits, planes
+    """rows8z4 on the SIMD paths for whole groups of 8 rows of widths 1-4 whose zeros fit in 4 bits, planes
     otherwise; 8-bit codes keep the stream."""
     codes, scale, zero, _ = packed_matrix(16, 352, 3, 32, False, seed=0)
     weight = PackedWeight(codes, scale, zero, 3, (16, 352))
     for path in PATHS:
-        assert KERNELS.with_path(path).layout_for(weight) == ("rows8z4" if path in ("avx512", "avxvnni") else "planes")
+        assert KERNELS.with_path(path).layout_for(weight) == ("rows8z4" if path in ROWS8_PATHS else "planes")
     if "avx512" in PATHS:
         avx512 = KERNELS.with_path("avx512")
         assert avx512.layout_for(weight.rows(0, 12)) == "planes"  # not whole groups of 8
@@ -431,7 +451,7 @@ RELAID = [(layout, bits, shapes) for layout, shapes in LAYOUT_SHAPES
 @pytest.mark.parametrize("layout, bits, shapes", RELAID)
 def test_gemv_on_relaid_codes_within_its_bound(path: str, bits: int, layout: str, shapes) -> None:
     """The GEMV from re-laid codes within the bound of the activation blocks it reads (the stream's int16 blocks,
-    only the float32 sums' order differing; the rows8 layouts' int8 blocks on the VNNI paths, where it is also the
+    only the float32 sums' order differing; the rows8 layouts' int8 blocks on the SIMD paths, where it is also the
     product of those int8 blocks, emulated here, to float32 rounding), 1-6 tokens, groups of 32, 64 and 128. Planes:
     over whole units and a stream tail; 512 columns are 16 blocks, whole units of every width: the rows the AVX-512
     path reads with its byte products (a stream tail goes to the AVX2 code). rows8: 8 rows per pass on the VNNI

@@ -184,7 +184,7 @@ def test_exports_write_the_quantized_head(head_artifact, tmp_path, monkeypatch):
 
 def test_served_head_is_weight_only(head_artifact):
     """The served head, from its codes, is its dequantized codes times its input in the GEMV's own activation blocks
-    (int8 where the VNNI paths' rows8 GEMV reads it, else int16; emulated here) to float32 rounding: the recipe's
+    (int8 where the SIMD paths' rows8 GEMV reads it, else int16; emulated here) to float32 rounding: the recipe's
     W8A8 grid on its input would leave ~1e-2 relative, the activation blocks' own rounding ~5e-3 (int8)."""
     _model, _cal, path = head_artifact
     with Runtime(path, dtype="fp32") as runtime:

@@ -21,7 +21,7 @@ from hexq.packed.weight import pack_weight
 from hexq.runtime.compute import Compute
 from hexq.runtime.engine import Runtime
 from hexq.runtime.model import artifact_model
-from tests.conftest import DEVICES, from_codes, int16_path, needs_kernels
+from tests.conftest import DEVICES, INT16_PATH, from_codes, needs_kernels
 
 from reference import stream_logits
 
@@ -118,7 +118,7 @@ def test_bf16_linears_from_the_codes_are_the_fp32_ones_rounded_once(quantizer):
 @pytest.mark.parametrize("path", available_paths(KERNELS.library) if KERNELS else [])
 def test_decoded_perplexity_matches_eval_on_every_path(packed_artifact, eval_perplexity, path, monkeypatch):
     """`hexq run --ppl --decode native`: every position after a window's first scored by the native decode step, with
-    each path's own activation blocks (int8 in the VNNI paths' rows8 GEMVs), within the 0.1% of `hexq eval` that
+    each path's own activation blocks (int8 in the SIMD paths' rows8 GEMVs), within the 0.1% of `hexq eval` that
     `hexq run` is held to; refused with one line where the native step does not serve the run."""
     monkeypatch.setenv("HEXQ_CPU_PATH", path)
     with Runtime(packed_artifact, dtype="fp32") as runtime:
@@ -151,11 +151,11 @@ def test_decode_from_the_codes_tracks_the_exact_model(packed_artifact, monkeypat
     positions and the decode steps from the third on; the router's top-k agreed at every position, its margins
     >= 6e-3). How many positions that reaches moves with the calibration's grids, so at least a quarter of the
     positions are held to 1e-4 and every one to 1e-2: a wrong code, scale or zero point moves every position that
-    reads it by more. On a path whose GEMVs read int16 blocks: the VNNI paths' rows8 GEMVs read int8 blocks, which
+    reads it by more. On a path whose GEMVs read int16 blocks: the SIMD paths' rows8 GEMVs read int8 blocks, which
     put their own rounding (measured 1.5e-4 to 3.2e-3) on every position (their bounds: tests/test_packed_cpu.py;
     their perplexity: test_decoded_perplexity_matches_eval_on_every_path)."""
     if KERNELS is not None:
-        monkeypatch.setenv("HEXQ_CPU_PATH", int16_path(KERNELS))
+        monkeypatch.setenv("HEXQ_CPU_PATH", INT16_PATH)
     exact = Runtime(packed_artifact, dtype="fp32", cache="fp32", kernels="torch")
     served = from_codes(Runtime(packed_artifact, dtype="fp32"))
     try:

@@ -10,9 +10,10 @@ that (q - z) s . x = s dx (q . xq - z sum(xq)) per block: the codes go through i
 `vpmaddwd`; AVX-512 VNNI `vpdpwssd` from the stream, and from the planes layout `vpdpbusd` on the codes as bytes
 against xq split into its high and low bytes, the same integers without widening the codes) and one float
 multiply-add per block. int16 keeps 15 bits of every value relative to its block's largest, so the relative error
-of an output is ~3e-5 (measured; tests/test_packed_cpu.py bounds it). The rows8 GEMVs of the VNNI paths (the
-decode step's experts, below) read int8 blocks instead (dx = max|x| / 127, llama.cpp's Q8_0 activations; kernels.c
-"int8 activation blocks"): one vpdpbusd per 4 codes of 8 rows where int16 took two, the kernel's instructions being
+of an output is ~3e-5 (measured; tests/test_packed_cpu.py bounds it). The rows8 GEMVs of the SIMD paths (AVX-512,
+AVX-VNNI, AVX2: the decode step's experts, below) read int8 blocks instead (dx = max|x| / 127, llama.cpp's Q8_0
+activations; kernels.c "int8 activation blocks"): one vpdpbusd per 4 codes of 8 rows where int16 took two (on AVX2
+vpmaddubsw + vpmaddwd), the kernel's instructions being
 as much its limit as the bytes at 1-4 bits; each output then carries up to ~5e-3 relative error, and the served
 perplexity stays within 0.1% of `hexq eval` (docs/runtime.md, "Activation blocks"). A task is one matrix with its
 own tokens; one call runs many tasks (all experts of a layer, mixed widths) on a pool of threads that work on rows.
@@ -82,6 +83,9 @@ SOURCES = (SOURCE, SOURCE.with_name("decode.c"))
 HEADERS = tuple(SOURCE.with_name(name) for name in ("kernels.h", "vnni256.h", "w8a8_256.h"))  # what they include
 FLAGS = ("-O3", "-ffp-contract=off", "-fPIC", "-shared", "-pthread")
 PATHS = ("scalar", "avx2", "avx512", "avxvnni")  # the C enum's order
+# The paths whose GEMV reads the rows8 layouts at speed, from int8 activation blocks (vpdpbusd; on AVX2 emulated by
+# vpmaddubsw + vpmaddwd, kernels.c dpbusd_avx2); the portable path reads rows8 too, from int16 blocks, slowly.
+ROWS8_PATHS = ("avx2", "avx512", "avxvnni")
 FASTEST_LAST = ("scalar", "avx2", "avxvnni", "avx512")  # the default is the last one this CPU runs
 OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 BLOCK = 32  # activation block of the GEMV (kernels.c BLOCK)
@@ -216,15 +220,15 @@ class CpuKernels:
         return taken
 
     def layout_for(self, weight: PackedWeight) -> str:
-        """The layout `relayout` gives `weight` on this path: "rows8" where the VNNI GEMV reads 8 rows at a time
-        (whole groups of 8 rows), "rows8z4" for those of widths 1-4 whose zeros are all integers in [0, 15] (kernels.c
-        "zeros as 4-bit integers"), "planes" for the other matrices of widths 1-7 the kernels take, else its own
-        (8-bit codes are bytes already; other devices' codes stay as stored)."""
+        """The layout `relayout` gives `weight` on this path: "rows8" where the path's GEMV reads 8 rows at a time
+        (ROWS8_PATHS; whole groups of 8 rows), "rows8z4" for those of widths 1-4 whose zeros are all integers in
+        [0, 15] (kernels.c "zeros as 4-bit integers"), "planes" for the other matrices of widths 1-7 the kernels
+        take, else its own (8-bit codes are bytes already; other devices' codes stay as stored)."""
         rows, cols = weight.shape
         if (weight.layout != "stream" or weight.codes.device.type != "cpu" or not 1 <= weight.bits <= 7
                 or not gemv_takes(weight.shape, weight.bits, weight.scale.shape[-1], self.path) or cols % BLOCK):
             return weight.layout
-        if self.path not in ("avx512", "avxvnni") or rows % ROWS8:
+        if self.path not in ROWS8_PATHS or rows % ROWS8:
             return "planes"
         return "rows8z4" if weight.bits <= 4 and self.zeros_fit4(weight.zero) else "rows8"
 

@@ -55,7 +55,7 @@ static inline float block_step(float amax) { return amax / 32767.0f; }
    kernel is bound by its instructions nearly as much as by memory. An int8 block of 32 values with step
    dx8 = max|x| / 127 is llama.cpp's Q8_0 activation, which its Q4_0 and K-quant products read; each value moves by at
    most dx8 / 2, 1/254 of its block's largest, under a 4-bit code's own rounding of the weight (1/30 of its group's
-   range) by a factor 8 and more. The rows8 GEMVs read them on the VNNI paths (the decode step's experts); the int16
+   range) by a factor 8 and more. The rows8 GEMVs read them on the SIMD paths (the decode step's experts); the int16
    blocks stay for every other product. */
 static inline float block_step8(float amax) { return amax / 127.0f; }
 
@@ -896,9 +896,11 @@ static AVX2 INLINE void rows_avx2_bits(const hexq_gemv_task* t, const quantized_
     }
 }
 
+static AVX2 void rows8_maddubs(const hexq_gemv_task* t, const quantized_x* xq, int64_t r0, int64_t r1);
+
 static AVX2 void rows_avx2(const hexq_gemv_task* t, const quantized_x* xq, int64_t r0, int64_t r1) {
-    if (is_rows8(t->layout)) { /* only the VNNI paths re-lay codes so; any path still reads them */
-        rows_scalar(t, xq, r0, r1);
+    if (is_rows8(t->layout)) { /* whole groups of 8 rows with int8 blocks: rows8_maddubs; else the portable loop */
+        (!(r0 % 8) && !(r1 % 8) ? rows8_maddubs : rows_scalar)(t, xq, r0, r1);
         return;
     }
 #define CASE(B)                                                                              \
@@ -1169,7 +1171,23 @@ static AVX2 INLINE void rows8_block_codes(const uint8_t* group8, int64_t b, cons
     transpose8(t);
 }
 
-/* The rows8 GEMV: vnni256.h, here with EVEX vpdpbusd (rows8_avx512) and with VEX vpdpbusd (rows8_avxvnni). */
+/* vpdpbusd on plain AVX2, for the AVX2 path's rows8 GEMV (rows8_maddubs, below): unsigned codes times signed int8
+   x, byte pairs summed into int16 by vpmaddubsw and into int32 by vpmaddwd, llama.cpp's AVX2 dot product. Exact for
+   the rows8 layouts' codes of at most 7 bits: a pair is at most 2 * 127 * 127 < 2^15, so vpmaddubsw never saturates
+   and the dwords are vpdpbusd's. */
+static AVX2 INLINE __m256i dpbusd_avx2(__m256i acc, __m256i codes, __m256i x) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), _mm256_set1_epi16(1)));
+}
+
+/* The rows8 GEMV: vnni256.h, here with EVEX vpdpbusd (rows8_avx512), with VEX vpdpbusd (rows8_avxvnni) and with
+   dpbusd_avx2 (rows8_maddubs: CPUs with AVX2 and neither VNNI, e.g. AMD Zen 2 and 3). */
+#define VNNI256 AVX2
+#define DPBUSD dpbusd_avx2
+#define VNNI256_NAME(f) f##_maddubs
+#include "vnni256.h"
+#undef VNNI256
+#undef DPBUSD
+#undef VNNI256_NAME
 #define VNNI256 AVX512
 #define DPBUSD _mm256_dpbusd_epi32
 #define VNNI256_NAME(f) f##_avx512
@@ -1916,11 +1934,11 @@ int hexq_gemv(const hexq_gemv_task* tasks, int ntasks, int path, int threads, ui
         scratch += (values / BLOCK * 4 + 63) / 64 * 64;
         xq[i].sum = (int32_t*)scratch;
         scratch += (values / BLOCK * 4 + 63) / 64 * 64;
-        const int vnni = path == PATH_AVX512 || path == PATH_AVXVNNI; /* only their rows read bytes and int8 */
+        const int vnni = path == PATH_AVX512 || path == PATH_AVXVNNI; /* only their planes GEMV reads bytes */
         xq[i].lo = vnni ? scratch : NULL;
         xq[i].hi = (int8_t*)(scratch + values);
         scratch += (values * 2 + 63) / 64 * 64;
-        xq[i].q8 = vnni ? (int8_t*)scratch : NULL;
+        xq[i].q8 = vnni || path == PATH_AVX2 ? (int8_t*)scratch : NULL; /* the rows8 GEMVs' int8 blocks */
         scratch += (values + 63) / 64 * 64;
         xq[i].dx8 = (float*)scratch;
         scratch += (values / BLOCK * 4 + 63) / 64 * 64;

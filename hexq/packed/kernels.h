@@ -90,8 +90,8 @@ typedef struct {
 
 /* x of one task, quantized: xq = round(x / dx) in int16 per block of 32 values with dx = max|x| / 32767 (so every
    value keeps 15 bits relative to its block's largest: relative error <= 2^-16 of that, far under float16 weights'
-   own), and each block's sum of xq for the zero term. The rows8 GEMVs of the VNNI paths read x in int8 blocks instead
-   (q8 = round(x / dx8), dx8 = max|x| / 127: kernels.c "int8 activation blocks" says why). */
+   own), and each block's sum of xq for the zero term. The rows8 GEMVs of the SIMD paths (AVX-512, AVX-VNNI, AVX2)
+   read x in int8 blocks instead (q8 = round(x / dx8), dx8 = max|x| / 127: kernels.c "int8 activation blocks"). */
 typedef struct {
     int16_t* q;   /* [ntok, cols] */
     float* dx;    /* [ntok, blocks] */

@@ -264,10 +264,10 @@ class Compute:
                            for (w, s, n), o in zip(batch, offsets, strict=False)])
 
     def relaid(self, weights: ExpertWeights) -> ExpertWeights:
-        """An expert re-laid in place for the kernels (hexq.packed.cpu `relayout`: rows8 on AVX-512, planes on AVX2;
-        the same bytes, read 1.5-2x faster than the stored stream): a cache-resident one once, under the cache's lock
-        (ExpertCache.relayout), by the first forward pass or native step that computes it; a transient one in its
-        loader's buffer, at each load."""
+        """An expert re-laid in place for the kernels (hexq.packed.cpu `relayout`: rows8 on the SIMD paths, planes
+        on the portable one; the same bytes, read 1.5-2x faster than the stored stream): a cache-resident one once,
+        under the cache's lock (ExpertCache.relayout), by the first forward pass or native step that computes it; a
+        transient one in its loader's buffer, at each load."""
         return dataclasses.replace(weights, gate_up=self.kernels.relayout(weights.gate_up),
                                    down=self.kernels.relayout(weights.down))
 

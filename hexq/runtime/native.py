@@ -32,9 +32,9 @@ begins with, where it reuses them: hexq.runtime.prefix).
 
 The weights are the model's own tensors (no copy, except the norms' float32 weights: a few KB per layer); the
 experts are the cache's resident packed versions, pinned for the decoder's lifetime where all of them fit. Both are
-re-laid in place into the kernels' layout when the decoder is built (hexq.packed.cpu `relayout`: rows8 on AVX-512,
-planes on AVX2, the same bytes read faster; under a small fast tier, each expert when it is loaded); the transformers
-path reads the re-laid codes through the same kernels (prefill).
+re-laid in place into the kernels' layout when the decoder is built (hexq.packed.cpu `relayout`: rows8 on the SIMD
+paths, planes on the portable one, the same bytes read faster; under a small fast tier, each expert when it is
+loaded); the transformers path reads the re-laid codes through the same kernels (prefill).
 """
 
 from __future__ import annotations
