@@ -454,8 +454,8 @@ def test_gemv_on_relaid_codes_within_its_bound(path: str, bits: int, layout: str
     only the float32 sums' order differing; the rows8 layouts' int8 blocks on the SIMD paths, where it is also the
     product of those int8 blocks, emulated here, to float32 rounding), 1-6 tokens, groups of 32, 64 and 128. Planes:
     over whole units and a stream tail; 512 columns are 16 blocks, whole units of every width: the rows the AVX-512
-    path reads with its byte products (a stream tail goes to the AVX2 code). rows8: 8 rows per pass on the VNNI
-    paths, the portable reader on the others."""
+    path reads with its byte products (a stream tail goes to the AVX2 code). rows8: 8 rows per pass on the SIMD
+    paths, the portable reader on the scalar one."""
     kernels = KERNELS.with_path(path)
     for cols, group in shapes:
         for symmetric, ntok in ((False, 1), (True, 3), (False, 6)):

@@ -445,8 +445,6 @@ typedef struct {
     rows_fn packed_rows;
     float_rows_fn float_rows;
     w8a8_rows_fn w8a8_rows; /* the path's W8A8 matrices in integer arithmetic (NULL: none) */
-    int bytes;  /* the VNNI paths (AVX-512, AVX-VNNI): x's bytes for their planes GEMV */
-    int int8;   /* the paths whose rows8 GEMV reads int8 blocks (the VNNI paths and AVX2) */
     int path;
 } phase;
 
@@ -639,8 +637,8 @@ static void add_product(phase* p, input_set* set, const float* src, int64_t cols
     if (!b->blocks && cols % BLOCK == 0 && m->kind == MAT_PACKED && !takes_w8a8(m, codes)) {
         const hexq_gemv_task t = {0, 0, 0, b->value, 0, 0, cols, BLOCK, cols, 0, 1, 1, LAYOUT_STREAM};
         quantized_x q = b->q;
-        if (!p->bytes) q.lo = NULL;
-        if (!p->int8) q.q8 = NULL;
+        if (!reads_bytes(p->path)) q.lo = NULL;
+        if (!reads_int8(p->path)) q.q8 = NULL;
         quantize_x(&t, &q, p->path);
         b->blocks = 1;
     }
@@ -1193,8 +1191,6 @@ int hexq_decode(const hexq_model* m, int32_t token, int64_t pos, float* logits, 
     p.packed_rows = rows_for(path);
     p.float_rows = float_rows_for(path);
     p.w8a8_rows = w8a8_rows_for(path);
-    p.bytes = path == PATH_AVX512 || path == PATH_AVXVNNI;
-    p.int8 = p.bytes || path == PATH_AVX2;
     const int64_t H = m->hidden;
     const int first = r->layer < 0 ? 0 : r->layer;
     if (r->layer < 0) {

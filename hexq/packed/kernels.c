@@ -1238,7 +1238,7 @@ static AVX512 void rows_avx512(const hexq_gemv_task* t, const quantized_x* xq, i
 /* ------------------------------------------------------------------------------------------ AVX-VNNI path */
 
 /* The AVX2 path with the rows8 layout's GEMV on 256-bit vpdpbusd: for CPUs with AVX-VNNI and no AVX-512 (whose AVX2
-   path would read planes with vpmaddwd). The VEX copy (rows8_avxvnni) runs where the CPU has AVX-VNNI; elsewhere the
+   path would emulate vpdpbusd with two instructions, rows8_maddubs). The VEX copy (rows8_avxvnni) runs where the CPU has AVX-VNNI; elsewhere the
    path is offered where AVX512-VNNI and VL give the same instruction in its EVEX encoding (rows8_avx512), so that
    every machine with either runs this path's code and its tests. The two copies are one source (vnni256.h). */
 static AVX2 void rows_avxvnni(const hexq_gemv_task* t, const quantized_x* xq, int64_t r0, int64_t r1) {
@@ -1934,11 +1934,10 @@ int hexq_gemv(const hexq_gemv_task* tasks, int ntasks, int path, int threads, ui
         scratch += (values / BLOCK * 4 + 63) / 64 * 64;
         xq[i].sum = (int32_t*)scratch;
         scratch += (values / BLOCK * 4 + 63) / 64 * 64;
-        const int vnni = path == PATH_AVX512 || path == PATH_AVXVNNI; /* only their planes GEMV reads bytes */
-        xq[i].lo = vnni ? scratch : NULL;
+        xq[i].lo = reads_bytes(path) ? scratch : NULL;
         xq[i].hi = (int8_t*)(scratch + values);
         scratch += (values * 2 + 63) / 64 * 64;
-        xq[i].q8 = vnni || path == PATH_AVX2 ? (int8_t*)scratch : NULL; /* the rows8 GEMVs' int8 blocks */
+        xq[i].q8 = reads_int8(path) ? (int8_t*)scratch : NULL;
         scratch += (values + 63) / 64 * 64;
         xq[i].dx8 = (float*)scratch;
         scratch += (values / BLOCK * 4 + 63) / 64 * 64;

@@ -103,6 +103,11 @@ typedef struct {
     float* zx8;   /* [ntok, blocks] dx8 times the block's sum of q8: its share of a zero point's term (vnni256.h) */
 } quantized_x;
 
+/* Which of quantized_x's optional forms a path's GEMVs read (quantize_x makes only those): x's bytes (lo, hi) for the
+   AVX-512 and AVX-VNNI planes GEMV; int8 blocks (q8, dx8, zx8) for the rows8 GEMV of every SIMD path. */
+static inline int reads_bytes(int path) { return path == PATH_AVX512 || path == PATH_AVXVNNI; }
+static inline int reads_int8(int path) { return reads_bytes(path) || path == PATH_AVX2; }
+
 /* The row functions prefetch the codes, scales and zeros of the row PREFETCH_BYTES of codes ahead (kernels.c
    "prefetch" says why); the native step's integer W8A8 rows (decode.c) too. */
 #define PREFETCH_BYTES 2048
