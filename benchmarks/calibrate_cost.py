@@ -6,6 +6,8 @@ subprocess, in one run: wall seconds, peak RSS and their ratios.
     python benchmarks/calibrate_cost.py --samples 64                        # the two reference models
     python benchmarks/calibrate_cost.py --models qwen3-30b-a3b --checkpoint qwen3-30b-a3b=/path/to/2-layer-ckpt \\
         --samples 128                                                       # a real-shaped checkpoint
+    python benchmarks/calibrate_cost.py --models qwen3-1l --checkpoint qwen3-1l=/path/to/1-layer-ckpt --samples 32 \\
+        --previous /path/to/an/older/tree --no-peer -o benchmarks/results/calibrate_bound.json  # against an older hexq
 
 Real-shaped checkpoints come from scripts/make_checkpoint.py (published layer shapes, fewer layers). There the peer
 loads the model in its stored bf16, as a user of that size would; on the reference models it runs in float32 like
@@ -103,7 +105,7 @@ def main() -> None:
             if real:
                 per_layer = sum(row["hexq_seconds_per_layer"]) / len(row["hexq_seconds_per_layer"])
                 row["hexq_extrapolated_hours"] = round(per_layer * PUBLISHED_LAYERS.get(name, 0) / 3600, 2)
-            if args.previous is not None and not real:
+            if args.previous is not None:
                 seconds, rss = in_wrapper("previous", str(args.previous), folder, str(args.samples), f"{work}/old")
                 row |= {"previous_seconds": round(seconds, 1), "previous_peak_rss_mib": round(rss / 2**20),
                         "previous_commit": git_commit(args.previous),

@@ -29,6 +29,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 BENCHMARKS = {
     "calibrate_table": ("calibrate_table.py", "calibrate.json"),
     "calibrate_cost": ("calibrate_cost.py", "calibrate_cost.json"),
+    "calibrate_bound": ("calibrate_cost.py", "calibrate_bound.json"),
     "placement": ("placement.py", "placement.json"),
     "pack_quality": ("pack_quality.py", "pack_quality.json"),
     "low_bits": ("low_bits.py", "low_bits.json"),
@@ -76,6 +77,9 @@ RUN_BY_HAND = {"scale": "python benchmarks/scale.py --work DIR",
                                 "act+spread+float+down+routed+clip --no-peers "
                                 "-o benchmarks/results/low_bits_clip.json, then --settings "
                                 "act+spread+float+down+routed --merge -o the same file",
+               "calibrate_bound": "python benchmarks/calibrate_cost.py --models qwen3-1l --checkpoint "
+                                  "qwen3-1l=CKPT --samples 32 --previous TREE --no-peer "
+                                  "-o benchmarks/results/calibrate_bound.json",
                "distributed": "python benchmarks/distributed.py --checkpoint CKPT",
                "distributed_haq": "python benchmarks/distributed.py --checkpoint CKPT --recipe haq-w8a8 "
                                   "--out benchmarks/results/distributed_haq.json",
@@ -145,7 +149,7 @@ def render_scale(results: dict) -> str:
 def render(name: str, results: dict) -> str:
     if name == "placement":
         return render_placement(results)
-    if name == "calibrate_cost":
+    if name in ("calibrate_cost", "calibrate_bound"):
         return render_cost(results)
     if name == "scale":
         return render_scale(results)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hexq.calib.down_fit import FIT_BELOW, fitted_map, output_scale
+from hexq.calib.down_fit import FIT_BELOW, FLOAT32_TOKENS, fitted_map, output_scale, solve_dtype
 from hexq.calib.pipeline import calibrate
 from hexq.config.recipe import RecipeError
 from tests.conftest import mixed_recipe
@@ -30,6 +30,26 @@ def test_the_map_undoes_a_per_channel_gain_exactly(tokens):
     cross, hessian = statistics(full, full * gains)
     mapped = fitted_map(weight, cross, hessian, torch.tensor(tokens))
     torch.testing.assert_close(mapped, weight / gains, rtol=1e-9, atol=1e-9)
+
+
+def test_the_float32_solve_matches_float64_up_to_its_token_bound():
+    """Float32 statistics are solved in float32 up to FLOAT32_TOKENS tokens (the system's condition number is at most
+    tokens + 1), in float64 beyond: both give the float64 map to float32 accuracy on uneven channel scales."""
+    generator = torch.Generator().manual_seed(2)
+    weight = torch.randn(48, 64, generator=generator)
+    scales = torch.rand(64, generator=generator, dtype=torch.float64) ** 3 + 1e-3  # channels 1000x apart
+    for tokens in (FLOAT32_TOKENS, FLOAT32_TOKENS + 1):
+        got = torch.randn(tokens, 64, generator=generator, dtype=torch.float64) * scales
+        full = got + 0.1 * torch.randn(tokens, 64, generator=generator, dtype=torch.float64) * scales
+        cross, hessian = statistics(full, got)
+        exact = fitted_map(weight.double(), cross, hessian, torch.tensor(tokens))
+        mapped = fitted_map(weight, cross.float(), hessian.float(), torch.tensor(tokens))
+        assert mapped.dtype == torch.float32
+        assert solve_dtype(hessian.float(), torch.tensor(tokens)) == (
+            torch.float32 if tokens <= FLOAT32_TOKENS else torch.float64)
+        assert solve_dtype(hessian, torch.tensor(tokens)) == torch.float64
+        output = float((got @ (mapped.double() - exact).T).norm() / (got @ exact.T).norm())
+        assert output < 1e-5, (tokens, output)
 
 
 def squared_error(weight, full, got, mapped) -> float:

@@ -132,8 +132,9 @@ def dequantize(codes: torch.Tensor, meta: QuantMeta) -> torch.Tensor:
     """Float weights [..., out, in] from integer codes and their QuantMeta (scale and zero [..., out, n_groups]: a
     batch of matrices, e.g. a chunk of experts' replicas, takes leading dimensions)."""
     *lead, in_features = codes.shape
-    grouped = codes.float().reshape(*lead, in_features // meta.group_size, meta.group_size)
-    return ((grouped - meta.zero[..., None]) * meta.scale[..., None]).reshape(*lead, in_features)
+    dtype = torch.promote_types(torch.promote_types(torch.float32, meta.zero.dtype), meta.scale.dtype)
+    grouped = codes.to(dtype, copy=True).reshape(*lead, in_features // meta.group_size, meta.group_size)
+    return grouped.sub_(meta.zero[..., None]).mul_(meta.scale[..., None]).reshape(*lead, in_features)  # one buffer
 
 
 def fake_quantize(w: torch.Tensor, spec: QuantSpec) -> torch.Tensor:

@@ -109,12 +109,17 @@ def loss_table(routed: RoutedTokens, weights_of, tensors: dict, replicas, bits_l
             gate_ups, downs = replicas(bits, experts)
             for j, expert in enumerate(experts):
                 token, slot, x, measure, weight = inputs[j]
-                parts = zip(measure.split(rows), references[j].split(rows), weight.split(rows), strict=True)
-                sse[expert, b] = sum(squared_error(expert_output(part, gate_ups[j], downs[j], act_fn), ref, w)
-                                     for part, ref, w in parts)
+                outputs = [expert_output(part, gate_ups[j], downs[j], act_fn) for part in measure.split(rows)]
+                sse[expert, b] = sum(squared_error(y, ref, w) for y, ref, w in
+                                     zip(outputs, references[j].split(rows), weight.split(rows), strict=True))
                 if bits == propagate_bits and len(token):
-                    for rows_of, slots, part in zip(token.split(rows), slot.split(rows), x.split(rows), strict=True):
-                        y = quantized_expert_output(part, gate_ups[j], downs[j], act_fn, *quantizers)
+                    # every routed row measured (loss_sample returned x) and the expert's activations not quantized:
+                    # the propagated outputs are the measured ones, in the same parts
+                    reuse = measure is x and quantizers == (None, None)
+                    for i, (rows_of, slots, part) in enumerate(zip(token.split(rows), slot.split(rows), x.split(rows),
+                                                                   strict=True)):
+                        y = outputs[i] if reuse else quantized_expert_output(part, gate_ups[j], downs[j], act_fn,
+                                                                              *quantizers)
                         out.index_add_(0, rows_of, (y * routed.weights[rows_of, slots, None]).double())
             del gate_ups, downs
         del fp_gate_up, fp_down, references
