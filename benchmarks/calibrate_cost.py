@@ -32,13 +32,23 @@ ROOT = Path(__file__).resolve().parent.parent
 MODELS = {"mixtral": ROOT / "models" / "hexq-tiny-mixtral", "qwen3moe": ROOT / "models" / "hexq-tiny-qwen3moe"}
 PUBLISHED_LAYERS = {"qwen3-30b-a3b": 48, "mixtral-8x7b": 32, "olmoe-1b-7b": 16}
 
+# argv: checkpoint, windows, output folder, and for an older tree (on PYTHONPATH) its own experts-mixed.yaml: hexq's
+# editable install maps hexq.recipes, and any module the older tree lacks, to this checkout, so the run checks that
+# every hexq module it loaded came from the tree it measures.
 HEXQ = """
-import json, sys
+import os, sys
 from dataclasses import replace
-from pathlib import Path
 from hexq.calib.pipeline import calibrate
-from hexq.config.recipe_files import load_recipe
-recipe = load_recipe("experts-mixed")
+try:
+    from hexq.recipe_files import load_recipe  # its place in older trees
+except ImportError:
+    from hexq.config.recipe_files import load_recipe
+recipe = load_recipe(sys.argv[4] if len(sys.argv) > 4 else "experts-mixed")
+tree = os.environ.get("PYTHONPATH")
+strays = sorted(name for name, module in sys.modules.items() if name.split(".")[0] == "hexq" and tree
+                and getattr(module, "__file__", None) and not module.__file__.startswith(tree))
+if strays:
+    raise SystemExit(f"modules from outside {tree}: {strays}")
 recipe = replace(recipe, calibration=replace(recipe.calibration, num_samples=int(sys.argv[2])))
 calibrate(sys.argv[1], recipe, "bundled", sys.argv[3])
 """
@@ -61,7 +71,9 @@ def measure(code: str, *args: str, pythonpath: str | None = None) -> tuple[float
 
     env = os.environ | ({"PYTHONPATH": pythonpath} if pythonpath else {})
     started = time.time()
-    subprocess.run([sys.executable, "-c", code, *args], check=True, capture_output=True, env=env)
+    # run in the measured tree: `python -c` puts the working directory first on sys.path, so started from this
+    # checkout an older tree's run would import this checkout's hexq (HEXQ's check names any such module)
+    subprocess.run([sys.executable, "-c", code, *args], check=True, capture_output=True, env=env, cwd=pythonpath)
     wall = time.time() - started
     return wall, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
 
@@ -106,7 +118,8 @@ def main() -> None:
                 per_layer = sum(row["hexq_seconds_per_layer"]) / len(row["hexq_seconds_per_layer"])
                 row["hexq_extrapolated_hours"] = round(per_layer * PUBLISHED_LAYERS.get(name, 0) / 3600, 2)
             if args.previous is not None:
-                seconds, rss = in_wrapper("previous", str(args.previous), folder, str(args.samples), f"{work}/old")
+                seconds, rss = in_wrapper("previous", str(args.previous), folder, str(args.samples), f"{work}/old",
+                                          str(args.previous / "recipes" / "experts-mixed.yaml"))
                 row |= {"previous_seconds": round(seconds, 1), "previous_peak_rss_mib": round(rss / 2**20),
                         "previous_commit": git_commit(args.previous),
                         "speedup_vs_previous": round(seconds / row["hexq_bank_seconds"], 2)}

@@ -96,10 +96,11 @@ def _prepared(H: torch.Tensor, experts: torch.Tensor, perm: torch.Tensor | None,
     Dead inputs (diag H == 0) get diag 1, as in GPTQ: their row/column of H is zero, so this decouples them and
     keeps H invertible.
     """
-    n = H.shape[-1]
-    order = torch.arange(n, device=H.device).expand(len(experts), n) if perm is None else perm[experts]
-    p = order.flip(-1)
-    A = H[experts[:, None, None], p[:, :, None], p[:, None, :]]  # one gather: rows and columns permuted
+    if perm is None:
+        A = H[experts].flip(-2, -1)
+    else:
+        p = perm[experts].flip(-1)
+        A = H[experts[:, None, None], p[:, :, None], p[:, None, :]]  # one gather: rows and columns permuted
     A = A.to(dtype)
     if fix_dead:
         diag = torch.diagonal(A, dim1=-2, dim2=-1)
