@@ -39,10 +39,13 @@ HEXQ = """
 import os, sys
 from dataclasses import replace
 from hexq.calib.pipeline import calibrate
-try:
-    from hexq.recipe_files import load_recipe  # its place in older trees
+try:  # its places in older trees first: a module a tree lacks would be found in this checkout
+    from hexq.recipe_files import load_recipe
 except ImportError:
-    from hexq.config.recipe_files import load_recipe
+    try:
+        from hexq.recipe import load_recipe
+    except ImportError:
+        from hexq.config.recipe_files import load_recipe
 recipe = load_recipe(sys.argv[4] if len(sys.argv) > 4 else "experts-mixed")
 tree = os.environ.get("PYTHONPATH")
 strays = sorted(name for name, module in sys.modules.items() if name.split(".")[0] == "hexq" and tree
@@ -114,9 +117,9 @@ def main() -> None:
             timings = json.loads((Path(work) / "cal" / "timings.json").read_text())
             row |= {"hexq_bank_seconds": round(seconds, 1), "hexq_bank_peak_rss_mib": round(rss / 2**20),
                     "hexq_seconds_per_layer": [timings[key] for key in sorted(timings) if key.startswith("layer_")]}
-            if real:
+            if name in PUBLISHED_LAYERS:
                 per_layer = sum(row["hexq_seconds_per_layer"]) / len(row["hexq_seconds_per_layer"])
-                row["hexq_extrapolated_hours"] = round(per_layer * PUBLISHED_LAYERS.get(name, 0) / 3600, 2)
+                row["hexq_extrapolated_hours"] = round(per_layer * PUBLISHED_LAYERS[name] / 3600, 2)
             if args.previous is not None:
                 seconds, rss = in_wrapper("previous", str(args.previous), folder, str(args.samples), f"{work}/old",
                                           str(args.previous / "recipes" / "experts-mixed.yaml"))

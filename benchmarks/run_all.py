@@ -126,7 +126,8 @@ def render_cost(results: dict) -> str:
         llmc = r.get("llmc_w4a16_seconds", "-")
         previous = (f"{r['previous_seconds']} ({r['speedup_vs_previous']}x)" if "previous_seconds" in r
                     else "-")
-        extrapolated = f"{r['hexq_extrapolated_hours']} h" if "hexq_extrapolated_hours" in r else "-"
+        # a checkpoint of no published model (older results wrote 0 h for it) has no depth to extrapolate to
+        extrapolated = f"{r['hexq_extrapolated_hours']} h" if r.get("hexq_extrapolated_hours") else "-"
         lines.append(f"| {r['model']} | {r['samples']} | {r['hexq_bank_seconds']} | {mean} | {llmc} | "
                      f"{r.get('time_ratio', '-')} | {r['hexq_bank_peak_rss_mib']} / "
                      f"{r.get('llmc_w4a16_peak_rss_mib', '-')} | {previous} | {extrapolated} |")
