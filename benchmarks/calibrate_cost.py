@@ -47,7 +47,7 @@ except ImportError:
     except ImportError:
         from hexq.config.recipe_files import load_recipe
 recipe = load_recipe(sys.argv[4] if len(sys.argv) > 4 else "experts-mixed")
-tree = os.environ.get("PYTHONPATH")
+tree = os.environ.get("HEXQ_MEASURED_TREE")
 strays = sorted(name for name, module in sys.modules.items() if name.split(".")[0] == "hexq" and tree
                 and getattr(module, "__file__", None) and not module.__file__.startswith(tree))
 if strays:
@@ -67,12 +67,14 @@ run_peer(sys.argv[1], PEER_SCHEMES["w4a16"], ids, dtype=getattr(torch, sys.argv[
 """
 
 
-def measure(code: str, *args: str, pythonpath: str | None = None) -> tuple[float, int]:
-    """(wall seconds, peak RSS bytes) of `python -c code args`. Called in a wrapper process whose only child is
-    this run, so RUSAGE_CHILDREN's ru_maxrss (KiB on Linux) is that run's own peak."""
+def measure(code: str, *args: str, pythonpath: str | None = None, tree: bool = False) -> tuple[float, int]:
+    """(wall seconds, peak RSS bytes) of `python -c code args`, with pythonpath first on sys.path (tree: it is an
+    older hexq tree, which HEXQ checks its modules against). Called in a wrapper process whose only child is this run,
+    so RUSAGE_CHILDREN's ru_maxrss (KiB on Linux) is that run's own peak."""
     import os
 
-    env = os.environ | ({"PYTHONPATH": pythonpath} if pythonpath else {})
+    env = os.environ | ({"PYTHONPATH": pythonpath} if pythonpath else {}) | (
+        {"HEXQ_MEASURED_TREE": pythonpath} if tree else {})
     started = time.time()
     # run in the measured tree: `python -c` puts the working directory first on sys.path, so started from this
     # checkout an older tree's run would import this checkout's hexq (HEXQ's check names any such module)
@@ -142,9 +144,11 @@ def child() -> None:
     kind, *rest = sys.argv[2:]
     if kind == "previous":
         tree, *rest = rest
-        print(json.dumps(measure(HEXQ, *rest, pythonpath=tree)))
-    else:
-        print(json.dumps(measure(HEXQ if kind == "hexq" else PEER, *rest)))
+        print(json.dumps(measure(HEXQ, *rest, pythonpath=tree, tree=True)))
+    elif kind == "hexq":
+        print(json.dumps(measure(HEXQ, *rest)))
+    else:  # the peer's helper module lives in benchmarks/
+        print(json.dumps(measure(PEER, *rest, pythonpath=str(ROOT / "benchmarks"))))
 
 
 if __name__ == "__main__":
