@@ -22,7 +22,8 @@ same widths optimised against the full-precision model's output after each layer
 `refit` (every width's group grids refitted to GPTQ's codes under its Hessian, experts.weights.refit_bits; `refit12`
 at 1 and 2 bits only), `damp0.05` / `damp0.1` (GPTQ's damping of the experts' Hessians, 0.01 in the recipe),
 `routed` (each routed token weighted by its squared routing weight in its expert's Hessians, down fit and loss table,
-experts.token_weights routing);
+experts.token_weights routing), `clip` (each 2-bit row's range chosen by GPTQ's objective, experts.weights.clip_bits),
+`tok8k` (the loss table and down fit on up to 8192 routed tokens per expert instead of 2048, experts.loss_tokens);
 allocators: 0-bit experts (skipped, router weight renormalised), the loss weighted by routing mass (pack.loss
 layer), any width per expert (pack.order free) and one budget for all layers instead of one per layer (pack.schedule
 model).
@@ -107,6 +108,9 @@ SETTINGS = {
                                              "experts": {"down_fit": "replica", "token_weights": "routing"}},
     "act+spread+float+down+routed+clip": {"weights": {**BUNDLED_BANK, "clip_bits": (2,)},
                                           "experts": {"down_fit": "replica", "token_weights": "routing"}},
+    "act+spread+float+down+routed+clip+tok8k": {"weights": {**BUNDLED_BANK, "clip_bits": (2,)},
+                                                "experts": {"down_fit": "replica", "token_weights": "routing",
+                                                            "loss_tokens": 8192}},
 }
 # How `hexq pack` allocates (its pack section); "main" is the allocator before 0-bit experts and routing mass.
 ALLOCATORS = {
