@@ -550,8 +550,8 @@ MUTANTS = [
            "            past = out.past_key_values\n", "            past = None\n",
            ("tests/test_runtime.py::test_prefill_in_passes_of_prefill_chunk",)),
     Mutant("down-fit-ridge-pulls-towards-w", "hexq/calib/down_fit.py",
-           "    rhs.diagonal(dim1=-2, dim2=-1).add_(ridge[..., None] * gains)",
-           "    rhs.diagonal(dim1=-2, dim2=-1).add_(ridge[..., None])", ("tests/test_down_fit.py",)),
+           "    c_diagonal.add_(ridge[..., None] * gains)",
+           "    c_diagonal.add_(ridge[..., None])", ("tests/test_down_fit.py",)),
     Mutant("down-fit-solve-always-in-float32", "hexq/calib/down_fit.py",
            "    return torch.float64 if hessian.dtype == torch.float64 or int(tokens.max()) > FLOAT32_TOKENS else "
            "torch.float32", "    return torch.float32", ("tests/test_down_fit.py",)),
