@@ -110,7 +110,8 @@ def main() -> None:
     folders = {name: str(path) for name, path in MODELS.items()}
     folders |= dict(item.split("=", 1) for item in args.checkpoint)
     previous = json.loads(args.out.read_text()).get("rows", []) if args.out.is_file() else []
-    rows = [row for row in previous if row.get("model") not in args.models]  # rows of other models stay
+    # rows of other models, or of these models at other window counts, stay
+    rows = [row for row in previous if row.get("model") not in args.models or row.get("samples") != args.samples]
     for name in args.models:
         folder, real = folders[name], name not in MODELS
         row = {"model": name, "samples": args.samples, "seqlen": 256}

@@ -82,13 +82,12 @@ def test_loss_sample_strides_over_every_window():
 
 
 def test_loss_tokens_samples_the_loss_table_and_nothing_else(tiny_qwen3moe, tmp_path):
-    """A loss table measured on at most 4 tokens per expert: the same banks and next-layer inputs (every routed token
-    still goes through the propagated replica), a different but still ordered loss table. With one Hessian for every
-    width (experts.down_fit full_precision): a fitted down projection is fitted on the same sample
-    (tests/test_down_fit.py)."""
+    """A loss table measured on at most 4 tokens per expert: the same banks (down_fit's maps are fitted on every
+    routed token, and rounding is off) and next-layer inputs (every routed token still goes through the propagated
+    replica), a different but still ordered loss table."""
     out, capped = tmp_path / "all", tmp_path / "capped"
-    calibrate(tiny_qwen3moe, mixed(**MIXED, down_fit="full_precision"), "bundled", out)
-    calibrate(tiny_qwen3moe, mixed(**MIXED, loss_tokens=4, down_fit="full_precision"), "bundled", capped)
+    calibrate(tiny_qwen3moe, mixed(**MIXED, down_fit="replica"), "bundled", out)
+    calibrate(tiny_qwen3moe, mixed(**MIXED, loss_tokens=4, down_fit="replica"), "bundled", capped)
     for index in range(2):
         name = f"layer_{index:03d}.bank.safetensors"
         assert (capped / name).read_bytes() == (out / name).read_bytes()

@@ -119,21 +119,6 @@ def test_replica_fit_changes_only_the_warm_experts_down_replicas_and_lowers_thei
     assert torch.equal(loss_after[~warm], loss_before[~warm])
 
 
-def test_the_fit_is_made_on_the_loss_tables_sample(tiny_qwen3moe, tmp_path):
-    """experts.loss_tokens caps the tokens each expert's map is fitted on: at 4 the same gate_up replicas of layer 0,
-    every expert's down replicas below 8 bits different."""
-    recipe = mixed_recipe()
-    banks = []
-    for limit in (2048, 4):
-        folder = tmp_path / str(limit)
-        experts = replace(recipe.experts, down_fit="replica", loss_tokens=limit)
-        calibrate(tiny_qwen3moe, replace(recipe, experts=experts), "bundled", folder)
-        banks.append(load_file(folder / "layer_000.bank.safetensors"))
-    for key in banks[0]:
-        same = key.startswith("experts.gate_up.") or key.startswith(f"experts.down.b{FIT_BELOW}.")
-        assert torch.equal(banks[0][key], banks[1][key]) == same, key
-
-
 def test_down_fit_is_checked():
     from hexq.config.recipe import Experts
 

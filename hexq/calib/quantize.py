@@ -132,12 +132,12 @@ def quantize_expert_chunk(weights: torch.Tensor, hessians: torch.Tensor, setting
 
 def fitted_down(down: torch.Tensor, h_down: torch.Tensor, gate_up: torch.Tensor, gate_up_replicas: dict,
                 routed: RoutedTokens, experts: list[int], warm: list[int], act_fn, setting: WeightQuant,
-                channel_max: torch.Tensor, budget: int, limit: int, weighted: bool = False) -> tuple[dict, dict]:
+                channel_max: torch.Tensor, budget: int, weighted: bool = False) -> tuple[dict, dict]:
     """experts.down_fit "replica" (hexq.calib.down_fit): the down replicas of a chunk at the widths below FIT_BELOW
     quantized from the map fitted to the intermediate of the same width's gate_up replicas (gate_up_replicas {bits:
-    (codes, scale, zero)}), on that intermediate's Hessian, each row's gain then refitted, on at most `limit` routed
-    tokens per expert (experts.loss_tokens); the `warm` positions only, the cold experts (and the widths from
-    FIT_BELOW up) from the full-precision target and h_down as with one Hessian; weighted: the tokens weighted by
+    (codes, scale, zero)}), on that intermediate's Hessian, each row's gain then refitted, on every routed token of
+    each expert; the `warm` positions only, the cold experts (and the widths from FIT_BELOW up) from the
+    full-precision target and h_down as with one Hessian; weighted: the tokens weighted by
     their squared routing weights (experts.token_weights "routing", down_fit.replica_statistics). Returns
     quantize_expert_chunk's ({bits: (codes, scale, zero)}, report), the report the most any width's factorization
     needed."""
@@ -153,7 +153,7 @@ def fitted_down(down: torch.Tensor, h_down: torch.Tensor, gate_up: torch.Tensor,
     if fitted:
         hessian, cross, tokens = replica_statistics(
             routed, experts, warm, gate_up, torch.stack([weights(b, *gate_up_replicas[b]) for b in fitted]), act_fn,
-            limit, weighted)
+            weighted)
     for b, bits in enumerate(fitted):
         target, h = down.clone(), h_down.clone()
         target[warm] = fitted_map(down[warm], cross[b, warm], hessian[b, warm], tokens[warm])
@@ -372,7 +372,7 @@ def fill_bank(bank: ExpertBank, loaded: LoadedLayer, routed: RoutedTokens, weigh
             if projection == "down" and recipe.experts.down_fit == "replica":
                 replicas[projection], factor = fitted_down(weight, hessian, gate_up, replicas["gate_up"], routed,
                                                            experts, warm, loaded.act_fn, setting, channel_max, budget,
-                                                           recipe.experts.loss_tokens, weighted)
+                                                           weighted)
             else:
                 replicas[projection], factor = quantize_expert_chunk(weight, hessian, setting, bits_list, channel_max,
                                                                      budget, shared)

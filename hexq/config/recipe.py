@@ -199,10 +199,10 @@ class Experts:
     otherwise a complete WeightQuant / ActivationQuant (keys left out take the dataclass defaults, not the top-level
     values). In replicas mode weights.bits is unused (each replica has its own bits) and must stay at its default.
 
-    loss_tokens (replicas only): the loss table measures each replica (and down_fit fits it) on at most this many of
-    the expert's routed tokens (evenly strided): an MSE estimate needs a few thousand tokens, while its cost, a
-    forward of the full-precision expert and of every replica, grows with the calibration set (at Mixtral-8x7B
-    shapes and 128 windows it would cost more than GPTQ itself).
+    loss_tokens (replicas only): the loss table measures each replica on at most this many of the expert's routed
+    tokens (evenly strided): an MSE estimate needs a few thousand tokens, while its cost, a forward of the
+    full-precision expert and of every replica, grows with the calibration set (at Mixtral-8x7B shapes and 128
+    windows it would cost more than GPTQ itself). down_fit fits its maps on every routed token.
 
     export_target "vllm" (replicas only): also one GPTQ replica per expert on vLLM's fused-MoE W4A16 grid (4-bit
     symmetric, groups of 128, or 64/32 when 128 does not divide the expert widths) from the same Hessian and Cholesky

@@ -185,7 +185,7 @@ class RoutedTokens:
 
     def sampled_rows(self, expert: int, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
         """rows(expert) cut to at most `limit` pairs, evenly strided (loss_sample): the tokens an expert's loss
-        table, down fit and rounding are measured on."""
+        table and rounding are measured on."""
         token, slot = self.rows(expert)
         return loss_sample(token, limit), loss_sample(slot, limit)
 
