@@ -23,7 +23,8 @@ same widths optimised against the full-precision model's output after each layer
 at 1 and 2 bits only), `damp0.05` / `damp0.1` (GPTQ's damping of the experts' Hessians, 0.01 in the recipe),
 `routed` (each routed token weighted by its squared routing weight in its expert's Hessians, down fit and loss table,
 experts.token_weights routing), `clip` (each 2-bit row's range chosen by GPTQ's objective, experts.weights.clip_bits),
-`tok8k` (the loss table and down fit on up to 8192 routed tokens per expert instead of 2048, experts.loss_tokens);
+`tok8k` (the loss table on up to 8192 routed tokens per expert instead of 2048, experts.loss_tokens; the down fit
+took the same cap until it was fitted on every routed token, and low_bits_tokens.json's rows were measured then);
 allocators: 0-bit experts (skipped, router weight renormalised), the loss weighted by routing mass (pack.loss
 layer), any width per expert (pack.order free) and one budget for all layers instead of one per layer (pack.schedule
 model).

@@ -40,6 +40,7 @@ BENCHMARKS = {
     "low_bits_routed": ("low_bits.py", "low_bits_routed.json"),
     "low_bits_clip": ("low_bits.py", "low_bits_clip.json"),
     "low_bits_tokens": ("low_bits.py", "low_bits_tokens.json"),
+    "low_bits_fit": ("low_bits.py", "low_bits_fit.json"),
     "runtime": ("runtime.py", "runtime.json"),
     "runtime_cgroup": ("runtime.py", "runtime_cgroup.json"),
     "gemv_speed": ("gemv_speed.py", "gemv_speed.json"),
@@ -80,11 +81,13 @@ RUN_BY_HAND = {"scale": "python benchmarks/scale.py --work DIR",
                                 "act+spread+float+down+routed --merge -o the same file",
                "calibrate_bound": "python benchmarks/calibrate_cost.py --models qwen3-1l --checkpoint "
                                   "qwen3-1l=CKPT --samples 32 --previous TREE --no-peer "
-                                  "-o benchmarks/results/calibrate_bound.json",
+                                  "-o benchmarks/results/calibrate_bound.json, then --samples 128 (the same file)",
                "low_bits_tokens": "python benchmarks/low_bits.py --models qwen3moe mixtral --settings "
                                   "act+spread+float+down+routed+clip --no-peers "
                                   "-o benchmarks/results/low_bits_tokens.json, then --settings "
                                   "act+spread+float+down+routed+clip+tok8k --merge -o the same file",
+               "low_bits_fit": "python benchmarks/low_bits.py --models qwen3moe mixtral --settings "
+                               "act+spread+float+down+routed+clip --no-peers -o benchmarks/results/low_bits_fit.json",
                "distributed": "python benchmarks/distributed.py --checkpoint CKPT",
                "distributed_haq": "python benchmarks/distributed.py --checkpoint CKPT --recipe haq-w8a8 "
                                   "--out benchmarks/results/distributed_haq.json",
